@@ -1,0 +1,45 @@
+# Every target does its own set-up on a fresh clone; a second run reinstalls nothing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1 || echo 0)
+ifeq ($(HAS_CUDA),1)
+EXTRA := cuda
+else
+EXTRA := cpu
+endif
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export VLLM_CPU_OMP_THREADS_BIND ?= nobind
+export VLLM_ALLOW_INSECURE_SERIALIZATION ?= 1
+export VLLM_NO_USAGE_STATS ?= 1
+export DO_NOT_TRACK ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install test demo lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[$(EXTRA),dev]"
+	# PyPI's torchvision is a CUDA build; on a CPU torch it breaks transformers' Qwen2 import.
+	if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check asyncroll tests examples bench
+	$(BIN)/mypy asyncroll
+
+bench: $(STAMP)
+	$(BIN)/python bench/transport_push.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""asyncroll: async-first rollout layer for RL with LLMs."""

@@ -1,0 +1,285 @@
+"""Staging-buffer backends: where the two persistent buffers live and how a receiver maps them.
+
+``shm``: POSIX shared memory, a file in /dev/shm created by us (O_CREAT|O_EXCL, 0600), mmapped
+on both sides. CPU tensors; the CI path, and the fallback where CUDA IPC is unavailable.
+
+``cuda_ipc``: device buffers shared by CUDA IPC handle (torch's ``reduce_tensor``). Copies run
+on a private stream that is synchronised before the sender signals a bucket; the receiver
+synchronises its stream before it acks.
+
+Invariants: a buffer is exported exactly once (its descriptor is computed once and cached) and a
+receiver maps each descriptor once for the life of the connection. Nothing here calls
+``empty_cache()`` or ``gc.collect()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import pickle
+import re
+import stat
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Final, Protocol
+
+import torch
+
+from asyncroll.transport.security import restricted_loads
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "CudaIpcBackend",
+    "MappedBuffer",
+    "ShmBackend",
+    "StagingBuffer",
+    "make_backend",
+]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR: Final = Path("/dev/shm")
+_SHM_NAME: Final = re.compile(r"^asyncroll-[0-9a-f]+-\d+$")
+
+
+class StagingBuffer(Protocol):
+    """Sender side of one staging buffer."""
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer as a flat uint8 tensor."""
+        ...
+
+    @property
+    def descriptor(self) -> bytes:
+        """What a receiver needs to map the buffer (computed once)."""
+        ...
+
+    def unlink(self) -> None:
+        """Drop the buffer's public name; existing mappings stay valid. Idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Unlink and release our mapping. Idempotent."""
+        ...
+
+
+class MappedBuffer(Protocol):
+    """Receiver side of one staging buffer."""
+
+    @property
+    def tensor(self) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """One kind of staging memory, both sides of it."""
+
+    name: str
+
+    def allocate(self, *, nonce: str, index: int, nbytes: int) -> StagingBuffer: ...
+
+    def copy_context(self) -> AbstractContextManager[object]:
+        """Context in which the sender's packing copies run (a side stream on CUDA)."""
+        ...
+
+    def mark_sources_ready(self) -> None:
+        """On the caller's thread, before packing: later copies wait for work queued so far."""
+        ...
+
+    def finish_copies(self) -> None:
+        """Block until the copies issued in copy_context are visible to other processes."""
+        ...
+
+    def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer: ...
+
+    def finish_loads(self) -> None:
+        """Receiver: block until the loader's reads of the mapped buffers are done."""
+        ...
+
+
+class _ShmBuffer:
+    def __init__(self, path: Path, nbytes: int, *, create: bool) -> None:
+        self.path = path
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.fchmod(fd, 0o600)
+                os.ftruncate(fd, nbytes)
+            else:
+                _check_private(fd, path, nbytes)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._tensor: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._linked = create
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ValueError(f"shared-memory buffer {self.path.name} is closed")
+        return self._tensor
+
+    @property
+    def descriptor(self) -> bytes:
+        return str(self.path).encode()
+
+    def unlink(self) -> None:
+        if self._linked:
+            self._linked = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        self._tensor = None
+        if self._mmap is not None:
+            mapping, self._mmap = self._mmap, None
+            try:
+                mapping.close()
+            except BufferError:
+                # A loader kept a view past its callback; the pages go when that view dies.
+                log.warning("views of %s outlived the transport; unmapped later", self.path.name)
+
+
+def _check_private(fd: int, path: Path, nbytes: int) -> None:
+    info = os.fstat(fd)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode):
+        raise PermissionError(f"shared-memory segment {path} is not private to this user")
+    if info.st_size < nbytes:
+        raise ValueError(f"shared-memory segment {path} is smaller than {nbytes} bytes")
+
+
+class ShmBackend:
+    """POSIX shared memory in /dev/shm (CPU tensors)."""
+
+    name = "shm"
+
+    def __init__(self, directory: Path = SHM_DIR) -> None:
+        self.directory = directory
+
+    def __repr__(self) -> str:
+        return f"<ShmBackend directory={self.directory}>"
+
+    def allocate(self, *, nonce: str, index: int, nbytes: int) -> StagingBuffer:
+        return _ShmBuffer(self.directory / f"asyncroll-{nonce}-{index}", nbytes, create=True)
+
+    def copy_context(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def mark_sources_ready(self) -> None:
+        pass
+
+    def finish_copies(self) -> None:
+        pass
+
+    def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
+        path = Path(descriptor.decode())
+        if not _SHM_NAME.match(path.name):
+            raise ValueError(f"not an asyncroll shared-memory name: {path.name!r}")
+        return _ShmBuffer(path, nbytes, create=False)
+
+    def finish_loads(self) -> None:
+        pass
+
+
+class _CudaBuffer:
+    def __init__(self, tensor: torch.Tensor, descriptor: bytes = b"") -> None:
+        self._tensor: torch.Tensor | None = tensor
+        self._descriptor = descriptor
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            raise ValueError("CUDA staging buffer is closed")
+        return self._tensor
+
+    @property
+    def descriptor(self) -> bytes:
+        return self._descriptor
+
+    def unlink(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._tensor = None
+
+
+class CudaIpcBackend:
+    """Device buffers shared by CUDA IPC handle; one handle per buffer, exported once."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        if device is None:
+            device = torch.cuda.current_device()
+        self.device = (
+            torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        )
+        self._stream: torch.cuda.Stream | None = None
+        self._sources_ready: torch.cuda.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"<CudaIpcBackend device={self.device}>"
+
+    def _copy_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        return self._stream
+
+    def allocate(self, *, nonce: str, index: int, nbytes: int) -> StagingBuffer:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        _rebuild, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]
+        return _CudaBuffer(tensor, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def copy_context(self) -> AbstractContextManager[object]:
+        stream = self._copy_stream()
+        if self._sources_ready is not None:
+            stream.wait_event(self._sources_ready)
+        return torch.cuda.stream(stream)
+
+    def mark_sources_ready(self) -> None:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        self._sources_ready = event
+
+    def finish_copies(self) -> None:
+        self._copy_stream().synchronize()
+
+    def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        args = restricted_loads(descriptor)
+        if not isinstance(args, tuple):
+            raise ValueError("CUDA IPC descriptor is not an argument tuple")
+        rebuild: Callable[..., torch.Tensor] = rebuild_cuda_tensor
+        tensor = rebuild(*args)
+        if tensor.dtype != torch.uint8 or tensor.numel() < nbytes:
+            raise ValueError("CUDA IPC buffer has the wrong type or size")
+        self.device = tensor.device
+        return _CudaBuffer(tensor)
+
+    def finish_loads(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+BACKENDS: Final[dict[str, Callable[[], Backend]]] = {
+    "shm": ShmBackend,
+    "cuda_ipc": CudaIpcBackend,
+}
+
+
+def make_backend(name: str) -> Backend:
+    """A backend by its name, with default options (the receiver's view of it)."""
+    try:
+        return BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown transport backend {name!r}; known: {sorted(BACKENDS)}") from None

@@ -1,0 +1,399 @@
+"""The engine-worker side of the weight push: a blocking receiver.
+
+It runs inside another process (later a vLLM worker, called from a synchronous rpc method), so its
+API blocks: ``connect()`` once, ``receive(load_fn)`` once per push, ``close()`` at the end.
+
+Invariants:
+
+* each staging buffer is imported once, at ``connect``, and the mapping is cached until ``close``;
+* ``load_fn`` gets views into the staging buffer: they are valid only during the call (the sender
+  overwrites the buffer after our ack). Copy what you keep;
+* ``load_fn`` always sees whole fused groups and whole tensors (spanning groups are reassembled
+  into tensors the receiver owns and handed over when complete);
+* the ack of a bucket is sent after ``load_fn`` returned and the backend's reads are finished;
+  a loader exception becomes an error ack naming the tensor, and ``receive`` raises
+  WeightSyncError once the sender ends the push;
+* every wait is bounded; unauthenticated or out-of-sequence frames are dropped and counted;
+* ``close`` releases the mappings before its final message, so the sender can reclaim memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+import zmq
+
+from asyncroll.errors import (
+    TransportAuthError,
+    TransportBrokenError,
+    TransportClosedError,
+    TransportTimeoutError,
+    WeightSyncError,
+)
+from asyncroll.transport import wire
+from asyncroll.transport.backends import Backend, MappedBuffer, make_backend
+from asyncroll.transport.packing import SpanAssembler, dtype_by_name, slot_view
+from asyncroll.transport.plan import Slot
+from asyncroll.transport.security import RateLimitedLog
+
+__all__ = ["LoadFn", "ReceiveReport", "ReceiverStatistics", "WeightReceiver"]
+
+log = logging.getLogger(__name__)
+
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
+"""Called once per bucket with (name, tensor) pairs; the tensors are valid only during the call."""
+
+CLOSE_LINGER_MS: Final = 1000
+"""How long close() lets the final message drain before dropping it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiveReport:
+    """One push as the receiver saw it."""
+
+    push: int
+    version: int
+    buckets: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverStatistics:
+    connected: bool
+    imports: int
+    """Buffers imported (mapped); stays at the sender's buffer count for the connection's life."""
+    pushes: int
+    failed_pushes: int
+    buckets: int
+    bytes_loaded: int
+    auth_failures: int
+    stale_messages: int
+
+
+class _Batch(list[tuple[str, torch.Tensor]]):
+    """The list handed to load_fn; remembers which tensor iteration reached (for error reports)."""
+
+    current = ""
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in super().__iter__():
+            self.current = item[0]
+            yield item
+
+
+class WeightReceiver:
+    """Receives pushes from one ``WeightSender``. Blocking; one thread at a time."""
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        secret: bytes,
+        name: str = "receiver",
+        timeout: float = 60.0,
+        backend_factory: Callable[[str], Backend] = make_backend,
+    ) -> None:
+        self._sealer = wire.Sealer(secret, role="receiver")
+        self.address = address
+        self.name = name
+        self._timeout = timeout
+        self._backend_factory = backend_factory
+        self._backend: Backend | None = None
+        self._mapped: list[MappedBuffer] = []
+        self._spans = SpanAssembler()
+        self._conn = secrets.token_bytes(16)
+        self._next_out = 0
+        self._next_in = 0
+        self._finished_push = 0
+        self._bucket_bytes = 0
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._closed = False
+        self._imports = self._pushes = self._failed = self._buckets = self._bytes = 0
+        self._auth_failures = self._stale = 0
+        self._auth_log = RateLimitedLog(log)
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, str | int], *, name: str = "receiver", **options: Any
+    ) -> WeightReceiver:
+        """Build a receiver from ``WeightSender.receiver_config()`` (a json-able dict)."""
+        timeout_ms = config.get("timeout_ms")
+        if isinstance(timeout_ms, int):
+            options.setdefault("timeout", timeout_ms / 1000)
+        return cls(
+            address=str(config["address"]),
+            secret=bytes.fromhex(str(config["secret"])),
+            name=name,
+            **options,
+        )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self._sock else "new")
+        return (
+            f"<WeightReceiver {self.name!r} {state} address={self.address}"
+            f" pushes={self._pushes} buffers={len(self._mapped)}>"
+        )
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def statistics(self) -> ReceiverStatistics:
+        return ReceiverStatistics(
+            connected=self._sock is not None and not self._closed,
+            imports=self._imports,
+            pushes=self._pushes,
+            failed_pushes=self._failed,
+            buckets=self._buckets,
+            bytes_loaded=self._bytes,
+            auth_failures=self._auth_failures,
+            stale_messages=self._stale,
+        )
+
+    # ---------------------------------------------------------------- connect
+
+    def connect(self, *, timeout: float | None = None) -> None:
+        """Say hello, import the staging buffers, tell the sender we are ready.
+
+        Raises:
+            TransportAuthError: the sender rejected our hello (wrong secret), or vice versa.
+            TransportTimeoutError: the sender did not answer within the timeout.
+        """
+        if self._closed:
+            raise TransportClosedError(f"{self!r} is closed")
+        if self._sock is not None:
+            return
+        timeout = self._timeout if timeout is None else timeout
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        self._sock.connect(self.address)
+        try:
+            self._send(
+                lambda seq: wire.Hello(conn=self._conn, seq=seq, name=self.name, pid=os.getpid())
+            )
+            welcome = self._recv(timeout, "the sender did not answer our hello", handshake=True)
+            if not isinstance(welcome, wire.Welcome):
+                raise TransportBrokenError(f"expected a welcome, got {type(welcome).__name__}")
+            self._import(welcome)
+            self._send(lambda seq: wire.Ready(conn=self._conn, seq=seq))
+        except BaseException:
+            self.close()
+            raise
+        log.info("%r connected", self)
+
+    def _import(self, welcome: wire.Welcome) -> None:
+        self._backend = self._backend_factory(welcome.backend)
+        self._bucket_bytes = welcome.bucket_bytes
+        for descriptor in welcome.buffers:
+            self._mapped.append(self._backend.open(descriptor, nbytes=welcome.bucket_bytes))
+            self._imports += 1
+
+    # ---------------------------------------------------------------- receive
+
+    def receive(self, load_fn: LoadFn, *, timeout: float | None = None) -> ReceiveReport:
+        """Run one whole push: ``load_fn`` per bucket, an ack after each; block until it ends.
+
+        Args:
+            load_fn: Called with a list of (name, tensor) per bucket. The tensors are views into
+                shared staging memory, valid only during the call: copy what you keep.
+            timeout: Bound on each wait for the sender (default: the receiver's timeout).
+
+        Returns:
+            What was loaded, and the version the sender pushed.
+
+        Raises:
+            WeightSyncError: ``load_fn`` raised here, or the push failed elsewhere (the sender
+                ended it with an error).
+            TransportTimeoutError: the sender went quiet for longer than the timeout.
+            TransportClosedError: the receiver is closed or was never connected.
+        """
+        if self._closed or self._sock is None:
+            raise TransportClosedError(f"{self!r} is not connected")
+        timeout = self._timeout if timeout is None else timeout
+        self._spans.clear()
+        started = time.perf_counter()
+        push, buckets, tensors, nbytes = 0, 0, 0, 0
+        failure: tuple[str, str] | None = None
+        try:
+            while True:
+                message = self._recv(
+                    timeout, f"the sender sent nothing for push {push or '(next)'}"
+                )
+                if (
+                    isinstance(message, wire.Bucket | wire.End)
+                    and message.push <= self._finished_push
+                ):
+                    self._discard_stale(message)
+                    continue
+                if isinstance(message, wire.End):
+                    push, end = message.push, message
+                    break
+                if not isinstance(message, wire.Bucket):
+                    raise TransportBrokenError(f"unexpected {type(message).__name__} during a push")
+                push = message.push
+                if failure is None:
+                    failure, loaded = self._load(message, load_fn)
+                    tensors += loaded
+                    nbytes += sum(e.nbytes for e in message.entries)
+                    buckets += 1
+                self._send(self._ack(message, failure))
+        except BaseException:
+            self._finished_push = max(self._finished_push, push)
+            self._failed += 1
+            raise
+        self._finished_push = push
+        return self._finish(end, failure, buckets, tensors, nbytes, started)
+
+    def _finish(
+        self,
+        end: wire.End,
+        failure: tuple[str, str] | None,
+        buckets: int,
+        tensors: int,
+        nbytes: int,
+        started: float,
+    ) -> ReceiveReport:
+        if failure is not None or end.error:
+            self._failed += 1
+            if failure is not None:
+                tensor, error = failure
+                raise WeightSyncError(f"loading {tensor!r} failed in {self.name!r}: {error}")
+            raise WeightSyncError(f"push {end.push} (version {end.version}) failed: {end.error}")
+        self._pushes += 1
+        self._buckets += buckets
+        self._bytes += nbytes
+        return ReceiveReport(
+            push=end.push,
+            version=end.version,
+            buckets=buckets,
+            tensors=tensors,
+            bytes=nbytes,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:
+        """Load one bucket; returns (failure as (tensor, message) or None, tensors handed over)."""
+        batch = _Batch()
+        try:
+            buffer = self._mapped[bucket.buffer].tensor
+            for entry in bucket.entries:
+                if entry.offset + entry.nbytes > self._bucket_bytes or entry.nbytes < 0:
+                    raise ValueError(f"slot of {entry.name!r} lies outside the staging buffer")
+                dtype = dtype_by_name(entry.dtype)
+                if entry.spanning:
+                    self._spans.add(_slot(entry, dtype), buffer)
+                else:
+                    view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
+                    batch.append((entry.name, view))
+            batch.extend(self._spans.take(bucket.completes))
+            if batch:
+                load_fn(batch)
+            if self._backend is not None:
+                self._backend.finish_loads()
+        except Exception as exc:
+            names = batch.current or ", ".join(name for name, _ in batch)[:500]
+            log.warning("%r: loading %s failed: %r", self, names, exc)
+            return (names, f"{type(exc).__name__}: {exc}"[:2000]), 0
+        return None, len(batch)
+
+    def _ack(
+        self, bucket: wire.Bucket, failure: tuple[str, str] | None
+    ) -> Callable[[int], wire.Message]:
+        tensor, error = failure or ("", "")
+        return lambda seq: wire.Ack(
+            conn=self._conn,
+            seq=seq,
+            push=bucket.push,
+            index=bucket.index,
+            error=error,
+            tensor=tensor,
+        )
+
+    def _discard_stale(self, message: wire.Bucket | wire.End) -> None:
+        """A message of a push we already gave up on: release its buffer, load nothing."""
+        self._stale += 1
+        if isinstance(message, wire.Bucket):
+            self._send(self._ack(message, ("", "stale bucket of an abandoned push")))
+
+    # ---------------------------------------------------------------- socket
+
+    def _send(self, build: Callable[[int], wire.Message]) -> None:
+        assert self._sock is not None
+        message = build(self._next_out)
+        self._next_out += 1
+        self._sock.send_multipart(self._sealer.seal(message))
+
+    def _recv(self, timeout: float, what: str, *, handshake: bool = False) -> wire.Message:
+        """Next authenticated message in sequence; drops (and counts) everything else."""
+        assert self._sock is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
+                raise TransportTimeoutError(f"{what} within {timeout:g} s ({self.address})")
+            frames = self._sock.recv_multipart()
+            if handshake and frames == [wire.REJECT]:
+                raise TransportAuthError(
+                    f"the sender at {self.address} rejected our hello: wrong secret for this job?"
+                )
+            try:
+                message = self._sealer.open(frames)
+                self._check_sequence(message)
+            except TransportAuthError as exc:
+                self._auth_failures += 1
+                self._auth_log.warning("%r dropped an unauthenticated message: %s", self, exc)
+                continue
+            return message
+
+    def _check_sequence(self, message: wire.Message) -> None:
+        if isinstance(message, wire.Hello | wire.Ready | wire.Ack | wire.Bye):
+            raise TransportAuthError(f"unexpected {type(message).__name__}")
+        if message.conn != self._conn or message.seq != self._next_in:
+            raise TransportAuthError("message out of sequence (replayed?)")
+        self._next_in += 1
+
+    # ---------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Release the mappings, then tell the sender (final message), then close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._spans.clear()
+        for mapped in self._mapped:
+            mapped.close()
+        self._mapped = []
+        if self._sock is not None:
+            if self._backend is not None:  # we were welcomed: say goodbye
+                with contextlib.suppress(zmq.ZMQError):
+                    self._send(lambda seq: wire.Bye(conn=self._conn, seq=seq))
+            self._sock.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+
+def _slot(entry: wire.Entry, dtype: torch.dtype) -> Slot:
+    return Slot(
+        name=entry.name,
+        dtype=dtype,
+        shape=tuple(entry.shape),
+        offset=entry.offset,
+        nbytes=entry.nbytes,
+        start=entry.start,
+        total=entry.total,
+        spanning=entry.spanning,
+    )

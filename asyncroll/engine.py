@@ -1,0 +1,459 @@
+"""The vLLM engine adapter: one ``AsyncLLM`` client, spoken to in asyncroll's terms.
+
+The EngineCore and its workers run in their own processes; this object lives in ours and owns
+the client. Invariants:
+- Every request is validated before vLLM sees it (a bad token id kills a vLLM EngineCore).
+- Admission is gated: while paused or asleep, new requests wait at the gate instead of reaching
+  the engine, on every vLLM version (0.32 queues them, 0.33 raises).
+- Every admitted request resolves exactly once, and leaves ``statistics().in_flight`` when it
+  does, whether it finished, was aborted, failed or its caller was cancelled.
+- vLLM's errors are mapped onto asyncroll's tree here, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from asyncroll.errors import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineSleepingError,
+    InvalidRequestError,
+)
+from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
+from asyncroll.validation import check_prompt, resolve_sampling_params
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["VLLMEngine", "parse_version", "version_label"]
+
+logger = logging.getLogger(__name__)
+
+_CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""Environment the CPU build needs (GiB of KV cache; no core pinning on shared machines)."""
+
+_CPU_MEMORY_UTILIZATION = 0.2
+"""On CPU vLLM reserves this fraction of the NUMA node's memory; its default of 0.92 fails on
+any machine that runs anything else (a trainer, a second engine)."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_names = itertools.count()
+
+
+def version_label(global_steps: int | None) -> str | None:
+    """vLLM's weight version string for a trainer step."""
+    return None if global_steps is None else str(global_steps)
+
+
+def parse_version(label: str | None) -> int | None:
+    """The trainer step a vLLM weight version string names, or None if it names none."""
+    if label is None:
+        return None
+    try:
+        return int(label)
+    except ValueError:
+        return None
+
+
+class VLLMEngine:
+    """One vLLM engine (``AsyncLLM``), with validation, an admission gate and typed errors.
+
+    Start one with ``async with VLLMEngine.launch(model_path, **engine_args) as engine:``.
+    """
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        *,
+        name: str | None = None,
+        global_steps: int | None = None,
+    ) -> None:
+        self._llm = llm
+        self.name = name or f"engine-{next(_names)}"
+        self.model_path = str(llm.model_config.model)
+        self.vocab_size: int = llm.model_config.get_vocab_size()
+        self.max_model_len: int = llm.model_config.max_model_len
+        self._global_steps = global_steps
+        self._live: set[str] = set()
+        self._in_flight = 0
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._paused = False
+        self._sleeping_tags: set[str] = set()
+        self._closed = False
+        self._dead: BaseException | None = None
+        self._num_requests = 0
+        self._num_aborted = 0
+        self._num_rejected = 0
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def launch(
+        cls,
+        model_path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        global_steps: int | None = 0,
+        **engine_args: Any,
+    ) -> AsyncIterator[VLLMEngine]:
+        """Start a vLLM engine on ``model_path`` and close it on exit.
+
+        Args:
+            model_path: A local model folder.
+            name: A name for logs and ``repr``.
+            global_steps: The trainer step the starting weights belong to (labels their tokens).
+            **engine_args: vLLM ``AsyncEngineArgs``; asyncroll's defaults fill the gaps.
+        """
+        engine = await cls.start(model_path, name=name, global_steps=global_steps, **engine_args)
+        try:
+            yield engine
+        finally:
+            await engine.aclose()
+
+    @classmethod
+    async def start(
+        cls,
+        model_path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        global_steps: int | None = 0,
+        **engine_args: Any,
+    ) -> VLLMEngine:
+        """Start an engine without a context manager; the caller must ``aclose()`` it."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**_engine_args_with_defaults(Path(model_path), engine_args))
+        # Start-up blocks for tens of seconds; keep the event loop free for other engines.
+        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        engine = cls(llm, name=name, global_steps=global_steps)
+        try:
+            label = version_label(global_steps)
+            if label is not None:
+                await llm.update_weight_version(label)
+        except BaseException:
+            await engine.aclose()
+            raise
+        logger.info("started %r", engine)
+        return engine
+
+    def __repr__(self) -> str:
+        state = "dead" if self.is_dead else "asleep" if self.is_asleep else (
+            "paused" if self._paused else "running"
+        )
+        return (
+            f"<VLLMEngine {self.name} {state} in_flight={self._in_flight} "
+            f"global_steps={self._global_steps} model={self.model_path!r}>"
+        )
+
+    @property
+    def global_steps(self) -> int | None:
+        """The trainer step of the weights in force."""
+        return self._global_steps
+
+    @property
+    def is_dead(self) -> bool:
+        return self._closed or self._dead is not None or bool(self._llm.errored)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def is_asleep(self) -> bool:
+        return bool(self._sleeping_tags)
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            in_flight=self._in_flight,
+            paused=self._paused,
+            asleep=self.is_asleep,
+            dead=self.is_dead,
+            global_steps=self._global_steps,
+            num_requests=self._num_requests,
+            num_aborted=self._num_aborted,
+            num_rejected=self._num_rejected,
+        )
+
+    def num_unfinished_in_vllm(self) -> int:
+        """Requests vLLM's own front end still tracks (0 once aborts have landed)."""
+        return int(self._llm.get_num_unfinished_requests())
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+    ) -> Segment:
+        """Generate one segment for one request.
+
+        Waits while the engine is paused or asleep. Cancelling the caller aborts the request in
+        the engine.
+
+        Args:
+            request_id: Unique among this engine's live requests.
+            prompt_ids: Token ids of the prompt.
+            sampling_params: vLLM sampling arguments (``max_tokens``, ``temperature``...); never
+                mutated. ``max_tokens`` defaults to the rest of the context.
+
+        Returns:
+            The tokens, their log probs and per-token ``global_steps``; ``finish_reason`` is
+            ``"abort"`` when the request was aborted or paused away, with the partial output.
+
+        Raises:
+            InvalidRequestError: bad input; nothing reached the engine.
+            EngineDeadError: the engine is gone.
+            EngineGenerateError: vLLM failed this request; the engine still serves.
+        """
+        self._check_alive()
+        try:
+            params = self._sampling_params(prompt_ids, sampling_params)
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already live")
+        except InvalidRequestError:
+            self._num_rejected += 1
+            raise
+        prompt = list(prompt_ids)
+        self._live.add(request_id)
+        try:
+            await self._gate.wait()
+            self._check_alive()
+            self._in_flight += 1
+            self._num_requests += 1
+            try:
+                return await self._run(request_id, prompt, params)
+            finally:
+                self._in_flight -= 1
+        finally:
+            self._live.discard(request_id)
+
+    async def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort live requests; each ends with ``finish_reason="abort"`` and its partial output."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        live = [request_id for request_id in ids if request_id in self._live]
+        if not live or self.is_dead:
+            return
+        await self._call(self._llm.abort(live))
+
+    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
+        """Stop scheduling: ``abort`` ends in-flight requests, ``wait`` drains them, ``keep``
+        freezes them until ``resume()``. New requests wait at the gate until then."""
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequestError(f"pause mode must be abort, wait or keep, not {mode!r}")
+        self._check_alive()
+        self._paused = True
+        self._gate.clear()
+        await self._call(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
+
+    async def resume(self) -> None:
+        """Resume scheduling after ``pause()``; kept requests continue, waiters are admitted."""
+        self._check_alive()
+        await self._call(self._llm.resume_generation())
+        self._paused = False
+        self._open_gate_if_ready()
+
+    async def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None:
+        """Release the engine's memory (on GPU; on CPU only scheduling stops).
+
+        Level 1 offloads the weights and drops the KV cache; level 2 drops the weights too.
+        """
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, not {level!r}")
+        self._check_alive()
+        self._gate.clear()
+        self._sleeping_tags = {"weights", "kv_cache", "scheduling"}
+        await self._call(self._llm.sleep(level, mode))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what ``tags`` name (``weights``, ``kv_cache``, ``scheduling``; None: all)."""
+        self._check_alive()
+        woken = set(tags) if tags is not None else set(self._sleeping_tags)
+        unknown = woken - {"weights", "kv_cache", "scheduling"}
+        if unknown:
+            raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}")
+        fully_awake = await self._call(
+            self._llm.wake_up(list(tags) if tags is not None else None)
+        )
+        self._sleeping_tags -= woken
+        if fully_awake:
+            self._sleeping_tags.clear()
+        self._open_gate_if_ready()
+
+    def check_weights_awake(self) -> None:
+        """Raise if the engine's weights are asleep (a push then would crash vLLM)."""
+        self._check_alive()
+        if "weights" in self._sleeping_tags:
+            raise EngineSleepingError(
+                f"{self.name} is asleep: wake_up(['weights']) before pushing weights"
+            )
+
+    async def aclose(self) -> None:
+        """Shut the engine's processes down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gate.set()  # waiters wake and find the engine closed
+        await asyncio.to_thread(self._llm.shutdown)
+        logger.info("closed %s", self.name)
+
+    # -- internals -------------------------------------------------------------------------
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The vLLM client, for the weight-sync layer and for tests."""
+        return self._llm
+
+    def _set_global_steps(self, global_steps: int | None) -> None:
+        self._global_steps = global_steps
+
+    def _open_gate_if_ready(self) -> None:
+        if not self._paused and not self._sleeping_tags:
+            self._gate.set()
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError(f"{self.name} is closed")
+        if self._dead is not None or self._llm.errored:
+            raise EngineDeadError(f"{self.name} is dead") from self._dead
+
+    def _sampling_params(
+        self, prompt_ids: Sequence[int], params: Mapping[str, Any] | None
+    ) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt = check_prompt(prompt_ids, vocab_size=self.vocab_size)
+        resolved = resolve_sampling_params(
+            params,
+            prompt_len=len(prompt),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+        )
+        try:
+            return SamplingParams(
+                **resolved, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False
+            )
+        except Exception as exc:  # vLLM's validation errors are not all ValueErrors
+            raise InvalidRequestError(f"bad sampling_params: {exc}") from exc
+
+    async def _run(self, request_id: str, prompt: list[int], params: Any) -> Segment:
+        from vllm.inputs import TokensPrompt
+
+        last: RequestOutput | None = None
+        stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id)
+        try:
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    last = output
+        except Exception as exc:
+            raise self._map_error(exc, request_id) from exc
+        segment = _segment(request_id, last, len(prompt), self._global_steps)
+        if segment.finish_reason == "abort":
+            self._num_aborted += 1
+        return segment
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except Exception as exc:
+            raise self._map_error(exc, None) from exc
+
+    def _map_error(self, exc: Exception, request_id: str | None) -> Exception:
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+
+        what = f"request {request_id!r} on {self.name}" if request_id else self.name
+        if isinstance(exc, VLLMEngineDeadError) or self._llm.errored:
+            self._dead = exc
+            return EngineDeadError(f"{what}: the engine died ({exc!r})")
+        if isinstance(exc, ValueError):
+            return InvalidRequestError(f"{what}: vLLM rejected the request: {exc}")
+        return EngineGenerateError(f"{what} failed: {exc!r}")
+
+
+def _segment(
+    request_id: str,
+    output: RequestOutput | None,
+    num_prompt_tokens: int,
+    global_steps: int | None,
+) -> Segment:
+    """Turn vLLM's final output into a Segment (an abort may carry no output at all)."""
+    if output is None or not output.outputs:
+        return Segment(
+            request_id=request_id,
+            token_ids=(),
+            log_probs=(),
+            global_steps=(),
+            finish_reason="abort",
+            num_prompt_tokens=num_prompt_tokens,
+        )
+    completion = output.outputs[0]
+    token_ids = tuple(completion.token_ids)
+    log_probs = tuple(
+        entry[token].logprob
+        for entry, token in zip(completion.logprobs or (), token_ids, strict=False)
+        if entry is not None
+    )
+    if len(log_probs) != len(token_ids):
+        raise EngineGenerateError(
+            f"request {request_id!r}: vLLM returned {len(token_ids)} tokens but "
+            f"{len(log_probs)} log probs"
+        )
+    return Segment(
+        request_id=request_id,
+        token_ids=token_ids,
+        log_probs=log_probs,
+        global_steps=_per_token_versions(completion, len(token_ids), global_steps),
+        finish_reason=_finish_reason(completion.finish_reason),
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=int(output.num_cached_tokens or 0),
+    )
+
+
+def _per_token_versions(
+    completion: Any, num_tokens: int, fallback: int | None
+) -> tuple[int | None, ...]:
+    """Expand vLLM's version spans to one label a token; vLLM < 0.32 has none: use fallback."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans:
+        return (fallback,) * num_tokens
+    versions: list[int | None] = [fallback] * num_tokens
+    for span in spans:
+        label = parse_version(span.version)
+        for position in range(max(span.start, 0), min(span.end, num_tokens)):
+            versions[position] = label
+    return tuple(versions)
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    if reason in ("stop", "length"):
+        return reason  # type: ignore[return-value]
+    return "abort"
+
+
+def _engine_args_with_defaults(model_path: Path, engine_args: Mapping[str, Any]) -> dict[str, Any]:
+    from vllm.platforms import current_platform
+
+    args: dict[str, Any] = {
+        "model": str(model_path),
+        "enable_prefix_caching": True,
+        "logprobs_mode": "processed_logprobs",
+        "skip_tokenizer_init": not any((model_path / f).exists() for f in _TOKENIZER_FILES),
+        "disable_log_stats": True,
+    }
+    if current_platform.is_cpu():
+        for key, value in _CPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        args["gpu_memory_utilization"] = _CPU_MEMORY_UTILIZATION
+        args["dtype"] = "bfloat16"
+    args.update(engine_args)
+    return args

@@ -381,7 +381,9 @@ class WeightReceiver:
             if self._backend is not None:  # we were welcomed: say goodbye
                 with contextlib.suppress(zmq.ZMQError):
                     self._send(lambda seq: wire.Bye(conn=self._conn, seq=seq))
-            self._sock.close()
+                self._sock.close()
+            else:  # never welcomed: nothing worth lingering for
+                self._sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
 

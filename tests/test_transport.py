@@ -1,0 +1,393 @@
+"""The weight push between real processes: a sender here, receivers in spawned children.
+
+Children are shared per module (starting one costs seconds); a test that kills a child starts
+its own. Every wait is bounded; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+from multiprocessing.context import SpawnProcess
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transport_helpers as helpers
+
+from asyncroll.errors import (
+    TransportBrokenError,
+    TransportClosedError,
+    TransportTimeoutError,
+    WeightSyncError,
+)
+from asyncroll.transport import (
+    Backend,
+    CudaIpcBackend,
+    ShmBackend,
+    WeightReceiver,
+    WeightSender,
+    open_weight_sender,
+)
+
+SPAWN = mp.get_context("spawn")
+REPLY_TIMEOUT = 60.0
+KB = 1 << 10
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class Child:
+    """A spawned helper process driven over a pipe (see transport_helpers.serve)."""
+
+    def __init__(self) -> None:
+        self.conn, child_conn = SPAWN.Pipe()
+        self.entered: Event = SPAWN.Event()
+        self.release: Event = SPAWN.Event()
+        self.process: SpawnProcess = SPAWN.Process(
+            target=helpers.serve, args=(child_conn, self.entered, self.release), daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+
+    def start(self, command: str, *args: Any, **kwargs: Any) -> None:
+        self.conn.send((command, args, kwargs))
+
+    def result(self, timeout: float = REPLY_TIMEOUT) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"child {self.process.pid} did not answer in {timeout} s")
+        reply = self.conn.recv()
+        if reply[0] == "error":
+            raise ChildError(reply[1], reply[2])
+        return reply[1]
+
+    def call(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        self.start(command, *args, **kwargs)
+        return self.result()
+
+    async def acall(self, command: str, *args: Any, **kwargs: Any) -> Any:
+        self.start(command, *args, **kwargs)
+        return await asyncio.to_thread(self.result)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with _suppress_broken_pipe():
+                self.start("exit")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+        self.conn.close()
+
+
+class ChildError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class _suppress_broken_pipe:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: object, exc: object, tb: object) -> bool:
+        return isinstance(exc, BrokenPipeError | OSError)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Child, Child]]:
+    children = (Child(), Child())
+    yield children
+    for child in children:
+        child.stop()
+
+
+@pytest.fixture
+def child(pair: tuple[Child, Child]) -> Child:
+    return pair[0]
+
+
+def model_tensors(seed: int = 0, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A small transformer-shaped state dict with every boundary case of the planner.
+
+    With 16 KiB buckets: ``lm_head.weight`` exactly fills a bucket, ``model.embed_tokens.weight``
+    is larger than a bucket, layer 1's q/k/v would straddle a bucket boundary, and there is a
+    zero-size tensor, a strided view and a transposed view.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(256, 48)}
+    for i in range(2):
+        p = f"model.layers.{i}"
+        tensors |= {
+            f"{p}.input_layernorm.weight": randn(48, dtype=torch.float32),
+            f"{p}.self_attn.q_proj.weight": randn(48, 48),
+            f"{p}.self_attn.k_proj.weight": randn(16, 48),
+            f"{p}.self_attn.v_proj.weight": randn(16, 48),
+            f"{p}.self_attn.q_proj.bias": randn(48, dtype=torch.float16),
+            f"{p}.self_attn.o_proj.weight": randn(96, 48).t(),
+            f"{p}.mlp.gate_proj.weight": randn(64, 48),
+            f"{p}.mlp.up_proj.weight": randn(64, 48),
+            f"{p}.mlp.down_proj.weight": randn(48, 128)[:, ::2],
+        }
+    tensors |= {
+        "lm_head.weight": randn(16 * KB // 4, dtype=torch.float32),
+        "model.norm.weight": randn(48, dtype=torch.float32),
+        "quant.int8": torch.randint(-128, 127, (333,), dtype=torch.int8, generator=g),
+        "mask.bool": torch.rand(77, generator=g) > 0.5,
+        "empty": torch.empty(0, 48, dtype=torch.bfloat16),
+    }
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def digests(tensors: dict[str, torch.Tensor]) -> dict[str, helpers.Digest]:
+    return {name: helpers.digest(t) for name, t in tensors.items()}
+
+
+def nonce_files(nonce: str) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if nonce in name]
+
+
+def on_disk(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def make_backend(kind: str) -> Backend:
+    return ShmBackend() if kind == "shm" else CudaIpcBackend(0)
+
+
+BACKENDS = ["shm", pytest.param("cuda_ipc", marks=[gpu, needs_cuda])]
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_round_trip_is_bit_exact(pair: tuple[Child, Child], kind: str) -> None:
+    device = "cuda" if kind == "cuda_ipc" else "cpu"
+    tensors = model_tensors(device=device)
+    async with open_weight_sender(
+        backend=make_backend(kind), bucket_bytes=16 * KB, receivers=2, ack_timeout=30
+    ) as sender:
+        config = sender.receiver_config()
+        for i, child in enumerate(pair):
+            child.start("connect", config, f"r{i}")
+        await sender.wait_receivers(2)
+        for child in pair:
+            child.result()
+        for child in pair:
+            child.start("receive", pushes=2)
+        for version in (1, 2):
+            report = await sender.push(tensors, version=version)
+        replies = [await asyncio.to_thread(child.result) for child in pair]
+        for child in pair:
+            await child.acall("close")
+        stats = sender.statistics()
+    expected = digests(tensors)
+    for reply in replies:
+        assert reply["digests"] == expected
+        assert reply["versions"] == [1, 2]
+        assert reply["stats"]["imports"] == 2  # each buffer imported once, not per push
+        assert reply["stats"]["auth_failures"] == 0
+    assert report.receivers == 2 and report.tensors == len(tensors) and report.buckets > 4
+    assert report.bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert stats.pushes == 2 and stats.failed_pushes == 0 and stats.sealed
+    assert stats.auth_failures == 0
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_receiver_error_names_the_tensor_and_the_next_push_works(
+    child: Child, kind: str
+) -> None:
+    device = "cuda" if kind == "cuda_ipc" else "cpu"
+    tensors = model_tensors(device=device)
+    bad = "model.layers.1.mlp.down_proj.weight"
+    async with open_weight_sender(
+        backend=make_backend(kind), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive", fail_on=bad)
+        with pytest.raises(WeightSyncError, match=rf"'r0'.*{bad}.*ValueError: refusing {bad}"):
+            await sender.push(tensors, version=1)
+        with pytest.raises(ChildError, match=r"WeightSyncError.*refusing"):
+            await asyncio.to_thread(child.result)
+        child.start("receive")
+        await sender.push(tensors, version=2)
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+        stats = sender.statistics()
+    assert reply["digests"] == digests(tensors) and reply["versions"] == [2]
+    assert (stats.pushes, stats.failed_pushes) == (1, 1)
+    assert reply["stats"]["failed_pushes"] == 1
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_receiver_killed_mid_push_fails_the_push_without_hanging(kind: str) -> None:
+    device = "cuda" if kind == "cuda_ipc" else "cpu"
+    victim = Child()
+    try:
+        async with open_weight_sender(
+            backend=make_backend(kind), bucket_bytes=16 * KB, receivers=1, ack_timeout=20
+        ) as sender:
+            await victim.acall("connect", sender.receiver_config(), "victim")
+            victim.start("receive", die_on="model.layers.1.self_attn.q_proj.weight")
+            with pytest.raises(TransportBrokenError, match="'victim'"):
+                await sender.push(model_tensors(device=device), version=1)
+            await asyncio.to_thread(victim.process.join, 20)
+            stats = sender.statistics()
+        assert stats.failed_pushes == 1 and stats.receivers == 0
+        assert nonce_files(sender.nonce) == []
+        assert not sender.runtime_dir.exists()
+    finally:
+        victim.stop()
+
+
+async def test_silent_receiver_times_out_naming_it(child: Child) -> None:
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=0.5) as sender:
+        await child.acall("connect", sender.receiver_config(), "sleepy")
+        with pytest.raises(TransportTimeoutError, match=r"'sleepy'.*did not ack bucket 0"):
+            await sender.push(model_tensors(), version=1)  # the child is not receiving
+        child.start("receive")  # drains the stale bucket and the failed push's end
+        with pytest.raises(ChildError, match="WeightSyncError"):
+            await asyncio.to_thread(child.result)
+        await child.acall("close")
+
+
+async def test_cancelled_push_is_counted_and_the_next_push_works(child: Child) -> None:
+    tensors = model_tensors()
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.entered.clear()
+        child.release.clear()
+        child.start("receive", gate=True)
+        push = asyncio.create_task(sender.push(tensors, version=1))
+        assert await asyncio.to_thread(child.entered.wait, 30)  # the receiver is mid-push
+        push.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await push
+        assert sender.statistics().failed_pushes == 1
+        child.release.set()
+        with pytest.raises(ChildError, match=r"WeightSyncError.*cancelled"):
+            await asyncio.to_thread(child.result)
+        child.start("receive")
+        await sender.push(tensors, version=2)
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+    assert reply["digests"] == digests(tensors)
+
+
+async def test_hundred_pushes_leak_nothing(child: Child) -> None:
+    tensors = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(12)}
+    rss: list[int] = []
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive", pushes=100)
+        for version in range(100):
+            await sender.push(tensors, version=version)
+            rss.append(helpers.rss_bytes())
+        reply = await asyncio.to_thread(child.result)
+        shm_during = nonce_files(sender.nonce)  # sealed: names gone, mappings still in use
+        await child.acall("close")
+    child_rss = reply["rss"]
+    assert reply["stats"]["imports"] == 2 and reply["stats"]["pushes"] == 100
+    assert shm_during == [] and nonce_files(sender.nonce) == []
+    assert not sender.runtime_dir.exists()
+    assert rss[-1] - rss[9] < 16 << 20, "sender memory grew"
+    assert child_rss[-1] - child_rss[9] < 16 << 20, "receiver memory grew"
+
+
+async def test_two_jobs_on_one_host_do_not_interfere(pair: tuple[Child, Child]) -> None:
+    sets = [model_tensors(seed=1), model_tensors(seed=2)]
+    async with (
+        open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as a,
+        open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as b,
+    ):
+        assert a.nonce != b.nonce and a.address != b.address
+        senders = (a, b)
+        for child, sender in zip(pair, senders, strict=True):
+            child.start("connect", sender.receiver_config(), "r")
+        await asyncio.gather(a.wait_receivers(1), b.wait_receivers(1))
+        for child in pair:
+            await asyncio.to_thread(child.result)
+            child.start("receive", pushes=3)
+        for version in range(3):
+            await asyncio.gather(
+                *(s.push(t, version=version) for s, t in zip(senders, sets, strict=True))
+            )
+        replies = [await asyncio.to_thread(child.result) for child in pair]
+        for child in pair:
+            await child.acall("close")
+    assert replies[0]["digests"] == digests(sets[0])
+    assert replies[1]["digests"] == digests(sets[1])
+
+
+async def test_sender_killed_leaves_nothing_on_disk_and_the_receiver_times_out(
+    child: Child,
+) -> None:
+    doomed = Child()
+    try:
+        doomed.start("sender")
+        config, runtime_dir = await asyncio.to_thread(doomed.result)
+        await child.acall("connect", config, "orphan", timeout=1.0)
+        assert await asyncio.to_thread(doomed.result) == "sealed"
+        doomed.process.kill()
+        await asyncio.to_thread(doomed.process.join, 20)
+        assert nonce_files(str(config["nonce"])) == []
+        assert not on_disk(runtime_dir)
+        with pytest.raises(ChildError, match="TransportTimeoutError"):
+            await child.acall("receive")
+        await child.acall("close")
+    finally:
+        doomed.stop()
+
+
+async def test_close_is_idempotent_and_cleans_up(child: Child) -> None:
+    async with open_weight_sender(bucket_bytes=16 * KB, ack_timeout=5) as sender:
+        runtime_dir, nonce = sender.runtime_dir, sender.nonce
+        assert len(nonce_files(nonce)) == 2 and runtime_dir.is_dir()  # not sealed yet
+        assert "secret" not in repr(sender) and sender.receiver_config()["secret"] not in repr(
+            sender
+        )
+        await child.acall("connect", sender.receiver_config(), "r0")
+        await child.acall("close")
+        await sender.aclose()
+        await sender.aclose()
+        assert sender.statistics().closed
+        with pytest.raises(TransportClosedError):
+            await sender.push({"x": torch.ones(1)}, version=1)
+    assert nonce_files(nonce) == [] and not runtime_dir.exists()
+
+
+async def test_push_without_receivers_fails_fast() -> None:
+    async with open_weight_sender(bucket_bytes=16 * KB) as sender:
+        with pytest.raises(WeightSyncError, match="no receiver"):
+            await sender.push({"x": torch.ones(1)}, version=1)
+
+
+async def test_receivers_that_never_come_time_out() -> None:
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, connect_timeout=0.2) as sender:
+        with pytest.raises(TransportTimeoutError, match="0 of 1 receivers"):
+            await sender.push({"x": torch.ones(1)}, version=1)
+
+
+def test_receiver_against_no_sender_times_out(tmp_path: Path) -> None:
+    receiver = WeightReceiver(address=f"ipc://{tmp_path}/none.sock", secret=b"s" * 32, timeout=0.2)
+    with pytest.raises(TransportTimeoutError, match="did not answer our hello"), receiver:
+        receiver.connect()
+    assert "closed" in repr(receiver)
+    with pytest.raises(TransportClosedError):
+        receiver.receive(lambda batch: None)
+
+
+def test_sender_repr_and_statistics_before_start() -> None:
+    sender = WeightSender(bucket_bytes=16 * KB)
+    try:
+        assert repr(sender).startswith("<WeightSender shm open")
+        assert sender.statistics().buffers == 2
+    finally:
+        sender._release()

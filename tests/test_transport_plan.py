@@ -1,0 +1,177 @@
+"""Loop-free unit tests of the bucket planner and of packing/unpacking a plan in memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncroll.transport.packing import SpanAssembler, pack_bucket, slot_view
+from asyncroll.transport.plan import (
+    ALIGN,
+    Bucket,
+    TensorMeta,
+    default_group,
+    plan_buckets,
+)
+
+
+def meta(name: str, nbytes: int, dtype: torch.dtype = torch.uint8) -> TensorMeta:
+    size = torch.empty((), dtype=dtype).element_size()
+    return TensorMeta(name=name, dtype=dtype, shape=(nbytes // size,))
+
+
+def names(bucket: Bucket) -> list[str]:
+    return [slot.name for slot in bucket.slots]
+
+
+@pytest.mark.parametrize(
+    ("name", "group"),
+    [
+        ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.qkv_proj"),
+        ("model.layers.3.self_attn.v_proj.bias", "model.layers.3.self_attn.qkv_proj"),
+        ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_up_proj"),
+        (
+            "model.layers.0.mlp.experts.7.gate_proj.weight",
+            "model.layers.0.mlp.experts.7.gate_up_proj",
+        ),
+        (
+            "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+            "model.layers.1.block_sparse_moe.experts.2.w13",
+        ),
+        ("model.layers.3.self_attn.o_proj.weight", None),
+        ("model.layers.0.mlp.down_proj.weight", None),
+        ("lm_head.weight", None),
+    ],
+)
+def test_default_group_understands_hugging_face_names(name: str, group: str | None) -> None:
+    assert default_group(name) == group
+
+
+def test_order_alignment_and_size_invariants() -> None:
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.bool, torch.int64]
+    metas = [meta(f"t{i}", 100 + 37 * i, dtypes[i % len(dtypes)]) for i in range(40)]
+    plan = plan_buckets(metas, bucket_bytes=1024)
+    order = [s.name for b in plan for s in b.slots]
+    assert list(dict.fromkeys(order)) == [m.name for m in metas]
+    assert [b.index for b in plan] == list(range(len(plan)))
+    for bucket in plan:
+        assert all(s.offset % ALIGN == 0 for s in bucket.slots)
+        assert bucket.nbytes <= 1024
+        ends = [s.offset + s.nbytes for s in bucket.slots]
+        assert all(a <= s.offset for a, s in zip(ends, bucket.slots[1:], strict=False))
+
+
+def test_tensor_exactly_filling_a_bucket_is_alone_and_whole() -> None:
+    plan = plan_buckets([meta("a", 10), meta("full", 1024), meta("b", 10)], bucket_bytes=1024)
+    assert [names(b) for b in plan] == [["a"], ["full"], ["b"]]
+    assert plan[1].slots[0].spanning is False and plan[1].nbytes == 1024
+
+
+def test_zero_size_tensor_gets_a_slot() -> None:
+    empty = TensorMeta(name="empty", dtype=torch.float32, shape=(0, 5))
+    plan = plan_buckets([meta("a", 1024), empty], bucket_bytes=1024)
+    slots = [s for b in plan for s in b.slots if s.name == "empty"]
+    assert len(slots) == 1 and slots[0].nbytes == 0
+
+
+def test_fused_group_that_would_straddle_opens_a_new_bucket() -> None:
+    metas = [
+        meta("model.layers.0.input_layernorm.weight", 600),
+        meta("model.layers.0.self_attn.q_proj.weight", 200),
+        meta("model.layers.0.self_attn.o_proj.weight", 100),
+        meta("model.layers.0.self_attn.k_proj.weight", 200),
+        meta("model.layers.0.self_attn.v_proj.weight", 200),
+    ]
+    plan = plan_buckets(metas, bucket_bytes=1024)
+    assert names(plan[0]) == ["model.layers.0.input_layernorm.weight"]
+    assert names(plan[1]) == [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+    ]
+
+
+def test_custom_grouping_function() -> None:
+    metas = [meta("x", 700), meta("pair.a", 200), meta("pair.b", 200)]
+    plan = plan_buckets(
+        metas, bucket_bytes=1024, group_of=lambda n: "pair" if "pair" in n else None
+    )
+    assert [names(b) for b in plan] == [["x"], ["pair.a", "pair.b"]]
+
+
+def test_tensor_larger_than_a_bucket_spans_and_completes_once() -> None:
+    plan = plan_buckets([meta("a", 100), meta("big", 3000), meta("b", 100)], bucket_bytes=1024)
+    pieces = [s for b in plan for s in b.slots if s.name == "big"]
+    assert all(s.spanning for s in pieces)
+    assert sum(s.nbytes for s in pieces) == 3000
+    assert [s.start for s in pieces] == [
+        0,
+        *[sum(p.nbytes for p in pieces[:i]) for i in range(1, len(pieces))],
+    ]
+    assert [b.completes for b in plan].count(("big",)) == 1
+    assert all(b.nbytes <= 1024 for b in plan)
+
+
+def test_group_larger_than_a_bucket_is_delivered_whole_at_its_last_piece() -> None:
+    metas = [meta(f"m.mlp.{p}_proj.weight", 800) for p in ("gate", "up")]
+    plan = plan_buckets(metas, bucket_bytes=1024)
+    completes = [b.completes for b in plan if b.completes]
+    assert completes == [("m.mlp.gate_proj.weight", "m.mlp.up_proj.weight")]
+    assert plan[-1].completes == completes[0]
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, -256, 1000])
+def test_bad_bucket_size_is_rejected(bucket_bytes: int) -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        plan_buckets([meta("a", 1)], bucket_bytes=bucket_bytes)
+
+
+def test_duplicate_names_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        plan_buckets([meta("a", 1), meta("a", 2)], bucket_bytes=256)
+
+
+def test_empty_input_is_an_empty_plan() -> None:
+    assert plan_buckets([], bucket_bytes=256) == []
+
+
+def model_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=g)
+    return {
+        "model.embed_tokens.weight": torch.randn(40, 16, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16, generator=g).half(),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(8, 16, generator=g).half(),
+        "model.layers.0.self_attn.v_proj.weight": torch.randn(8, 16, generator=g).half(),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(16, generator=g),
+        "strided": base[:, ::3],
+        "transposed": base.t(),
+        "mask": torch.rand(33, generator=g) > 0.5,
+        "int8": torch.randint(-128, 127, (77,), dtype=torch.int8, generator=g),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "big": torch.randn(1000, generator=g),
+    }
+
+
+def test_pack_and_unpack_in_memory_is_bit_exact() -> None:
+    tensors = model_tensors()
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], bucket_bytes=2048)
+    buffer = torch.zeros(2048, dtype=torch.uint8)
+    spans = SpanAssembler()
+    got: dict[str, torch.Tensor] = {}
+    for bucket in plan:
+        pack_bucket(bucket, buffer, tensors)
+        for slot in bucket.slots:
+            if slot.spanning:
+                spans.add(slot, buffer)
+            else:
+                got[slot.name] = slot_view(
+                    buffer, slot.offset, slot.nbytes, slot.dtype, slot.shape
+                ).clone()
+        got.update(spans.take(bucket.completes))
+    assert len(spans) == 0
+    assert got.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

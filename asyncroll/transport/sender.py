@@ -284,8 +284,8 @@ class WeightSender:
             bucket_bytes=self._bucket_bytes,
             group_of=self._group_of,
         )
-        if self._expected is not None and self._ready_count() < self._expected:
-            await self.wait_receivers(self._expected)
+        if self._expected is not None:
+            await self.wait_receivers(self._expected)  # immediate once they are in; seals
         async with self._push_lock:
             return await self._run_push(plan, tensors, version)
 

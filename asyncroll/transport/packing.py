@@ -12,7 +12,7 @@ from typing import Final
 
 import torch
 
-from asyncroll.transport.plan import Bucket, Slot
+from asyncroll.transport.plan import Bucket, Slot, align
 
 __all__ = ["SpanAssembler", "dtype_by_name", "pack_bucket", "slot_view"]
 
@@ -62,26 +62,65 @@ def pack_bucket(bucket: Bucket, buffer: torch.Tensor, tensors: Mapping[str, torc
 
 
 class SpanAssembler:
-    """Receiver side of spanning groups: collects pieces into tensors it owns."""
+    """Receiver side of spanning groups: reassembles them in one reusable scratch buffer.
+
+    The scratch buffer only grows (to the largest spanning group seen) and lives until
+    ``release``; so a push allocates nothing once the first push is done. Tensors from ``take``
+    are views into it, valid until the next ``add`` (that is, during the loader's call).
+    """
 
     def __init__(self) -> None:
-        self._partial: dict[str, torch.Tensor] = {}
+        self._scratch: torch.Tensor | None = None
+        self._members: dict[str, tuple[int, Slot]] = {}
+        self._end = 0
 
     def __len__(self) -> int:
-        return len(self._partial)
+        return len(self._members)
+
+    @property
+    def scratch_bytes(self) -> int:
+        return 0 if self._scratch is None else self._scratch.numel()
 
     def add(self, slot: Slot, buffer: torch.Tensor) -> None:
-        target = self._partial.get(slot.name)
-        if target is None:
-            target = torch.empty(slot.shape, dtype=slot.dtype, device=buffer.device)
-            self._partial[slot.name] = target
+        member = self._members.get(slot.name)
+        if member is None:
+            offset = align(self._end)
+            self._grow(offset + slot.total, buffer.device)
+            self._end = offset + slot.total
+            member = self._members[slot.name] = (offset, slot)
         if slot.nbytes:
+            assert self._scratch is not None
+            at = member[0] + slot.start
             piece = buffer[slot.offset : slot.offset + slot.nbytes]
-            target.reshape(-1).view(torch.uint8)[slot.start : slot.start + slot.nbytes].copy_(piece)
+            self._scratch[at : at + slot.nbytes].copy_(piece)
+
+    def _grow(self, nbytes: int, device: torch.device) -> None:
+        old = self._scratch
+        if old is not None and old.numel() >= nbytes and old.device == device:
+            return
+        new = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if old is not None and self._end:
+            new[: self._end].copy_(old[: self._end])
+        self._scratch = new
 
     def take(self, names: Sequence[str]) -> list[tuple[str, torch.Tensor]]:
-        """Hand over completed tensors (and forget them)."""
-        return [(name, self._partial.pop(name)) for name in names]
+        """Views of completed tensors (their group is complete); forgets them."""
+        taken = []
+        for name in names:
+            offset, slot = self._members.pop(name)
+            assert self._scratch is not None
+            taken.append(
+                (name, slot_view(self._scratch, offset, slot.total, slot.dtype, slot.shape))
+            )
+        if not self._members:
+            self._end = 0
+        return taken
 
     def clear(self) -> None:
-        self._partial.clear()
+        """Forget partial groups (keep the scratch buffer)."""
+        self._members.clear()
+        self._end = 0
+
+    def release(self) -> None:
+        self.clear()
+        self._scratch = None

@@ -11,10 +11,12 @@ Invariants of ``plan_buckets``:
 * a group (a lone tensor is a group of one) that fits in a bucket is never split: it goes whole
   into the current bucket or opens the next one, so the receiver hands out zero-copy views;
 * a group larger than a bucket "spans": its bytes are streamed across consecutive buckets
-  (a tensor may be cut anywhere), the receiver copies the pieces into tensors it owns and hands
-  the whole group to its loader in the callback of the bucket that completes it
-  (``Bucket.completes``). So a loader never sees half a group or half a tensor, and nothing is
-  ever allocated beyond the two staging buffers plus, on the receiver, one spanning group.
+  (a tensor may be cut anywhere), the receiver copies the pieces into a scratch buffer it owns
+  and hands the whole group to its loader in the callback of the bucket that completes it
+  (``Bucket.completes``). So a loader never sees half a group or half a tensor, and no memory is
+  needed beyond the two staging buffers plus, on the receiver, the largest spanning group.
+  (Raising instead would make any embedding larger than a bucket unpushable; an oversized
+  bucket is impossible since the buffers are fixed.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Invariants:
 * ``load_fn`` gets views into the staging buffer: they are valid only during the call (the sender
   overwrites the buffer after our ack). Copy what you keep;
 * ``load_fn`` always sees whole fused groups and whole tensors (spanning groups are reassembled
-  into tensors the receiver owns and handed over when complete);
+  in one reusable scratch buffer the receiver owns and handed over when complete: also views,
+  also valid only during the call);
 * the ack of a bucket is sent after ``load_fn`` returned and the backend's reads are finished;
   a loader exception becomes an error ack naming the tensor, and ``receive`` raises
   WeightSyncError once the sender ends the push;
@@ -373,7 +374,7 @@ class WeightReceiver:
         if self._closed:
             return
         self._closed = True
-        self._spans.clear()
+        self._spans.release()
         for mapped in self._mapped:
             mapped.close()
         self._mapped = []

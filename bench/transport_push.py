@@ -1,0 +1,330 @@
+"""Weight-push benchmark: double-buffered vs single-buffered vs a naive baseline vs the limit.
+
+All numbers come from ONE run on one machine; only ratios between them mean anything.
+
+* double / single: ``open_weight_sender(buffers=2)`` vs the same code with ``buffers=1``.
+* naive: CPU, every tensor's bytes sent through a ZeroMQ ipc socket and copied into place;
+  CUDA, one IPC handle per tensor (what the staged, bucketed design replaces).
+* limit: a staged push costs two copies (pack, load), so its payload rate is at most half the
+  measured copy rate of one big buffer on the device (memcpy on CPU, device-to-device on CUDA).
+
+A receiver runs in a spawned child process and copies every bucket into preallocated
+destination tensors (a model's parameters). Usage::
+
+    python bench/transport_push.py                      # CPU, shm backend, 1 GiB of bf16
+    python bench/transport_push.py --device cuda        # CUDA IPC, 8 GiB, 128/512/2048 MiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import pickle
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import zmq
+
+from asyncroll.transport import CudaIpcBackend, ShmBackend, WeightReceiver, open_weight_sender
+
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_model(gib: float, device: str) -> dict[str, torch.Tensor]:
+    """Transformer-shaped bf16 weights (Llama-like names and shapes) totalling about ``gib``."""
+    hidden, inter = (4096, 11008) if gib >= 4 else (2048, 5632)
+    vocab, target = 32000, int(gib * (1 << 30))
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden)}
+    layer = 0
+    while sum(a * b * 2 for a, b in shapes.values()) < target:
+        p = f"model.layers.{layer}"
+        for name, shape in {
+            "self_attn.q_proj.weight": (hidden, hidden),
+            "self_attn.k_proj.weight": (hidden // 4, hidden),
+            "self_attn.v_proj.weight": (hidden // 4, hidden),
+            "self_attn.o_proj.weight": (hidden, hidden),
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+            "input_layernorm.weight": (1, hidden),
+            "post_attention_layernorm.weight": (1, hidden),
+        }.items():
+            shapes[f"{p}.{name}"] = shape
+        layer += 1
+    return {
+        name: torch.empty(shape, dtype=torch.bfloat16, device=device).normal_()
+        for name, shape in shapes.items()
+    }
+
+
+def copy_rate(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes per second of one large copy on the device (best of ``repeats``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- receiver child
+
+
+class _Loader:
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.dest: dict[str, torch.Tensor] = {}
+
+    def __call__(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in batch:
+            target = self.dest.get(name)
+            if target is None:
+                target = self.dest[name] = torch.empty_like(tensor, device=self.device)
+            target.copy_(tensor)
+
+
+def child_main(conn: Connection, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(0)
+    loader = _Loader(device)
+    while True:
+        command, args = conn.recv()
+        if command == "exit":
+            return
+        if command == "receive":
+            config, pushes = args
+            with WeightReceiver.from_config(config, name="bench") as receiver:
+                receiver.connect()
+                conn.send("connected")
+                for _ in range(pushes):
+                    receiver.receive(loader)
+            conn.send("done")
+        elif command == "naive":
+            address, pushes = args
+            _naive_receive(address, pushes, loader, device)
+            conn.send("done")
+
+
+def _naive_receive(address: str, pushes: int, loader: _Loader, device: str) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.connect(address)
+    for _ in range(pushes):
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            if frames[0].bytes == b"end":
+                break
+            name, meta = frames[0].bytes.decode(), json.loads(frames[1].bytes)
+            if device.startswith("cuda"):
+                from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+                tensor = rebuild_cuda_tensor(*pickle.loads(frames[2].bytes))
+                loader([(name, tensor)])
+                torch.cuda.current_stream().synchronize()
+                del tensor
+            else:
+                raw = torch.frombuffer(frames[2].buffer, dtype=torch.uint8)
+                loader([(name, raw.view(getattr(torch, meta["dtype"])).view(meta["shape"]))])
+        sock.send(b"ack")
+    sock.close(linger=1000)
+    ctx.term()
+
+
+# ---------------------------------------------------------------- sender side
+
+
+async def bench_staged(
+    child: Connection,
+    tensors: dict[str, torch.Tensor],
+    *,
+    device: str,
+    bucket: int,
+    buffers: int,
+    pushes: int,
+) -> dict[str, Any]:
+    backend = CudaIpcBackend(0) if device.startswith("cuda") else ShmBackend()
+    async with open_weight_sender(
+        backend=backend, bucket_bytes=bucket, buffers=buffers, receivers=1, ack_timeout=300
+    ) as sender:
+        child.send(("receive", (sender.receiver_config(), pushes + 1)))
+        await sender.wait_receivers(1)
+        await asyncio.to_thread(child.recv)
+        await sender.push(tensors, version=0)  # warm-up: page faults, receiver allocations
+        used_first = gpu_used(device)
+        reports = [await sender.push(tensors, version=v + 1) for v in range(pushes)]
+        used_last = gpu_used(device)
+        await asyncio.to_thread(child.recv)
+    seconds = statistics.median(r.seconds for r in reports)
+    return {
+        "seconds": seconds,
+        "gbps": reports[0].bytes / seconds / 1e9,
+        "pack": statistics.median(r.pack_seconds for r in reports),
+        "wait": statistics.median(r.wait_seconds for r in reports),
+        "buckets": reports[0].buckets,
+        "gpu_used_first": used_first,
+        "gpu_used_last": used_last,
+    }
+
+
+def gpu_used(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def bench_naive(
+    child: Connection, tensors: dict[str, torch.Tensor], *, device: str, pushes: int
+) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"ipc://{tmp}/naive.sock"
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PAIR)
+        sock.bind(address)
+        child.send(("naive", (address, pushes + 1)))
+        times = []
+        for _ in range(pushes + 1):
+            t0 = time.perf_counter()
+            for name, t in tensors.items():
+                meta = json.dumps(
+                    {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                )
+                payload = _naive_payload(t, device)
+                sock.send_multipart([name.encode(), meta.encode(), payload], copy=False)
+            sock.send(b"end")
+            sock.recv()
+            times.append(time.perf_counter() - t0)
+        child.recv()
+        sock.close(linger=0)
+        ctx.term()
+    return statistics.median(times[1:])
+
+
+def _naive_payload(t: torch.Tensor, device: str) -> Any:
+    if device.startswith("cuda"):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return pickle.dumps(reduce_tensor(t)[1])
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu (shm backend) or cuda (cuda_ipc)")
+    parser.add_argument("--gib", type=float, default=None, help="model size (1 on cpu, 8 on cuda)")
+    parser.add_argument("--buckets", default=None, help="bucket sizes in MiB, comma separated")
+    parser.add_argument("--pushes", type=int, default=None, help="timed pushes per config")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    gib = args.gib or (8.0 if cuda else 1.0)
+    buckets = [
+        int(b) for b in (args.buckets or ("128,512,2048" if cuda else "16,64,256")).split(",")
+    ]
+    pushes = args.pushes or (20 if cuda else 5)
+
+    log(
+        f"# {platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cpus, "
+        f"torch {torch.__version__}, device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if cuda else "")
+    )
+    tensors = make_model(gib, args.device)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    log(f"model: {len(tensors)} bf16 tensors, {nbytes / (1 << 30):.2f} GiB; measuring copy rate")
+    rate = copy_rate(args.device)
+    limit = rate / 2
+    log(f"copy rate {rate / 1e9:.2f} GB/s -> two-copy limit {limit / 1e9:.2f} GB/s payload")
+
+    ctx = mp.get_context("spawn")
+    parent, child_end = ctx.Pipe()
+    proc = ctx.Process(target=child_main, args=(child_end, args.device), daemon=True)
+    proc.start()
+    rows = []
+    try:
+        for mib in buckets:
+            row: dict[str, Any] = {"bucket_mib": mib}
+            for buffers, label in ((2, "double"), (1, "single")):
+                log(f"bucket {mib} MiB, {label} buffer: {pushes} pushes ...")
+                row[label] = asyncio.run(
+                    bench_staged(
+                        parent,
+                        tensors,
+                        device=args.device,
+                        bucket=mib * MiB,
+                        buffers=buffers,
+                        pushes=pushes,
+                    )
+                )
+                r = row[label]
+                log(
+                    f"  {r['gbps']:.2f} GB/s ({r['seconds'] * 1e3:.1f} ms,"
+                    f" pack {r['pack'] * 1e3:.1f} ms, wait {r['wait'] * 1e3:.1f} ms)"
+                )
+            rows.append(row)
+        log(f"naive baseline: {pushes} pushes ...")
+        naive_s = bench_naive(parent, tensors, device=args.device, pushes=pushes)
+        log(f"  {nbytes / naive_s / 1e9:.2f} GB/s ({naive_s * 1e3:.1f} ms)")
+    finally:
+        parent.send(("exit", ()))
+        proc.join(30)
+
+    naive_gbps = nbytes / naive_s / 1e9
+    print(
+        f"\nmodel {nbytes / (1 << 30):.2f} GiB bf16 ({len(tensors)} tensors), device {args.device},"
+        f" copy rate {rate / 1e9:.2f} GB/s, two-copy limit {limit / 1e9:.2f} GB/s,"
+        f" naive {naive_gbps:.2f} GB/s ({naive_s * 1e3:.1f} ms)\n"
+    )
+    print(
+        "| bucket | double GB/s | single GB/s | double/single | double/limit | double/naive |"
+        " double ms (pack/wait) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        d, s = row["double"], row["single"]
+        print(
+            f"| {row['bucket_mib']} MiB ({d['buckets']} buckets) | {d['gbps']:.2f} |"
+            f" {s['gbps']:.2f} |"
+            f" {d['gbps'] / s['gbps']:.2f}x | {d['gbps'] * 1e9 / limit:.0%} |"
+            f" {d['gbps'] / naive_gbps:.1f}x | {d['seconds'] * 1e3:.1f} ({d['pack'] * 1e3:.1f}/"
+            f"{d['wait'] * 1e3:.1f}) |"
+        )
+    if cuda:
+        for row in rows:
+            d = row["double"]
+            growth = (d["gpu_used_last"] - d["gpu_used_first"]) / max(d["gpu_used_first"], 1)
+            print(
+                f"GPU memory, bucket {row['bucket_mib']} MiB: after first push "
+                f"{d['gpu_used_first'] / (1 << 30):.2f} GiB, after {pushes} more "
+                f"{d['gpu_used_last'] / (1 << 30):.2f} GiB ({growth:+.2%})"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"rate": rate, "naive_s": naive_s, "bytes": nbytes, "rows": rows}, f, indent=1
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,9 @@ import logging
 import os
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
 
 from asyncroll.errors import (
     EngineDeadError,
@@ -29,6 +31,7 @@ from asyncroll.errors import (
 )
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
 from asyncroll.validation import check_prompt, resolve_sampling_params
+from asyncroll.weights import UpdateReport, WeightPusher
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
@@ -94,6 +97,7 @@ class VLLMEngine:
         self._num_requests = 0
         self._num_aborted = 0
         self._num_rejected = 0
+        self._pusher: WeightPusher | None = None
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -231,7 +235,7 @@ class VLLMEngine:
             self._in_flight += 1
             self._num_requests += 1
             try:
-                return await self._run(request_id, prompt, params)
+                return await self._run(request_id, prompt, params, self._global_steps)
             finally:
                 self._in_flight -= 1
         finally:
@@ -297,12 +301,38 @@ class VLLMEngine:
                 f"{self.name} is asleep: wake_up(['weights']) before pushing weights"
             )
 
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        global_steps: int | None,
+        mode: Literal["abort", "keep"] = "abort",
+    ) -> UpdateReport:
+        """Load new weights through vLLM's weight-update protocol and label them.
+
+        Pauses (``abort``: in-flight requests end with their partial output; ``keep``: they
+        freeze and continue with the new weights), pushes, labels the weights ``global_steps``
+        (None keeps the previous label), resets and checks the prefix cache, resumes.
+
+        Raises:
+            EngineSleepingError: the weights are asleep; nothing was pushed.
+            InvalidRequestError: ``global_steps`` is lower than the current one.
+            WeightSyncError: the push failed; the previous weights and label stay in force.
+        """
+        self._check_alive()
+        if self._pusher is None:
+            self._pusher = WeightPusher([self])
+        return await self._pusher.update(named_tensors, global_steps=global_steps, mode=mode)
+
     async def aclose(self) -> None:
         """Shut the engine's processes down. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._gate.set()  # waiters wake and find the engine closed
+        if self._pusher is not None:
+            with contextlib.suppress(Exception):
+                await self._pusher.aclose()
         await asyncio.to_thread(self._llm.shutdown)
         logger.info("closed %s", self.name)
 
@@ -346,7 +376,9 @@ class VLLMEngine:
         except Exception as exc:  # vLLM's validation errors are not all ValueErrors
             raise InvalidRequestError(f"bad sampling_params: {exc}") from exc
 
-    async def _run(self, request_id: str, prompt: list[int], params: Any) -> Segment:
+    async def _run(
+        self, request_id: str, prompt: list[int], params: Any, dispatched_at: int | None
+    ) -> Segment:
         from vllm.inputs import TokensPrompt
 
         last: RequestOutput | None = None
@@ -357,7 +389,7 @@ class VLLMEngine:
                     last = output
         except Exception as exc:
             raise self._map_error(exc, request_id) from exc
-        segment = _segment(request_id, last, len(prompt), self._global_steps)
+        segment = _segment(request_id, last, len(prompt), dispatched_at)
         if segment.finish_reason == "abort":
             self._num_aborted += 1
         return segment
@@ -449,7 +481,12 @@ def _engine_args_with_defaults(model_path: Path, engine_args: Mapping[str, Any])
         "logprobs_mode": "processed_logprobs",
         "skip_tokenizer_init": not any((model_path / f).exists() for f in _TOKENIZER_FILES),
         "disable_log_stats": True,
+        "worker_extension_cls": "asyncroll.vllm_ext.AsyncrollWorkerExtension",
     }
+    if "weight_transfer_config" not in engine_args:
+        from vllm.config import WeightTransferConfig
+
+        args["weight_transfer_config"] = WeightTransferConfig(backend="asyncroll")
     if current_platform.is_cpu():
         for key, value in _CPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)

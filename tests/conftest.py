@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from engine_helpers import FRESH_GREEDY, greedy
 
 from asyncroll import VLLMEngine
 from asyncroll.testing import make_tiny_model
@@ -16,8 +17,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 MAX_MODEL_LEN = 512
-
-
 @pytest.fixture(scope="session")
 def tiny_model_a(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model-a"), seed=0)
@@ -34,4 +33,15 @@ async def engine(tiny_model_a: Path) -> AsyncIterator[VLLMEngine]:
     async with VLLMEngine.launch(
         tiny_model_a, name="shared", max_model_len=MAX_MODEL_LEN
     ) as started:
+        FRESH_GREEDY["a"] = await greedy(started, "fresh-a")
+        yield started
+
+
+@pytest.fixture(scope="session")
+async def engine_b(tiny_model_b: Path) -> AsyncIterator[VLLMEngine]:
+    """A second real engine, started on tiny model B (same architecture, other seed)."""
+    async with VLLMEngine.launch(
+        tiny_model_b, name="second", max_model_len=MAX_MODEL_LEN
+    ) as started:
+        FRESH_GREEDY["b"] = await greedy(started, "fresh-b")
         yield started

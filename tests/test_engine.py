@@ -217,7 +217,8 @@ async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Pat
     ]
     assert children, "vLLM runs its EngineCore in child processes"
     try:
-        assert len((await engine.generate("x", prompt_ids=PROMPT, sampling_params=_params(4))).token_ids) == 4
+        first = await engine.generate("x", prompt_ids=PROMPT, sampling_params=_params(4))
+        assert len(first.token_ids) == 4
         names = {p.pid: f"{p.name()} {' '.join(p.cmdline())}" for p in children}
         cores = [pid for pid, name in names.items() if "EngineCore" in name]
         assert len(cores) == 1, names
@@ -231,7 +232,7 @@ async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Pat
     finally:
         await engine.aclose()
         await engine.aclose()  # idempotent
-    gone, alive = psutil.wait_procs(children, timeout=30)
+    _gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"left behind: {alive}"
     with contextlib.suppress(Exception):
         assert not engine.statistics().in_flight

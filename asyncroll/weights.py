@@ -1,0 +1,269 @@
+"""Trainer side of a weight update: one push, broadcast to every engine, versioned.
+
+``WeightPusher`` owns one ``WeightSender`` whose receivers are the workers of every attached
+engine (vLLM's native protocol: ``init_weight_transfer_engine`` once, then per update
+``start_weight_update``, ``update_weights``, ``finish_weight_update(weight_version=...)``).
+
+Invariants:
+- A push never reaches an engine whose weights are asleep, and versions never go backwards.
+- An engine's version label changes only when its push succeeded; on failure the worker has
+  restored its previous weights (see ``asyncroll.vllm_ext``) and ``WeightSyncError`` is raised.
+- After the new weights are in, the prefix cache is reset and the reset is checked: no KV
+  computed with old weights is served as a cache hit.
+- Engines paused here are resumed here, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from asyncroll.errors import InvalidRequestError, WeightSyncError
+from asyncroll.transport import CudaIpcBackend, PushReport, ShmBackend, WeightSender
+from asyncroll.transport.sender import open_weight_sender
+
+if TYPE_CHECKING:
+    from asyncroll.engine import VLLMEngine
+
+__all__ = ["UpdateReport", "WeightPusher"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""64 MiB buckets: two staging buffers cost 128 MiB; plenty to saturate a CPU memcpy."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateReport:
+    """Where the time of one weight update went (seconds), pause to resume."""
+
+    global_steps: int | None
+    engines: int
+    seconds: float
+    pause_seconds: float
+    push_seconds: float
+    finish_seconds: float
+    cache_reset_seconds: float
+    resume_seconds: float
+    push: PushReport | None
+
+
+class WeightPusher:
+    """Pushes a trainer's named tensors into a set of vLLM engines at once."""
+
+    def __init__(
+        self,
+        engines: Sequence[VLLMEngine],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
+        backup: bool | None = None,
+        timeout: float = 120.0,
+        fail_on: str = "",
+    ) -> None:
+        """Args:
+            engines: Engines launched with asyncroll's weight-transfer backend (the default).
+            bucket_bytes: Size of each of the two staging buffers.
+            backend: ``shm`` (CPU tensors), ``cuda_ipc`` (GPU tensors), or by the tensors.
+            backup: Keep a copy of the weights during a push so a failed push restores them
+                (default: on for CPU engines, off on GPU where it would double memory).
+            timeout: Bound on every wait for a peer.
+            fail_on: Test hook: the workers fail loading the tensor of this name.
+        """
+        self._engines = list(engines)
+        self._bucket_bytes = bucket_bytes
+        self._backend_name = backend
+        self._backup = backup
+        self._timeout = timeout
+        self._fail_on = fail_on
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._sender: WeightSender | None = None
+        self._lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"<WeightPusher engines={[e.name for e in self._engines]} sender={self._sender!r}>"
+
+    @property
+    def sender(self) -> WeightSender | None:
+        return self._sender
+
+    async def update(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        global_steps: int | None,
+        mode: Literal["abort", "keep"] = "abort",
+    ) -> UpdateReport:
+        """Pause, push to every engine at once, label ``global_steps``, reset caches, resume.
+
+        Raises:
+            EngineSleepingError: an engine's weights are asleep; nothing was pushed.
+            InvalidRequestError: ``global_steps`` is lower than an engine's current one.
+            WeightSyncError: the push failed; every engine keeps its previous version.
+        """
+        tensors = _materialize(named_tensors)
+        async with self._lock:
+            self._check(global_steps)
+            started = time.perf_counter()
+            marks = [started]
+            pausable = [engine for engine in self._engines if not engine.is_asleep]
+            await asyncio.gather(*(e.pause(mode, clear_cache=True) for e in pausable))
+            marks.append(time.perf_counter())
+            try:
+                push = await self._push(tensors, global_steps)
+                marks.append(time.perf_counter())
+                label = None if global_steps is None else str(global_steps)
+                await asyncio.gather(
+                    *(e.llm.finish_weight_update(weight_version=label) for e in self._engines)
+                )
+                for engine in self._engines:
+                    if global_steps is not None:
+                        engine._set_global_steps(global_steps)
+                marks.append(time.perf_counter())
+                await asyncio.gather(*(_reset_prefix_cache(e) for e in self._engines))
+                marks.append(time.perf_counter())
+            finally:
+                await asyncio.gather(*(e.resume() for e in pausable), return_exceptions=True)
+            marks.append(time.perf_counter())
+        steps = [b - a for a, b in itertools.pairwise(marks)]
+        return UpdateReport(
+            global_steps=global_steps,
+            engines=len(self._engines),
+            seconds=marks[-1] - started,
+            pause_seconds=steps[0],
+            push_seconds=steps[1],
+            finish_seconds=steps[2],
+            cache_reset_seconds=steps[3],
+            resume_seconds=steps[4],
+            push=push,
+        )
+
+    async def aclose(self) -> None:
+        """Close the sender (receivers release their mappings first). Idempotent."""
+        stack, self._stack, self._sender = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check(self, global_steps: int | None) -> None:
+        for engine in self._engines:
+            engine.check_weights_awake()
+            current = engine.global_steps
+            if global_steps is not None and current is not None and global_steps < current:
+                raise InvalidRequestError(
+                    f"global_steps {global_steps} is lower than {engine.name}'s {current}: "
+                    "versions never go backwards"
+                )
+
+    async def _push(self, tensors: dict[str, torch.Tensor], global_steps: int | None) -> PushReport:
+        sender = await self._connected(tensors)
+        version = global_steps if global_steps is not None else -1
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        request = WeightTransferUpdateRequest(update_info={"version": version})
+        await asyncio.gather(*(e.llm.start_weight_update() for e in self._engines))
+        results = await asyncio.gather(
+            sender.push(tensors, version=version),
+            *(e.llm.update_weights(request) for e in self._engines),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for failure in failures:
+                if isinstance(failure, asyncio.CancelledError):
+                    raise failure
+            raise WeightSyncError(
+                f"weight push (global_steps={global_steps}) failed; previous weights stay in "
+                f"force: {_describe(failures)}"
+            ) from failures[0]
+        report = results[0]
+        assert isinstance(report, PushReport)
+        return report
+
+    async def _connected(self, tensors: Mapping[str, torch.Tensor]) -> WeightSender:
+        if self._sender is not None:
+            return self._sender
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        on_gpu = any(t.is_cuda for t in tensors.values())
+        use_cuda = self._backend_name == "cuda_ipc" or (self._backend_name == "auto" and on_gpu)
+        backend = CudaIpcBackend(next(iter(tensors.values())).device) if use_cuda else ShmBackend()
+        workers = sum(_world_size(e) for e in self._engines)
+        stack = contextlib.AsyncExitStack()
+        sender = await stack.enter_async_context(
+            open_weight_sender(
+                backend=backend,
+                bucket_bytes=self._bucket_bytes,
+                receivers=workers,
+                connect_timeout=self._timeout,
+                ack_timeout=self._timeout,
+            )
+        )
+        try:
+            config = sender.receiver_config()
+            backup = (not use_cuda) if self._backup is None else self._backup
+            await asyncio.gather(
+                sender.wait_receivers(workers),
+                *(
+                    e.llm.init_weight_transfer_engine(
+                        WeightTransferInitRequest(
+                            init_info={
+                                **config,
+                                "name": e.name,
+                                "backup": backup,
+                                "fail_on": self._fail_on,
+                            }
+                        )
+                    )
+                    for e in self._engines
+                ),
+            )
+        except BaseException as exc:
+            await stack.aclose()
+            if isinstance(exc, Exception):
+                raise WeightSyncError(f"engines could not attach to the sender: {exc}") from exc
+            raise
+        self._stack, self._sender = stack, sender
+        return sender
+
+
+async def _reset_prefix_cache(engine: VLLMEngine) -> None:
+    if not await engine.llm.reset_prefix_cache():
+        raise WeightSyncError(
+            f"{engine.name}: the prefix cache could not be reset after the weight update; "
+            "cached KV of the old weights could be served"
+        )
+
+
+def _materialize(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+        if name in tensors:
+            raise InvalidRequestError(f"tensor {name!r} is given twice")
+        tensors[name] = tensor.detach()
+    if not tensors:
+        raise InvalidRequestError("no tensors to push")
+    return tensors
+
+
+def _world_size(engine: VLLMEngine) -> int:
+    parallel: Any = engine.llm.vllm_config.parallel_config
+    return int(parallel.world_size)
+
+
+def _describe(failures: Sequence[BaseException]) -> str:
+    return "; ".join(f"{type(f).__name__}: {f}" for f in failures[:3])

@@ -265,7 +265,7 @@ def main() -> None:
     try:
         for mib in buckets:
             row: dict[str, Any] = {"bucket_mib": mib}
-            for buffers, label in ((2, "double"), (1, "single")):
+            for buffers, label in ((2, "double"), (1, "single"), (3, "triple")):
                 log(f"bucket {mib} MiB, {label} buffer: {pushes} pushes ...")
                 row[label] = asyncio.run(
                     bench_staged(
@@ -298,17 +298,17 @@ def main() -> None:
     )
     print(
         "| bucket | double GB/s | single GB/s | double/single | double/limit | double/naive |"
-        " double ms (pack/wait) |"
+        " double ms (pack/wait) | triple GB/s (limit) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        d, s = row["double"], row["single"]
+        d, s, t = row["double"], row["single"], row["triple"]
         print(
             f"| {row['bucket_mib']} MiB ({d['buckets']} buckets) | {d['gbps']:.2f} |"
             f" {s['gbps']:.2f} |"
             f" {d['gbps'] / s['gbps']:.2f}x | {d['gbps'] * 1e9 / limit:.0%} |"
             f" {d['gbps'] / naive_gbps:.1f}x | {d['seconds'] * 1e3:.1f} ({d['pack'] * 1e3:.1f}/"
-            f"{d['wait'] * 1e3:.1f}) |"
+            f"{d['wait'] * 1e3:.1f}) | {t['gbps']:.2f} ({t['gbps'] * 1e9 / limit:.0%}) |"
         )
     if cuda:
         for row in rows:

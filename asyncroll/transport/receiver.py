@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -369,6 +370,12 @@ class WeightReceiver:
 
     # ---------------------------------------------------------------- close
 
+    def __del__(self) -> None:
+        if getattr(self, "_sock", None) is not None and not self._closed:
+            _unclosed_warning(self)
+            with contextlib.suppress(Exception):
+                self.close()
+
     def close(self) -> None:
         """Release the mappings, then tell the sender (final message), then close. Idempotent."""
         if self._closed:
@@ -387,6 +394,10 @@ class WeightReceiver:
                 self._sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
+
+
+def _unclosed_warning(receiver: WeightReceiver) -> None:
+    warnings.warn(f"unclosed {receiver!r}", ResourceWarning, stacklevel=2)
 
 
 def _slot(entry: wire.Entry, dtype: torch.dtype) -> Slot:

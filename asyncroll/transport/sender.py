@@ -135,8 +135,8 @@ class WeightSender:
         runtime_base: Path | None = None,
         identity: JobIdentity | None = None,
     ) -> None:
-        if buffers not in (1, 2):
-            raise ValueError("buffers must be 1 or 2")
+        if buffers < 1:
+            raise ValueError(f"buffers must be at least 1, got {buffers}")
         self._backend: Backend = backend or ShmBackend()
         self._bucket_bytes = bucket_bytes
         self._group_of = group_of
@@ -664,7 +664,8 @@ async def open_weight_sender(
     Args:
         backend: Staging memory (``ShmBackend()`` by default; ``CudaIpcBackend(device)`` on GPU).
         bucket_bytes: Size of each staging buffer (a multiple of 256).
-        buffers: 2 (double buffering) or 1 (for comparison).
+        buffers: Staging buffers: 2 (double buffering, the default), 1 (for comparison), or
+            more where a push's round-trip latency, not bandwidth, limits it.
         receivers: If given, ``push`` first waits for this many receivers (then seals).
         group_of: Fused-group key of a tensor name (see ``plan.default_group``).
         connect_timeout: Bound on waiting for receivers to connect.

@@ -239,6 +239,8 @@ async def test_receiver_killed_mid_push_fails_the_push_without_hanging(kind: str
             with pytest.raises(TransportBrokenError, match="'victim'"):
                 await sender.push(model_tensors(device=device), version=1)
             await asyncio.to_thread(victim.process.join, 20)
+            with pytest.raises(TransportBrokenError, match="sealed"):  # at once, not at a deadline
+                await sender.push(model_tensors(device=device), version=2)
             stats = sender.statistics()
         assert stats.failed_pushes == 1 and stats.receivers == 0
         assert nonce_files(sender.nonce) == []

@@ -242,10 +242,16 @@ class WeightSender:
         """Wait (at most ``connect_timeout``) until ``n`` receivers have mapped the buffers; seal.
 
         Raises:
+            TransportBrokenError: sealed, and a receiver has left since (fails at once).
             TransportAuthError: not enough receivers came, and some peer failed authentication.
             TransportTimeoutError: not enough receivers came within the timeout.
             TransportClosedError: the sender was closed.
         """
+        if self._sealed and self._ready_count() < n:
+            raise TransportBrokenError(
+                f"{self._ready_count()} of {n} receivers left, and the sender is sealed (no new"
+                " receiver can connect): open a new sender"
+            )
         failures_before = self._auth_failures
         timeout = self._connect_timeout
         try:

@@ -365,6 +365,24 @@ async def test_close_is_idempotent_and_cleans_up(child: Child) -> None:
     assert nonce_files(nonce) == [] and not runtime_dir.exists()
 
 
+async def test_parameters_that_require_grad_and_an_empty_push(child: Child) -> None:
+    params = {n: torch.nn.Parameter(t.float()) for n, t in model_tensors(seed=5).items()}
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive")
+        await sender.push(params, version=1)
+        loaded = await asyncio.to_thread(child.result)
+        child.start("receive")
+        empty = await sender.push({}, version=2)
+        reply = await asyncio.to_thread(child.result)
+        with pytest.raises(ValueError, match="unique"):
+            await sender.push([("a", torch.ones(1)), ("a", torch.ones(1))], version=3)
+        await child.acall("close")
+    assert loaded["digests"] == digests({n: p.detach() for n, p in params.items()})
+    assert reply["digests"] == {} and reply["versions"] == [2]
+    assert (empty.buckets, empty.bytes) == (0, 0)
+
+
 async def test_push_without_receivers_fails_fast() -> None:
     async with open_weight_sender(bucket_bytes=16 * KB) as sender:
         with pytest.raises(WeightSyncError, match="no receiver"):

@@ -282,9 +282,10 @@ class WeightSender:
             TransportClosedError: the sender is closed.
         """
         self._check_usable()
-        tensors = dict(
-            named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        )
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        tensors = dict(pairs)
+        if len(tensors) != len(pairs):
+            raise ValueError("tensor names must be unique")
         plan = plan_buckets(
             [TensorMeta.of(name, t) for name, t in tensors.items()],
             bucket_bytes=self._bucket_bytes,
@@ -364,7 +365,7 @@ class WeightSender:
         )
 
     def _pack(self, bucket: Bucket, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        with self._backend.copy_context():
+        with torch.no_grad(), self._backend.copy_context():  # parameters require grad
             pack_bucket(bucket, self._staging[index].tensor, tensors)
         self._backend.finish_copies()
 

@@ -1,4 +1,4 @@
-"""The trainer side of the weight push: two persistent staging buffers, N receivers, one socket.
+"""The trainer side of the weight push: persistent staging buffers (two), N receivers, one socket.
 
 ``open_weight_sender`` binds a ZeroMQ ROUTER socket in a private runtime directory, allocates the
 staging buffers once, and owns one reader task (started on enter, cancelled and awaited on exit)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["EngineStatistics", "FinishReason", "PauseMode", "Segment"]
+__all__ = [
+    "EngineStatistics",
+    "FinishReason",
+    "ManagerStatistics",
+    "PauseMode",
+    "Segment",
+    "TokenOutput",
+]
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
@@ -46,3 +53,48 @@ class EngineStatistics:
     num_requests: int
     num_aborted: int
     num_rejected: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenOutput:
+    """One complete generation, however many segments and engines it took.
+
+    Invariant: ``len(token_ids) == len(log_probs) == len(global_steps)``; ``global_steps[i]`` is
+    the trainer step whose weights produced token ``i``, and never decreases along the output.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    global_steps: tuple[int | None, ...]
+    finish_reason: FinishReason
+    num_preempted: int
+    engines: tuple[str, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def min_global_steps(self) -> int | None:
+        known = [step for step in self.global_steps if step is not None]
+        return min(known) if known else None
+
+    @property
+    def max_global_steps(self) -> int | None:
+        known = [step for step in self.global_steps if step is not None]
+        return max(known) if known else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ManagerStatistics:
+    """A snapshot of the server manager."""
+
+    in_flight: int
+    in_flight_per_engine: dict[str, int]
+    alive_engines: int
+    global_steps: int | None
+    updating: bool
+    num_requests: int
+    num_preempted: int
+    num_engine_failovers: int
+    num_updates: int
+    sticky_sessions: int

@@ -149,8 +149,15 @@ class WeightPusher:
     async def aclose(self) -> None:
         """Close the sender (receivers release their mappings first). Idempotent."""
         stack, self._stack, self._sender = self._stack, None, None
-        if stack is not None:
-            await stack.aclose()
+        if stack is None:
+            return
+        # The workers' receivers say goodbye (releasing their mappings) while the sender waits.
+        live = [engine for engine in self._engines if not engine.is_dead]
+        await asyncio.gather(
+            stack.aclose(),
+            *(engine.llm.shutdown_weight_transfer_engine() for engine in live),
+            return_exceptions=True,
+        )
 
     # -- internals -------------------------------------------------------------------------
 

@@ -1,0 +1,369 @@
+"""AsyncServerManager: routes generate calls to engines and resumes them across weight updates.
+
+Invariants:
+- Every ``generate`` call resolves exactly once, in its caller's task (no background tasks):
+  a complete ``TokenOutput``, or an error; never an "aborted" output unless resuming is off.
+- Bad input is rejected before any engine sees it.
+- A resumed request is charged against its original budget: the continuation asks for
+  ``max_tokens - generated`` more tokens, with prompt + generated tokens as its prompt.
+- ``global_steps`` per token is what the engine that produced the token had in force; it never
+  decreases along an output. The manager publishes a new ``global_steps`` only after every
+  engine took the new weights.
+- New calls made while weights update wait at the manager's gate instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+import torch
+
+from asyncroll.errors import EngineDeadError, InvalidRequestError, WeightSyncError
+from asyncroll.routing import EngineLoad, StickyTable, choose_engine
+from asyncroll.types import (
+    EngineStatistics,
+    FinishReason,
+    ManagerStatistics,
+    Segment,
+    TokenOutput,
+)
+from asyncroll.validation import check_prompt, resolve_sampling_params
+from asyncroll.weights import UpdateReport, WeightPusher
+
+__all__ = ["AsyncServerManager", "Engine", "ResumeMode"]
+
+logger = logging.getLogger(__name__)
+
+ResumeMode = Literal["abort", "keep"]
+
+
+class Engine(Protocol):
+    """What the manager needs of an engine; ``VLLMEngine`` and ``testing.FakeEngine`` are two."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    @property
+    def global_steps(self) -> int | None: ...
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+    ) -> Segment: ...
+
+    async def abort(self, request_ids: str | Iterable[str]) -> None: ...
+
+    async def pause(self, mode: Literal["abort", "wait", "keep"] = "abort", *,
+                    clear_cache: bool = True) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def statistics(self) -> EngineStatistics: ...
+
+
+class _Trajectory:
+    """The accumulating state of one generate call (owned by its caller's task)."""
+
+    __slots__ = ("engines", "global_steps", "log_probs", "num_cached", "preempted", "token_ids")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.log_probs: list[float] = []
+        self.global_steps: list[int | None] = []
+        self.engines: list[str] = []
+        self.preempted = 0
+        self.num_cached = 0
+
+    def add(self, segment: Segment, engine: str) -> None:
+        self.token_ids += segment.token_ids
+        self.log_probs += segment.log_probs
+        self.global_steps += segment.global_steps
+        self.num_cached += segment.num_cached_tokens
+        if not self.engines or self.engines[-1] != engine:
+            self.engines.append(engine)
+
+
+class AsyncServerManager:
+    """Routes ``generate`` calls over engines; updates their weights without losing requests.
+
+    ```python
+    async with AsyncServerManager(engines) as manager:
+        out = await manager.generate(rid, prompt_ids=ids, sampling_params={"max_tokens": 256})
+        report = await manager.update_weights(model.named_parameters(), global_steps=step)
+    ```
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        *,
+        resume_mode: ResumeMode = "abort",
+        partial_rollout: bool = True,
+        sticky_margin: int = 4,
+        weights: WeightPusher | None = None,
+        global_steps: int | None = None,
+    ) -> None:
+        """Args:
+            engines: The engines to route over (started by the caller, who also closes them).
+            resume_mode: How in-flight requests live through a weight update: ``abort`` ends
+                them and resubmits prompt + partial output (recompute the KV with the new
+                weights), ``keep`` freezes them in their engine and continues.
+            partial_rollout: If False, interrupted requests come back with
+                ``finish_reason="abort"`` instead of being resumed.
+            sticky_margin: How much busier than the least-loaded engine a session's engine may
+                be and still get the session's next call.
+            weights: The weight pusher; by default one over ``engines``, made on first update.
+            global_steps: The published version; by default the engines' own.
+        """
+        if not engines:
+            raise InvalidRequestError("AsyncServerManager needs at least one engine")
+        if resume_mode not in ("abort", "keep"):
+            raise InvalidRequestError(f"resume_mode must be abort or keep, not {resume_mode!r}")
+        self._engines: list[Engine] = list(engines)
+        self._in_flight: dict[str, int] = {engine.name: 0 for engine in self._engines}
+        self.resume_mode: ResumeMode = resume_mode
+        self.partial_rollout = partial_rollout
+        self._margin = sticky_margin
+        self._weights = weights
+        self._sticky = StickyTable()
+        self._rotation = itertools.count()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._update_lock = asyncio.Lock()
+        self._global_steps = global_steps if global_steps is not None else max(
+            (e.global_steps for e in self._engines if e.global_steps is not None), default=None
+        )
+        self._num_requests = 0
+        self._num_preempted = 0
+        self._num_failovers = 0
+        self._num_updates = 0
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncServerManager:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"<AsyncServerManager engines={len(self._engines)} in_flight={self._total()} "
+            f"global_steps={self._global_steps} resume_mode={self.resume_mode}>"
+        )
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        return tuple(self._engines)
+
+    @property
+    def global_steps(self) -> int | None:
+        """The last version every engine took."""
+        return self._global_steps
+
+    def statistics(self) -> ManagerStatistics:
+        return ManagerStatistics(
+            in_flight=self._total(),
+            in_flight_per_engine=dict(self._in_flight),
+            alive_engines=sum(not engine.is_dead for engine in self._engines),
+            global_steps=self._global_steps,
+            updating=not self._gate.is_set(),
+            num_requests=self._num_requests,
+            num_preempted=self._num_preempted,
+            num_engine_failovers=self._num_failovers,
+            num_updates=self._num_updates,
+            sticky_sessions=len(self._sticky),
+        )
+
+    def add_engine(self, engine: Engine) -> None:
+        """Put an engine (new, or restarted) into rotation."""
+        if engine.name in self._in_flight:
+            raise InvalidRequestError(f"an engine named {engine.name!r} is already managed")
+        self._engines.append(engine)
+        self._in_flight[engine.name] = 0
+        if self._weights is not None:
+            self._weights = None  # the next update attaches the new set of engines
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        session_key: str | None = None,
+    ) -> TokenOutput:
+        """Generate one complete output, resuming it across weight updates and engine deaths.
+
+        Args:
+            request_id: The caller's id for this call.
+            prompt_ids: Token ids of the prompt.
+            sampling_params: vLLM sampling arguments; never mutated.
+            session_key: Calls sharing a key go to the same engine while it is not much busier
+                than the others (default: ``request_id``). Pass one per conversation.
+
+        Raises:
+            InvalidRequestError: bad input; no engine saw it.
+            NoEngineAvailableError: every engine is dead.
+        """
+        self._check_open()
+        prompt, params = self._validate(prompt_ids, sampling_params)
+        budget: int = params["max_tokens"]
+        min_tokens = int(params.get("min_tokens") or 0)
+        key = session_key if session_key is not None else request_id
+        trajectory = _Trajectory()
+        self._num_requests += 1
+        for attempt in itertools.count():
+            await self._gate.wait()
+            engine = self._route(key)
+            remaining = budget - len(trajectory.token_ids)
+            segment_params = {**params, "max_tokens": remaining}
+            if min_tokens:
+                segment_params["min_tokens"] = max(0, min_tokens - len(trajectory.token_ids))
+            try:
+                segment = await self._dispatch(
+                    engine,
+                    f"{request_id}@{attempt}" if attempt else request_id,
+                    prompt + trajectory.token_ids,
+                    segment_params,
+                )
+            except EngineDeadError:
+                self._num_failovers += 1
+                logger.warning("%s died; resuming %r on another engine", engine.name, request_id)
+                continue
+            trajectory.add(segment, engine.name)
+            reason = self._finish_reason(segment, len(trajectory.token_ids), budget)
+            if reason is not None:
+                return self._output(request_id, trajectory, reason, len(prompt))
+            trajectory.preempted += 1
+            self._num_preempted += 1
+        raise AssertionError("unreachable")
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        global_steps: int | None,
+    ) -> UpdateReport:
+        """Push new weights to every live engine; in-flight requests resume transparently.
+
+        Pauses every engine (in ``resume_mode``), pushes to all of them at once, labels the
+        weights ``global_steps`` and publishes it once every engine succeeded, then resumes.
+
+        Raises:
+            InvalidRequestError: ``global_steps`` is lower than the published one.
+            WeightSyncError: a push failed; the published version stays the old one.
+        """
+        self._check_open()
+        async with self._update_lock:
+            if (
+                global_steps is not None
+                and self._global_steps is not None
+                and global_steps < self._global_steps
+            ):
+                raise InvalidRequestError(
+                    f"global_steps {global_steps} is lower than the published {self._global_steps}"
+                )
+            engines = [engine for engine in self._engines if not engine.is_dead]
+            if self._weights is None:
+                self._weights = WeightPusher(engines)  # type: ignore[arg-type]
+            self._gate.clear()
+            try:
+                report = await self._weights.update(
+                    named_tensors, global_steps=global_steps, mode=self.resume_mode
+                )
+            except WeightSyncError:
+                raise
+            finally:
+                self._gate.set()
+            if global_steps is not None:
+                self._global_steps = global_steps
+            self._num_updates += 1
+            return report
+
+    async def aclose(self) -> None:
+        """Release the weight pusher. Idempotent; engines stay the caller's to close."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._weights is not None:
+            await self._weights.aclose()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the AsyncServerManager is closed")
+
+    def _total(self) -> int:
+        return sum(self._in_flight.values())
+
+    def _validate(
+        self, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None
+    ) -> tuple[list[int], dict[str, Any]]:
+        vocab_size = min(engine.vocab_size for engine in self._engines)
+        max_model_len = min(engine.max_model_len for engine in self._engines)
+        prompt = check_prompt(prompt_ids, vocab_size=vocab_size)
+        params = resolve_sampling_params(
+            sampling_params,
+            prompt_len=len(prompt),
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+        )
+        del params["logprobs"]  # the engine sets its own
+        return prompt, params
+
+    def _route(self, key: str) -> Engine:
+        loads = [
+            EngineLoad(self._in_flight[engine.name], alive=not engine.is_dead)
+            for engine in self._engines
+        ]
+        index = choose_engine(
+            loads, sticky=self._sticky.get(key), margin=self._margin, rotation=next(self._rotation)
+        )
+        self._sticky.set(key, index)
+        return self._engines[index]
+
+    async def _dispatch(
+        self, engine: Engine, request_id: str, prompt: list[int], params: dict[str, Any]
+    ) -> Segment:
+        self._in_flight[engine.name] += 1
+        try:
+            return await engine.generate(request_id, prompt_ids=prompt, sampling_params=params)
+        finally:
+            self._in_flight[engine.name] -= 1
+
+    def _finish_reason(self, segment: Segment, generated: int, budget: int) -> FinishReason | None:
+        """The output's finish reason, or None if the request must be resumed."""
+        if segment.finish_reason != "abort":
+            return segment.finish_reason
+        if generated >= budget:
+            return "length"
+        if not self.partial_rollout:
+            return "abort"
+        return None
+
+    @staticmethod
+    def _output(
+        request_id: str, trajectory: _Trajectory, reason: FinishReason, num_prompt_tokens: int
+    ) -> TokenOutput:
+        return TokenOutput(
+            request_id=request_id,
+            token_ids=tuple(trajectory.token_ids),
+            log_probs=tuple(trajectory.log_probs),
+            global_steps=tuple(trajectory.global_steps),
+            finish_reason=reason,
+            num_preempted=trajectory.preempted,
+            engines=tuple(trajectory.engines),
+            num_prompt_tokens=num_prompt_tokens,
+            num_cached_tokens=trajectory.num_cached,
+        )

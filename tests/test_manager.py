@@ -1,0 +1,268 @@
+"""AsyncServerManager against two real vLLM CPU engines."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from engine_helpers import load_weights
+
+from asyncroll import (
+    AsyncServerManager,
+    InvalidRequestError,
+    ResumeMode,
+    TokenOutput,
+    VLLMEngine,
+)
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def weights_a(tiny_model_a: Path) -> dict[str, Any]:
+    return load_weights(tiny_model_a)
+
+
+@pytest.fixture(scope="module")
+async def both_on_a(
+    engine: VLLMEngine, engine_b: VLLMEngine, weights_a: dict[str, Any]
+) -> list[VLLMEngine]:
+    """Both shared engines serving model A, so outputs do not depend on routing."""
+    async with AsyncServerManager([engine, engine_b]) as manager:
+        await manager.update_weights(weights_a, global_steps=(manager.global_steps or 0) + 1)
+    return [engine, engine_b]
+
+
+@pytest.fixture(params=["abort", "keep"])
+async def manager(
+    request: pytest.FixtureRequest, both_on_a: list[VLLMEngine]
+) -> AsyncIterator[AsyncServerManager]:
+    mode: ResumeMode = request.param
+    async with AsyncServerManager(both_on_a, resume_mode=mode) as started:
+        yield started
+    for engine in both_on_a:
+        assert engine.statistics().in_flight == 0
+
+
+class LoopLag:
+    """Measures the longest time the event loop went without running a ready callback."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(0)
+            self.worst = max(self.worst, time.perf_counter() - before)
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+
+def _assert_monotone(output: TokenOutput) -> None:
+    known = [s for s in output.global_steps if s is not None]
+    assert known == sorted(known), output.global_steps
+
+
+async def _update_until_done(
+    manager: AsyncServerManager, weights: dict[str, Any], tasks: list[asyncio.Task[TokenOutput]]
+) -> int:
+    updates = 0
+    pending = set(tasks)
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+        if pending:
+            await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
+            updates += 1
+    return updates
+
+
+async def test_requests_complete_exactly_across_repeated_updates(
+    manager: AsyncServerManager, weights_a: dict[str, Any]
+) -> None:
+    params = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0}
+    with LoopLag() as lag:
+        tasks = [
+            asyncio.create_task(
+                manager.generate(f"r{i}", prompt_ids=[2 + i % 50, 3, 4], sampling_params=params)
+            )
+            for i in range(64)
+        ]
+        updates = await _update_until_done(manager, weights_a, tasks)
+    outputs = [task.result() for task in tasks]
+    assert updates >= 2
+    for output in outputs:
+        assert len(output.token_ids) == len(output.log_probs) == 200
+        assert len(output.global_steps) == 200
+        assert output.finish_reason == "length"
+        _assert_monotone(output)
+    spanning = [o for o in outputs if o.min_global_steps != o.max_global_steps]
+    assert spanning, "some outputs must span several versions"
+    if manager.resume_mode == "abort":
+        assert sum(o.num_preempted for o in outputs) > 0
+    stats = manager.statistics()
+    assert stats.in_flight == 0 and not stats.updating
+    assert stats.num_updates == updates
+    assert lag.worst < 0.25, f"the event loop was blocked for {lag.worst * 1000:.0f} ms"
+
+
+async def test_resume_changes_nothing_when_weights_do_not_change(
+    manager: AsyncServerManager, weights_a: dict[str, Any]
+) -> None:
+    greedy = {"max_tokens": 150, "ignore_eos": True, "temperature": 0.0}
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(8)]
+
+    async def run(tag: str) -> list[asyncio.Task[TokenOutput]]:
+        return [
+            asyncio.create_task(
+                manager.generate(f"{tag}{i}", prompt_ids=p, sampling_params=greedy)
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    plain = await asyncio.gather(*await run("plain"))
+    tasks = await run("resumed")
+    await _update_until_done(manager, weights_a, tasks)
+    resumed = [task.result() for task in tasks]
+    assert [o.token_ids for o in resumed] == [o.token_ids for o in plain]
+    assert any(o.min_global_steps != o.max_global_steps for o in resumed)
+
+
+async def test_sampling_params_never_mutated_and_budget_charged(
+    manager: AsyncServerManager, weights_a: dict[str, Any]
+) -> None:
+    params = {"max_tokens": 120, "ignore_eos": True}
+    snapshot = dict(params)
+    tasks = [
+        asyncio.create_task(manager.generate(f"m{i}", prompt_ids=[5, i + 1], sampling_params=params))
+        for i in range(8)
+    ]
+    await _update_until_done(manager, weights_a, tasks)
+    assert params == snapshot
+    assert all(len(t.result().token_ids) == 120 for t in tasks)
+
+
+async def test_second_turn_sticks_to_first_engine_and_hits_prefix_cache(
+    manager: AsyncServerManager,
+) -> None:
+    prompt = [10 + i % 400 for i in range(300)]  # the CPU build's KV blocks hold 128 tokens
+    params = {"max_tokens": 16, "ignore_eos": True}
+    turn1 = await manager.generate("t1", prompt_ids=prompt, sampling_params=params, session_key="c")
+    follow_up = prompt + list(turn1.token_ids) + [7, 8, 9]
+    turn2 = await manager.generate(
+        "t2", prompt_ids=follow_up, sampling_params=params, session_key="c"
+    )
+    assert turn2.engines == turn1.engines
+    assert turn2.num_cached_tokens > 0
+
+
+async def test_new_calls_during_an_update_wait_instead_of_failing(
+    manager: AsyncServerManager, weights_a: dict[str, Any]
+) -> None:
+    update = asyncio.create_task(
+        manager.update_weights(weights_a, global_steps=(manager.global_steps or 0) + 1)
+    )
+    await asyncio.sleep(0)  # the update has closed the gate
+    assert manager.statistics().updating
+    late = await manager.generate("late", prompt_ids=[5, 6], sampling_params={"max_tokens": 4})
+    await update
+    assert late.global_steps == (manager.global_steps,) * 4
+
+
+async def test_bad_input_never_reaches_an_engine(manager: AsyncServerManager) -> None:
+    engines = manager.engines
+    seen = [e.statistics().num_requests + e.statistics().num_rejected for e in engines]
+    good = asyncio.create_task(
+        manager.generate("good", prompt_ids=[5, 6], sampling_params={"max_tokens": 32})
+    )
+    for prompt, params in [
+        ([], {"max_tokens": 4}),
+        ([5, 99_999], {"max_tokens": 4}),
+        ([5], {"max_tokens": 0}),
+        ([5] * 500, {"max_tokens": 100}),
+    ]:
+        with pytest.raises(InvalidRequestError):
+            await manager.generate("bad", prompt_ids=prompt, sampling_params=params)
+    assert len((await good).token_ids) == 32
+    after = [e.statistics().num_requests + e.statistics().num_rejected for e in engines]
+    assert sum(after) - sum(seen) == 1  # only the good request reached an engine
+
+
+async def test_cancelled_generate_leaves_nothing_behind(manager: AsyncServerManager) -> None:
+    task = asyncio.create_task(
+        manager.generate("c", prompt_ids=[5, 6], sampling_params={"max_tokens": 400, "ignore_eos": True})
+    )
+    await manager.generate("clock", prompt_ids=[9], sampling_params={"max_tokens": 8})
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert manager.statistics().in_flight == 0
+    assert all(e.statistics().in_flight == 0 for e in manager.engines)
+
+
+async def test_partial_rollout_off_marks_interrupted_requests_abort(
+    both_on_a: list[VLLMEngine], weights_a: dict[str, Any]
+) -> None:
+    async with AsyncServerManager(both_on_a, partial_rollout=False) as manager:
+        tasks = [
+            asyncio.create_task(
+                manager.generate(
+                    f"p{i}", prompt_ids=[5, i + 2], sampling_params={"max_tokens": 400, "ignore_eos": True}
+                )
+            )
+            for i in range(4)
+        ]
+        await manager.generate("clock", prompt_ids=[9], sampling_params={"max_tokens": 8})
+        await manager.update_weights(weights_a, global_steps=(manager.global_steps or 0) + 1)
+        outputs = await asyncio.gather(*tasks)
+    for output in outputs:
+        assert output.finish_reason == "abort"
+        assert 0 < len(output.token_ids) < 400
+        assert output.num_preempted == 0
+
+
+def _engine_core_pid() -> Iterator[int]:
+    for child in psutil.Process().children(recursive=True):
+        if "EngineCore" in f"{child.name()} {' '.join(child.cmdline())}":
+            yield child.pid
+
+
+async def test_engine_killed_mid_run_requests_finish_on_survivor(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    before = set(_engine_core_pid())
+    doomed = await VLLMEngine.start(tiny_model_a, name="doomed-2", max_model_len=512)
+    try:
+        (core,) = set(_engine_core_pid()) - before
+        async with AsyncServerManager([engine, doomed]) as manager:
+            params = {"max_tokens": 150, "ignore_eos": True}
+            tasks = [
+                asyncio.create_task(manager.generate(f"k{i}", prompt_ids=[5, i + 2], sampling_params=params))
+                for i in range(16)
+            ]
+            await manager.generate("clock", prompt_ids=[9], sampling_params={"max_tokens": 8})
+            assert manager.statistics().in_flight_per_engine["doomed-2"] > 0
+            os.kill(core, signal.SIGKILL)
+            outputs = await asyncio.gather(*tasks)
+            stats = manager.statistics()
+        assert all(len(o.token_ids) == 150 for o in outputs)
+        assert stats.alive_engines == 1 and stats.num_engine_failovers > 0
+        assert any("doomed-2" in o.engines and "shared" in o.engines for o in outputs) or all(
+            o.engines == ("shared",) for o in outputs
+        )
+    finally:
+        await doomed.aclose()

@@ -34,7 +34,7 @@ from asyncroll.types import (
 from asyncroll.validation import check_prompt, resolve_sampling_params
 from asyncroll.weights import UpdateReport, WeightPusher
 
-__all__ = ["AsyncServerManager", "Engine", "ResumeMode"]
+__all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,20 @@ class Engine(Protocol):
     async def resume(self) -> None: ...
 
     def statistics(self) -> EngineStatistics: ...
+
+
+class WeightUpdater(Protocol):
+    """Pauses, pushes, labels and resumes a set of engines (``WeightPusher`` for vLLM)."""
+
+    async def update(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        global_steps: int | None,
+        mode: ResumeMode = "abort",
+    ) -> UpdateReport: ...
+
+    async def aclose(self) -> None: ...
 
 
 class _Trajectory:
@@ -111,7 +125,7 @@ class AsyncServerManager:
         resume_mode: ResumeMode = "abort",
         partial_rollout: bool = True,
         sticky_margin: int = 4,
-        weights: WeightPusher | None = None,
+        weights: WeightUpdater | None = None,
         global_steps: int | None = None,
     ) -> None:
         """Args:
@@ -123,7 +137,8 @@ class AsyncServerManager:
                 ``finish_reason="abort"`` instead of being resumed.
             sticky_margin: How much busier than the least-loaded engine a session's engine may
                 be and still get the session's next call.
-            weights: The weight pusher; by default one over ``engines``, made on first update.
+            weights: Pushes weights into the engines; by default a ``WeightPusher`` over the live
+                engines, made on the first update (VLLMEngine only).
             global_steps: The published version; by default the engines' own.
         """
         if not engines:
@@ -135,7 +150,9 @@ class AsyncServerManager:
         self.resume_mode: ResumeMode = resume_mode
         self.partial_rollout = partial_rollout
         self._margin = sticky_margin
-        self._weights = weights
+        self._weights: WeightUpdater | None = weights
+        self._owns_weights = weights is None
+        self._retired: list[WeightUpdater] = []
         self._sticky = StickyTable()
         self._rotation = itertools.count()
         self._gate = asyncio.Event()
@@ -191,8 +208,9 @@ class AsyncServerManager:
             raise InvalidRequestError(f"an engine named {engine.name!r} is already managed")
         self._engines.append(engine)
         self._in_flight[engine.name] = 0
-        if self._weights is not None:
-            self._weights = None  # the next update attaches the new set of engines
+        if self._owns_weights and self._weights is not None:
+            self._retired.append(self._weights)  # the next update attaches the new set
+            self._weights = None
 
     async def generate(
         self,
@@ -274,6 +292,8 @@ class AsyncServerManager:
                     f"global_steps {global_steps} is lower than the published {self._global_steps}"
                 )
             engines = [engine for engine in self._engines if not engine.is_dead]
+            while self._retired:
+                await self._retired.pop().aclose()
             if self._weights is None:
                 self._weights = WeightPusher(engines)  # type: ignore[arg-type]
             self._gate.clear()
@@ -295,8 +315,9 @@ class AsyncServerManager:
         if self._closed:
             return
         self._closed = True
-        if self._weights is not None:
-            await self._weights.aclose()
+        for updater in [*self._retired, self._weights]:
+            if updater is not None:
+                await updater.aclose()
 
     # -- internals -------------------------------------------------------------------------
 

@@ -283,6 +283,28 @@ async def test_cancelled_push_is_counted_and_the_next_push_works(child: Child) -
     assert reply["digests"] == digests(tensors)
 
 
+async def test_close_during_a_push_fails_the_push_and_cleans_up(child: Child) -> None:
+    async with open_weight_sender(
+        bucket_bytes=16 * KB, receivers=1, ack_timeout=30, close_timeout=0.2
+    ) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.entered.clear()
+        child.release.clear()
+        child.start("receive", gate=True)
+        push = asyncio.ensure_future(sender.push(model_tensors(), version=1))
+        assert await asyncio.to_thread(child.entered.wait, 30)
+        await sender.aclose()
+        with pytest.raises(TransportClosedError):
+            await push
+        child.release.set()
+        with pytest.raises(ChildError, match=r"WeightSyncError.*TransportClosedError"):
+            await asyncio.to_thread(child.result)
+        await child.acall("close")
+        stats = sender.statistics()
+    assert stats.closed and stats.failed_pushes == 1
+    assert nonce_files(sender.nonce) == [] and not sender.runtime_dir.exists()
+
+
 async def test_hundred_pushes_leak_nothing(child: Child) -> None:
     tensors = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(12)}
     rss: list[int] = []

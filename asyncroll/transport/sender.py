@@ -305,6 +305,8 @@ class WeightSender:
             return
         self._closed = True
         try:
+            async with self._changed:
+                self._changed.notify_all()  # a push waiting on acks raises TransportClosedError
             with contextlib.suppress(TimeoutError):
                 await self._wait(lambda: not self._peers, within=self._close_timeout, closing=True)
         finally:

@@ -11,7 +11,6 @@ EXTRA := cpu
 endif
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export VLLM_CPU_OMP_THREADS_BIND ?= nobind
-export VLLM_ALLOW_INSECURE_SERIALIZATION ?= 1
 export VLLM_NO_USAGE_STATS ?= 1
 export DO_NOT_TRACK ?= 1
 export TOKENIZERS_PARALLELISM ?= false
@@ -39,7 +38,7 @@ lint: $(STAMP)
 	$(BIN)/mypy asyncroll
 
 bench: $(STAMP)
-	$(BIN)/python bench/transport_push.py
+	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,6 @@
 """asyncroll: async-first rollout layer for RL with LLMs."""
 
 from asyncroll.engine import VLLMEngine
-from asyncroll.manager import AsyncServerManager, Engine, ResumeMode
 from asyncroll.errors import (
     AsyncrollError,
     EngineDeadError,
@@ -17,6 +16,7 @@ from asyncroll.errors import (
     TransportTimeoutError,
     WeightSyncError,
 )
+from asyncroll.manager import AsyncServerManager, Engine, ResumeMode, WeightUpdater
 from asyncroll.types import (
     EngineStatistics,
     FinishReason,
@@ -37,8 +37,8 @@ __all__ = [
     "EngineSleepingError",
     "EngineStatistics",
     "FinishReason",
-    "ManagerStatistics",
     "InvalidRequestError",
+    "ManagerStatistics",
     "NoEngineAvailableError",
     "PauseMode",
     "ResumeMode",
@@ -53,4 +53,5 @@ __all__ = [
     "VLLMEngine",
     "WeightPusher",
     "WeightSyncError",
+    "WeightUpdater",
 ]

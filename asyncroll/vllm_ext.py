@@ -159,6 +159,19 @@ def _detach_pending_views() -> None:
 class AsyncrollWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); reachable by ``collective_rpc``."""
 
+    def asyncroll_load_serialized(self, payload: bytes) -> int:
+        """Baseline for benchmarks: weights as safetensors bytes through vLLM's own RPC."""
+        from safetensors.torch import load
+
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        tensors = load(payload)
+        layerwise.initialize_layerwise_reload(model)
+        model.load_weights(list(tensors.items()))
+        layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
+            model, self.model_config  # type: ignore[attr-defined]
+        )
+        return len(tensors)
+
     def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
         """Per-parameter sums of the served model (tests compare them across engines)."""
         model = self.model_runner.model  # type: ignore[attr-defined]

@@ -14,7 +14,6 @@ from asyncroll.testing import make_tiny_model
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 MAX_MODEL_LEN = 512
 @pytest.fixture(scope="session")

@@ -17,6 +17,13 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.manager import AsyncServerManager, Engine, ResumeMode, WeightUpdater
+from asyncroll.transport import (
+    PushReport,
+    WeightReceiver,
+    WeightSender,
+    open_weight_sender,
+    plan_buckets,
+)
 from asyncroll.types import (
     EngineStatistics,
     FinishReason,
@@ -41,6 +48,7 @@ __all__ = [
     "ManagerStatistics",
     "NoEngineAvailableError",
     "PauseMode",
+    "PushReport",
     "ResumeMode",
     "Segment",
     "TokenOutput",
@@ -52,6 +60,10 @@ __all__ = [
     "UpdateReport",
     "VLLMEngine",
     "WeightPusher",
+    "WeightReceiver",
+    "WeightSender",
     "WeightSyncError",
     "WeightUpdater",
+    "open_weight_sender",
+    "plan_buckets",
 ]

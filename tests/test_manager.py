@@ -148,7 +148,9 @@ async def test_sampling_params_never_mutated_and_budget_charged(
     params = {"max_tokens": 120, "ignore_eos": True}
     snapshot = dict(params)
     tasks = [
-        asyncio.create_task(manager.generate(f"m{i}", prompt_ids=[5, i + 1], sampling_params=params))
+        asyncio.create_task(
+            manager.generate(f"m{i}", prompt_ids=[5, i + 1], sampling_params=params)
+        )
         for i in range(8)
     ]
     await _update_until_done(manager, weights_a, tasks)
@@ -204,7 +206,9 @@ async def test_bad_input_never_reaches_an_engine(manager: AsyncServerManager) ->
 
 async def test_cancelled_generate_leaves_nothing_behind(manager: AsyncServerManager) -> None:
     task = asyncio.create_task(
-        manager.generate("c", prompt_ids=[5, 6], sampling_params={"max_tokens": 400, "ignore_eos": True})
+        manager.generate(
+            "c", prompt_ids=[5, 6], sampling_params={"max_tokens": 400, "ignore_eos": True}
+        )
     )
     await manager.generate("clock", prompt_ids=[9], sampling_params={"max_tokens": 8})
     task.cancel()
@@ -221,7 +225,9 @@ async def test_partial_rollout_off_marks_interrupted_requests_abort(
         tasks = [
             asyncio.create_task(
                 manager.generate(
-                    f"p{i}", prompt_ids=[5, i + 2], sampling_params={"max_tokens": 400, "ignore_eos": True}
+                    f"p{i}",
+                    prompt_ids=[5, i + 2],
+                    sampling_params={"max_tokens": 400, "ignore_eos": True},
                 )
             )
             for i in range(4)
@@ -251,7 +257,9 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
         async with AsyncServerManager([engine, doomed]) as manager:
             params = {"max_tokens": 150, "ignore_eos": True}
             tasks = [
-                asyncio.create_task(manager.generate(f"k{i}", prompt_ids=[5, i + 2], sampling_params=params))
+                asyncio.create_task(
+                    manager.generate(f"k{i}", prompt_ids=[5, i + 2], sampling_params=params)
+                )
                 for i in range(16)
             ]
             await manager.generate("clock", prompt_ids=[9], sampling_params={"max_tokens": 8})
@@ -261,8 +269,6 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
             stats = manager.statistics()
         assert all(len(o.token_ids) == 150 for o in outputs)
         assert stats.alive_engines == 1 and stats.num_engine_failovers > 0
-        assert any("doomed-2" in o.engines and "shared" in o.engines for o in outputs) or all(
-            o.engines == ("shared",) for o in outputs
-        )
+        assert all(o.engines[-1] == "shared" for o in outputs)
     finally:
         await doomed.aclose()

@@ -1,0 +1,64 @@
+"""A custom agent loop: answer, read fixed feedback, answer again.
+
+The loop is the class below; ``run_agent_loops`` picks it by its registered name. Run the file
+to roll it out on a vLLM CPU engine serving a tiny random model (20-40 s to start):
+``python examples/custom_agent_loop.py``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import uvloop
+
+from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll.agent_loop import (
+    AgentLoop,
+    AgentLoopOutput,
+    ResponseBuilder,
+    Sample,
+    register_agent_loop,
+    run_agent_loops,
+)
+from asyncroll.testing import make_tiny_model
+
+FEEDBACK = (7, 8, 9)
+"""Token ids the environment inserts between the two answers (a tokenizer-free "try again")."""
+
+
+@register_agent_loop("revise")
+class ReviseLoop(AgentLoop[Sample]):
+    """Two model turns around a feedback block; one budget for the whole response."""
+
+    budget = 48
+
+    async def run(self, sample: Sample) -> AgentLoopOutput:
+        response = ResponseBuilder(budget=self.budget)
+        first = await self.generate(
+            sample.prompt_ids, {"temperature": 1.0, "max_tokens": self.budget // 2}
+        )
+        response.add_model(first)
+        response.add_environment(FEEDBACK)  # mask 0, labelled with the first answer's version
+        second = await self.generate(
+            [*sample.prompt_ids, *response.token_ids],
+            {"temperature": 1.0, "max_tokens": response.remaining},
+        )
+        response.add_model(second)
+        return self.finish(sample.prompt_ids, response, stop_reason=second.finish_reason)
+
+
+async def main() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        model = make_tiny_model(folder, seed=0)
+        async with (
+            VLLMEngine.launch(model, max_model_len=512) as engine,
+            AsyncServerManager([engine]) as manager,
+        ):
+            samples = [Sample(prompt_ids=(2 + i, 3, 4)) for i in range(8)]
+            results = await run_agent_loops(manager, samples, loop="revise", max_concurrency=4)
+            for result in results:
+                print(result)
+
+
+if __name__ == "__main__":
+    uvloop.run(main())

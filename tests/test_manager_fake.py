@@ -673,8 +673,11 @@ def test_an_output_never_moves_to_older_weights(run: Run[None]) -> None:
             hold.set()
             with pytest.raises(WeightSyncError):
                 await update
-            outputs = await asyncio.gather(*tasks)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        # Failing the request (no engine can continue it without going back) would be correct.
+        outputs = [r for r in results if not isinstance(r, NoEngineAvailableError)]
         for output in outputs:
+            assert isinstance(output, TokenOutput), output
             known = [step for step in output.global_steps if step is not None]
             assert known == sorted(known), output.global_steps
 

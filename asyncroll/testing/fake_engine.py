@@ -498,7 +498,13 @@ class FakeWeightUpdater:
         pausable = [engine for engine in engines if not engine.is_asleep]
         marks = [time.perf_counter()]
         try:
-            await asyncio.gather(*(engine.pause(mode) for engine in pausable))
+            # Every pause settles before any resume runs, so none lands after its resume.
+            paused = await asyncio.gather(
+                *(engine.pause(mode) for engine in pausable), return_exceptions=True
+            )
+            for outcome in paused:
+                if isinstance(outcome, BaseException):
+                    raise outcome
             marks.append(time.perf_counter())
             await self._push(engines, global_steps)
             marks.append(time.perf_counter())

@@ -406,6 +406,7 @@ class VLLMEngine:
         what = f"request {request_id!r} on {self.name}" if request_id else self.name
         if isinstance(exc, VLLMEngineDeadError) or self._llm.errored:
             self._dead = exc
+            self._gate.set()  # requests waiting for admission wake and find the engine dead
             return EngineDeadError(f"{what}: the engine died ({exc!r})")
         if isinstance(exc, ValueError):
             return InvalidRequestError(f"{what}: vLLM rejected the request: {exc}")

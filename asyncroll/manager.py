@@ -99,6 +99,9 @@ class _Trajectory:
         self.preempted = 0
         self.num_cached = 0
 
+    def last_version(self) -> int | None:
+        return next((s for s in reversed(self.global_steps) if s is not None), None)
+
     def add(self, segment: Segment, engine: str) -> None:
         self.token_ids += segment.token_ids
         self.log_probs += segment.log_probs
@@ -153,6 +156,7 @@ class AsyncServerManager:
         self._weights: WeightUpdater | None = weights
         self._owns_weights = weights is None
         self._retired: list[WeightUpdater] = []
+        self._weights_for: tuple[str, ...] = ()
         self._sticky = StickyTable()
         self._rotation = itertools.count()
         self._gate = asyncio.Event()
@@ -165,6 +169,7 @@ class AsyncServerManager:
         self._num_preempted = 0
         self._num_failovers = 0
         self._num_updates = 0
+        self._reprefill_tokens = 0
         self._closed = False
 
     async def __aenter__(self) -> AsyncServerManager:
@@ -200,6 +205,7 @@ class AsyncServerManager:
             num_engine_failovers=self._num_failovers,
             num_updates=self._num_updates,
             sticky_sessions=len(self._sticky),
+            num_reprefill_tokens=self._reprefill_tokens,
         )
 
     def add_engine(self, engine: Engine) -> None:
@@ -227,7 +233,8 @@ class AsyncServerManager:
             prompt_ids: Token ids of the prompt.
             sampling_params: vLLM sampling arguments; never mutated.
             session_key: Calls sharing a key go to the same engine while it is not much busier
-                than the others (default: ``request_id``). Pass one per conversation.
+                than the others, so its prefix cache hits. Pass one per conversation. Without
+                one, only the segments of this call stick together.
 
         Raises:
             InvalidRequestError: bad input; no engine saw it.
@@ -237,13 +244,16 @@ class AsyncServerManager:
         prompt, params = self._validate(prompt_ids, sampling_params)
         budget: int = params["max_tokens"]
         min_tokens = int(params.get("min_tokens") or 0)
-        key = session_key if session_key is not None else request_id
         trajectory = _Trajectory()
+        last: int | None = None
         self._num_requests += 1
         for attempt in itertools.count():
             await self._gate.wait()
-            engine = self._route(key)
+            last = self._route(session_key, last, floor=trajectory.last_version())
+            engine = self._engines[last]
             remaining = budget - len(trajectory.token_ids)
+            if attempt:  # a resubmission prefills the prompt and the output so far again
+                self._reprefill_tokens += len(prompt) + len(trajectory.token_ids)
             segment_params = {**params, "max_tokens": remaining}
             if min_tokens:
                 segment_params["min_tokens"] = max(0, min_tokens - len(trajectory.token_ids))
@@ -256,6 +266,7 @@ class AsyncServerManager:
                 )
             except EngineDeadError:
                 self._num_failovers += 1
+                await asyncio.sleep(0)  # let the engine's death be observed before re-routing
                 logger.warning("%s died; resuming %r on another engine", engine.name, request_id)
                 continue
             trajectory.add(segment, engine.name)
@@ -292,10 +303,15 @@ class AsyncServerManager:
                     f"global_steps {global_steps} is lower than the published {self._global_steps}"
                 )
             engines = [engine for engine in self._engines if not engine.is_dead]
+            names = tuple(engine.name for engine in engines)
+            if self._owns_weights and self._weights is not None and names != self._weights_for:
+                self._retired.append(self._weights)  # an engine died: attach the survivors
+                self._weights = None
             while self._retired:
                 await self._retired.pop().aclose()
             if self._weights is None:
                 self._weights = WeightPusher(engines)  # type: ignore[arg-type]
+                self._weights_for = names
             self._gate.clear()
             try:
                 report = await self._weights.update(
@@ -343,16 +359,21 @@ class AsyncServerManager:
         del params["logprobs"]  # the engine sets its own
         return prompt, params
 
-    def _route(self, key: str) -> Engine:
+    def _route(self, session_key: str | None, last: int | None, *, floor: int | None) -> int:
+        """Pick an engine index. Sticky to the session's engine (or, without a session key, to
+        the engine of this request's previous segment). Engines behind ``floor`` (the version
+        of the output's last token) are skipped, so an output never moves to older weights."""
         loads = [
-            EngineLoad(self._in_flight[engine.name], alive=not engine.is_dead)
+            EngineLoad(self._in_flight[engine.name], alive=_can_serve(engine, floor))
             for engine in self._engines
         ]
+        sticky = self._sticky.get(session_key) if session_key is not None else last
         index = choose_engine(
-            loads, sticky=self._sticky.get(key), margin=self._margin, rotation=next(self._rotation)
+            loads, sticky=sticky, margin=self._margin, rotation=next(self._rotation)
         )
-        self._sticky.set(key, index)
-        return self._engines[index]
+        if session_key is not None:
+            self._sticky.set(session_key, index)
+        return index
 
     async def _dispatch(
         self, engine: Engine, request_id: str, prompt: list[int], params: dict[str, Any]
@@ -388,3 +409,8 @@ class AsyncServerManager:
             num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=trajectory.num_cached,
         )
+
+
+def _can_serve(engine: Engine, floor: int | None) -> bool:
+    steps = engine.global_steps
+    return not engine.is_dead and (floor is None or steps is None or steps >= floor)

@@ -98,3 +98,5 @@ class ManagerStatistics:
     num_engine_failovers: int
     num_updates: int
     sticky_sessions: int
+    num_reprefill_tokens: int = 0
+    """Prompt + partial-output tokens resubmitted (``abort``-mode resumes and failovers)."""

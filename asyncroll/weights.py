@@ -115,9 +115,14 @@ class WeightPusher:
             started = time.perf_counter()
             marks = [started]
             pausable = [engine for engine in self._engines if not engine.is_asleep]
-            await asyncio.gather(*(e.pause(mode, clear_cache=True) for e in pausable))
-            marks.append(time.perf_counter())
             try:
+                paused = await asyncio.gather(
+                    *(e.pause(mode, clear_cache=True) for e in pausable), return_exceptions=True
+                )
+                for outcome in paused:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                marks.append(time.perf_counter())
                 push = await self._push(tensors, global_steps)
                 marks.append(time.perf_counter())
                 label = None if global_steps is None else str(global_steps)

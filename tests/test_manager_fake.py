@@ -644,15 +644,9 @@ def test_cancel_while_frozen_in_a_keep_update(run: Run[None]) -> None:
     run(scenario)
 
 
-# -- known manager bug, kept visible --------------------------------------------------------
+# -- an output never moves to older weights ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="manager bug: it routes to engines whose weights are older than the published "
-    "version (a revived or newly added engine), so an output's global_steps can decrease",
-)
 def test_an_output_never_moves_to_older_weights(run: Run[None]) -> None:
     async def scenario() -> None:
         engines = _engines()

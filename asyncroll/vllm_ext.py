@@ -175,7 +175,7 @@ class AsyncrollWorkerExtension:
     def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
         """Per-parameter sums of the served model (tests compare them across engines)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
-        return [(name, float(p.detach().float().sum())) for name, p in model.named_parameters()]
+        return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
 
 
 def _register() -> None:

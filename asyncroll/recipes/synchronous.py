@@ -1,0 +1,56 @@
+"""Synchronous recipe (the baseline): rollout, then train, then push.
+
+``hybrid=True`` is the colocated pattern: the engines sleep while the trainer runs (on GPU this
+frees their memory), wake their weights for the push, then their KV cache and scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+
+from asyncroll.engine import VLLMEngine
+from asyncroll.manager import AsyncServerManager
+from asyncroll.recipes.report import StepRecord
+from asyncroll.recipes.rollout import generate_batch
+from asyncroll.recipes.task import BandTask
+from asyncroll.trainer import ReferenceTrainer
+
+__all__ = ["run_synchronous"]
+
+
+async def run_synchronous(
+    manager: AsyncServerManager,
+    trainer: ReferenceTrainer,
+    task: BandTask,
+    *,
+    steps: int,
+    batch_groups: int = 4,
+    group_size: int = 8,
+    seed: int = 0,
+    hybrid: bool = False,
+    on_step: Callable[[StepRecord], None] = lambda record: None,
+) -> list[StepRecord]:
+    rng = random.Random(seed)
+    engines: Sequence[VLLMEngine] = [e for e in manager.engines if isinstance(e, VLLMEngine)]
+    base = manager.global_steps or 0  # versions continue from the engines' current one
+    records = []
+    for step in range(steps):
+        batch = await generate_batch(
+            manager, task, rng, first_group=step * batch_groups, groups=batch_groups,
+            group_size=group_size,
+        )
+        if hybrid:
+            await asyncio.gather(*(e.sleep(1) for e in engines))
+        metrics = await asyncio.to_thread(trainer.step, batch.samples)
+        if hybrid:
+            await asyncio.gather(*(e.wake_up(["weights"]) for e in engines))
+        weights = trainer.named_parameters()
+        report = await manager.update_weights(weights, global_steps=base + step + 1)
+        if hybrid:
+            await asyncio.gather(*(e.wake_up(["kv_cache", "scheduling"]) for e in engines))
+        record = StepRecord.of(step, batch, metrics, report, trainer_version=base + step)
+        records.append(record)
+        on_step(record)
+    return records

@@ -1,0 +1,128 @@
+"""A small reference trainer: the tiny Qwen2 the engines serve, a GRPO-style policy-gradient step.
+
+Not a training framework: enough to show the rollout layer doing its job on CPU. Invariants:
+- The loss uses the rollout's own log probs (behaviour policy) with a clipped importance ratio
+  per token, so tokens sampled by stale weights (their ``global_steps`` tell how stale) are
+  corrected, not trusted.
+- ``named_parameters()`` yields Hugging Face checkpoint names in the engines' dtype, ready for
+  ``manager.update_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["ReferenceTrainer", "TrainMetrics", "TrainSample"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSample:
+    """One scored rollout; samples of one prompt share a ``group``."""
+
+    group: int
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    log_probs: tuple[float, ...]
+    global_steps: tuple[int | None, ...]
+    reward: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainMetrics:
+    loss: float
+    reward: float
+    mean_ratio: float
+    clipped_fraction: float
+
+
+class ReferenceTrainer:
+    """GRPO on CPU: group-normalised advantages, PPO-clipped importance ratios."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        lr: float = 3e-3,
+        clip: float = 0.2,
+        threads: int | None = 1,
+        seed: int = 0,
+    ) -> None:
+        from transformers import Qwen2ForCausalLM
+
+        if threads is not None:
+            torch.set_num_threads(threads)  # leave the other cores to the engines
+        torch.manual_seed(seed)
+        self.model = Qwen2ForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        self.model.train()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.clip = clip
+        self.steps = 0
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights as the engines hold them (bf16, checkpoint names)."""
+        for name, parameter in self.model.named_parameters():
+            yield name, parameter.detach().to(torch.bfloat16)
+
+    def step(self, samples: Sequence[TrainSample]) -> TrainMetrics:
+        """One optimiser step on a batch of scored samples (blocking: run it in a thread)."""
+        advantages = _group_advantages(samples)
+        tokens, positions, targets, old, adv = _flatten(samples, advantages)
+        logits = self.model(input_ids=tokens).logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        new = logp[positions[:, 0], positions[:, 1], targets]
+        ratio = torch.exp(new - old)
+        clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
+        loss = -torch.minimum(ratio * adv, clipped * adv).mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        self.steps += 1
+        return TrainMetrics(
+            loss=float(loss.detach()),
+            reward=sum(s.reward for s in samples) / len(samples),
+            mean_ratio=float(ratio.detach().mean()),
+            clipped_fraction=float(((ratio - clipped).detach().abs() > 1e-6).float().mean()),
+        )
+
+
+def _group_advantages(samples: Sequence[TrainSample]) -> list[float]:
+    groups: dict[int, list[float]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group, []).append(sample.reward)
+    stats = {
+        g: (sum(r) / len(r), math.sqrt(sum((x - sum(r) / len(r)) ** 2 for x in r) / len(r)))
+        for g, r in groups.items()
+    }
+    return [(s.reward - stats[s.group][0]) / (stats[s.group][1] + 1e-4) for s in samples]
+
+
+def _flatten(
+    samples: Sequence[TrainSample], advantages: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad sequences; index (row, position) of the logits that predict each response token."""
+    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    tokens = torch.zeros(len(samples), width, dtype=torch.long)
+    positions, targets, old, adv = [], [], [], []
+    for row, (sample, advantage) in enumerate(zip(samples, advantages, strict=True)):
+        sequence = list(sample.prompt_ids) + list(sample.response_ids)
+        tokens[row, : len(sequence)] = torch.tensor(sequence)
+        start = len(sample.prompt_ids)
+        for i, (token, log_prob) in enumerate(
+            zip(sample.response_ids, sample.log_probs, strict=True)
+        ):
+            positions.append((row, start + i - 1))
+            targets.append(token)
+            old.append(log_prob)
+            adv.append(advantage)
+    return (
+        tokens,
+        torch.tensor(positions, dtype=torch.long),
+        torch.tensor(targets, dtype=torch.long),
+        torch.tensor(old, dtype=torch.float32),
+        torch.tensor(adv, dtype=torch.float32),
+    )

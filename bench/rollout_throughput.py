@@ -1,0 +1,151 @@
+"""Rollout throughput on a real vLLM CPU engine while weights update every few seconds.
+
+One run, one engine, the same long-tailed workload (fixed seed) under four policies:
+- ``none``: no weight updates (the ceiling),
+- ``abort``: updates interrupt requests; asyncroll resubmits prompt + partial output,
+- ``keep``: updates freeze requests in the engine; they continue after the push,
+- ``drain``: the synchronous baseline: stop admitting, wait for every in-flight request to
+  finish, update, admit again (what trainers without partial rollout do).
+Prints tokens/s, the ratio to ``none`` and to ``drain``, updates done, requests resumed and
+re-prefilled tokens per update.
+
+    .venv/bin/python bench/rollout_throughput.py [--requests 96] [--interval 2.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from safetensors.torch import load_file
+
+from asyncroll import AsyncServerManager, ResumeMode, VLLMEngine
+from asyncroll.testing import make_tiny_model
+
+CONCURRENCY = 32
+
+
+def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Prompts and long-tailed response lengths (most short, a few long), like RL rollouts."""
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(2, 500) for _ in range(rng.randrange(16, 64))],
+         min(400, int(rng.paretovariate(1.2) * 60)))
+        for _ in range(n)
+    ]
+
+
+class Admission:
+    """The drain baseline's gate: closed while the trainer waits for in-flight requests."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+
+async def run_policy(
+    engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
+    interval: float,
+) -> dict[str, float]:
+    mode: ResumeMode = "keep" if policy == "keep" else "abort"
+    admission = Admission()
+    queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
+    for i, (prompt, n) in enumerate(jobs):
+        queue.put_nowait((i, prompt, n))
+    tokens = 0
+    resumed = 0
+    async with AsyncServerManager([engine], resume_mode=mode) as manager:
+        stats_before = manager.statistics()
+
+        async def worker() -> None:
+            nonlocal tokens, resumed
+            while not queue.empty():
+                i, prompt, n = queue.get_nowait()
+                await admission.open.wait()
+                admission.in_flight += 1
+                admission.idle.clear()
+                try:
+                    out = await manager.generate(
+                        f"{policy}-{i}", prompt_ids=prompt,
+                        sampling_params={"max_tokens": n, "ignore_eos": True},
+                    )
+                finally:
+                    admission.in_flight -= 1
+                    if admission.in_flight == 0:
+                        admission.idle.set()
+                assert len(out.token_ids) == n
+                tokens += n
+                resumed += out.num_preempted > 0
+
+        started = time.perf_counter()
+        workers = [asyncio.create_task(worker()) for _ in range(CONCURRENCY)]
+        updates = 0
+        update_seconds = 0.0
+        pending = set(workers)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=interval)
+            if pending and policy != "none":
+                if policy == "drain":
+                    admission.open.clear()
+                    await admission.idle.wait()
+                step = (manager.global_steps or 0) + 1
+                report = await manager.update_weights(weights, global_steps=step)
+                update_seconds += report.seconds
+                admission.open.set()
+                updates += 1
+        elapsed = time.perf_counter() - started
+        stats = manager.statistics()
+    reprefill = stats.num_reprefill_tokens - stats_before.num_reprefill_tokens
+    return {
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "updates": updates,
+        "update_seconds": update_seconds,
+        "resumed": resumed,
+        "reprefill_per_update": reprefill / updates if updates else 0.0,
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--interval", type=float, default=2.0)
+    args = parser.parse_args()
+    jobs = workload(args.requests)
+    total = sum(n for _, n in jobs)
+    print(f"workload: {len(jobs)} requests, {total} tokens, concurrency {CONCURRENCY}, "
+          f"updates every {args.interval:g} s", flush=True)
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        model = make_tiny_model(Path(folder) / "m", seed=0)
+        weights = load_file(str(model / "model.safetensors"))
+        async with VLLMEngine.launch(model, max_model_len=512) as engine:
+            await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
+            for policy in ("none", "abort", "keep", "drain"):
+                print(f"running {policy}...", flush=True)
+                results[policy] = await run_policy(engine, weights, policy, jobs, args.interval)
+                print(f"  {results[policy]['tokens_per_s']:.0f} tokens/s", flush=True)
+    print("\n| policy | wall s | tokens/s | vs none | vs drain | updates | update s total "
+          "| requests resumed | re-prefill tokens / update |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for policy, r in results.items():
+        print(
+            f"| {policy} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f}"
+            f" | {r['tokens_per_s'] / results['none']['tokens_per_s']:.2f}x"
+            f" | {r['tokens_per_s'] / results['drain']['tokens_per_s']:.2f}x"
+            f" | {r['updates']:.0f} | {r['update_seconds']:.2f} | {r['resumed']:.0f}"
+            f" | {r['reprefill_per_update']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    uvloop.run(main())

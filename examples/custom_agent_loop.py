@@ -14,6 +14,7 @@ import uvloop
 from asyncroll import AsyncServerManager, VLLMEngine
 from asyncroll.agent_loop import (
     AgentLoop,
+    AgentLoopFailure,
     AgentLoopOutput,
     ResponseBuilder,
     Sample,
@@ -56,8 +57,11 @@ async def main() -> None:
         ):
             samples = [Sample(prompt_ids=(2 + i, 3, 4)) for i in range(8)]
             results = await run_agent_loops(manager, samples, loop="revise", max_concurrency=4)
-            for result in results:
-                print(result)
+            for index, result in enumerate(results):
+                if isinstance(result, AgentLoopFailure):
+                    print(index, "failed:", result.error)
+                else:  # the mask shows the shape: 1 = sampled, 0 = inserted feedback
+                    print(index, "".join(map(str, result.response_mask)), result.stop_reason)
 
 
 if __name__ == "__main__":

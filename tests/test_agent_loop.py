@@ -23,7 +23,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import asyncroll.agent_loop
-from asyncroll import AsyncServerManager, InvalidRequestError, TokenOutput, VLLMEngine
+from asyncroll import (
+    AsyncServerManager,
+    InvalidRequestError,
+    ResumeMode,
+    TokenOutput,
+    VLLMEngine,
+)
 from asyncroll.agent_loop import (
     AgentLoop,
     AgentLoopFailure,
@@ -261,9 +267,29 @@ async def test_turns_stay_on_one_engine_and_hit_the_prefix_cache(
         assert output.metrics.num_cached_tokens == sum(t.num_cached_tokens for t in turns)
 
 
+@pytest.mark.parametrize("resume_mode", ["abort", "keep"])
 async def test_weight_update_while_a_tool_runs_relabels_only_later_turns(
-    manager: AsyncServerManager, weights_a: dict[str, Any]
+    both_on_a: list[VLLMEngine], weights_a: dict[str, Any], resume_mode: ResumeMode
 ) -> None:
+    async with AsyncServerManager(both_on_a, resume_mode=resume_mode) as manager:
+        outputs, old = await _roll_out_across_an_update(manager, weights_a)
+    ids, mask = scripted_response((GATED, "done"), (PLAIN, None))
+    assert (outputs[0].response_ids, outputs[0].response_mask) == (ids, mask)
+    # The tool tokens carry the version of the turn that made the call; the next turn the new.
+    assert outputs[0].global_steps == (old,) * 5 + (old + 1,)
+    assert outputs[0].metrics.num_interrupted == 0, "an update during a tool cuts no turn"
+    assert outputs[0].metrics.tool_time_s > 0
+    for output in outputs[1:]:
+        assert_consistent(output, budget=160)
+        assert set(output.global_steps) <= {old, old + 1}
+    for engine in both_on_a:
+        assert engine.statistics().in_flight == 0
+
+
+async def _roll_out_across_an_update(
+    manager: AsyncServerManager, weights_a: dict[str, Any]
+) -> tuple[list[AgentLoopOutput], int]:
+    """One trajectory waits in a tool while the update runs; three generate long turns."""
     started, release = asyncio.Event(), asyncio.Event()
 
     async def gated(token_ids: list[int]) -> str:
@@ -286,16 +312,7 @@ async def test_weight_update_while_a_tool_runs_relabels_only_later_turns(
     await started.wait()  # the gated trajectory is in its tool, in no engine
     await manager.update_weights(weights_a, global_steps=old + 1)
     release.set()
-    outputs = await asyncio.gather(*tasks)
-
-    ids, mask = scripted_response((GATED, "done"), (PLAIN, None))
-    assert (outputs[0].response_ids, outputs[0].response_mask) == (ids, mask)
-    # The tool tokens carry the version of the turn that made the call; the next turn the new.
-    assert outputs[0].global_steps == (old,) * 5 + (old + 1,)
-    for output in outputs[1:]:
-        assert_consistent(output, budget=160)
-        assert set(output.global_steps) <= {old, old + 1}
-    assert outputs[0].metrics.tool_time_s > 0
+    return list(await asyncio.gather(*tasks)), old
 
 
 @pytest.mark.parametrize("failure", ["raises", "times_out", "malformed", "unknown_tool"])
@@ -640,3 +657,56 @@ def load_example() -> ModuleType:
     sys.modules[spec.name] = module  # inspect finds a class's source through its module
     spec.loader.exec_module(module)
     return module
+
+
+class Replay:
+    """A ServerManager that answers with prepared outputs, for loop logic without engines."""
+
+    def __init__(self, *outputs: TokenOutput) -> None:
+        self.outputs = list(outputs)
+        self.calls: list[tuple[str, str | None, dict[str, Any]]] = []
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        session_key: str | None = None,
+    ) -> TokenOutput:
+        self.calls.append((request_id, session_key, dict(sampling_params or {})))
+        return self.outputs.pop(0)
+
+
+def replayed(steps: tuple[int, ...], *, preempted: int = 0, finish: Any = "stop") -> TokenOutput:
+    return TokenOutput(request_id="r", token_ids=(PLAIN,) * len(steps),
+                       log_probs=(-1.0,) * len(steps), global_steps=steps, finish_reason=finish,
+                       num_preempted=preempted, engines=("e",), num_prompt_tokens=1,
+                       num_cached_tokens=0)
+
+
+async def test_interruptions_count_resumes_and_keep_mode_version_changes() -> None:
+    class TwoTurns(AgentLoop[Sample]):
+        async def run(self, sample: Sample) -> AgentLoopOutput:
+            response = ResponseBuilder(budget=16)
+            for _ in range(2):
+                response.add_model(await self.generate(sample.prompt_ids, {"max_tokens": 8}))
+            return self.finish(sample.prompt_ids, response, stop_reason="stop")
+
+    keep_mode = replayed((1, 1, 2, 2))  # frozen across an update: no resume, a version change
+    abort_mode = replayed((2, 3, 3), preempted=2)  # resumed twice, once with the same version
+    manager = Replay(keep_mode, abort_mode)
+    output = await TwoTurns(manager, session_key="s").run(Sample(prompt_ids=(5,)))
+    assert output.metrics.num_interrupted == 1 + 2
+    assert [(rid, key) for rid, key, _ in manager.calls] == [("s/0", "s"), ("s/1", "s")]
+    assert output.global_steps == (1, 1, 2, 2, 2, 3, 3) and output.num_turns == 2
+
+
+async def test_an_aborted_turn_ends_the_trajectory_flagged() -> None:
+    """With partial_rollout=False the manager returns interrupted turns as "abort"."""
+    manager = Replay(replayed((1, 1), finish="abort"))
+    loop = ToolAgentLoop(manager, tools={}, parser=token_parser(), max_response_tokens=8)
+    output = await loop.run(Sample(prompt_ids=(5,)))
+    assert output.stop_reason == "abort" and output.num_turns == 1
+    ((_, _, params),) = manager.calls
+    assert params == {"max_tokens": 8, "stop_token_ids": [CALL, GATED]}

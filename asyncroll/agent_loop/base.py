@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import itertools
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -119,7 +120,7 @@ class AgentLoop(abc.ABC, Generic[SampleT]):
             )
         finally:
             self._generate_time += time.perf_counter() - started
-        self._num_interrupted += output.num_preempted
+        self._num_interrupted += _interruptions(output)
         self._num_cached += output.num_cached_tokens
         return output
 
@@ -160,3 +161,11 @@ class AgentLoop(abc.ABC, Generic[SampleT]):
             stop_reason=stop_reason,
             metrics=self.statistics(),
         )
+
+
+def _interruptions(output: TokenOutput) -> int:
+    """Weight updates that cut into one turn: resumes (``abort`` mode), or version changes
+    inside the turn (``keep`` mode freezes the request, so the manager resumes nothing)."""
+    steps = output.global_steps
+    changes = sum(before != after for before, after in itertools.pairwise(steps))
+    return max(output.num_preempted, changes)

@@ -1,6 +1,9 @@
 """The built-in loops: one model turn, and model turns interleaved with tool calls.
 
 Invariants of ``ToolAgentLoop`` (the response budget is ``max_response_tokens``):
+- Each turn's prompt is the sample's prompt followed by the response so far, token for token
+  (nothing is re-tokenized): the engine's prefix cache holds the earlier turns, and the trained
+  sequence is exactly the one the model saw.
 - Model turns and tool results share the budget: each turn asks for at most the tokens left,
   and a turn's tool results are inserted only if at least one token is left after them for the
   model's next turn; otherwise they are dropped and the trajectory ends with ``"length"``. The
@@ -77,7 +80,8 @@ class ToolAgentLoop(AgentLoop[Sample]):
         """Args:
             tools: The tools by name.
             parser: Reads calls out of a turn and encodes results.
-            max_response_tokens: The response budget, model and tool tokens together.
+            max_response_tokens: The response budget, model and tool tokens together; prompt
+                + budget must fit the engines' context (the first turn is refused otherwise).
             max_turns: Most model turns; a call made in the last one is not run.
             tool_timeout: Seconds each tool call may take (None: no limit).
             sampling_params: vLLM sampling arguments other than ``max_tokens``; the parser's

@@ -46,8 +46,9 @@ class AgentLoopMetrics:
     """Time spent awaiting the manager (includes waiting at its gate during weight updates)."""
     tool_time_s: float
     num_interrupted: int
-    """Times a turn was cut by a weight update and resumed (the manager's ``num_preempted``;
-    ``keep``-mode updates freeze requests instead and are not counted here)."""
+    """Weight updates that landed inside a model turn, summed over turns: per turn, the
+    manager's ``num_preempted`` (``abort`` mode) or the version changes along its tokens
+    (``keep`` mode), whichever is larger. Updates during tool calls interrupt nothing."""
     num_tool_calls: int
     num_tool_errors: int
     """Calls that raised, timed out, named no known tool or could not be parsed."""

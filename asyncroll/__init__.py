@@ -1,5 +1,25 @@
 """asyncroll: async-first rollout layer for RL with LLMs."""
 
+from asyncroll.agent_loop import (
+    AgentLoop,
+    AgentLoopFailure,
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    HermesToolCallParser,
+    MalformedToolCall,
+    ResponseBuilder,
+    Sample,
+    SingleTurnAgentLoop,
+    StopReason,
+    TokenToolCallParser,
+    Tool,
+    ToolAgentLoop,
+    ToolCall,
+    ToolCallParser,
+    ToolResult,
+    register_agent_loop,
+    run_agent_loops,
+)
 from asyncroll.engine import VLLMEngine
 from asyncroll.errors import (
     AsyncrollError,
@@ -35,6 +55,10 @@ from asyncroll.types import (
 from asyncroll.weights import UpdateReport, WeightPusher
 
 __all__ = [
+    "AgentLoop",
+    "AgentLoopFailure",
+    "AgentLoopMetrics",
+    "AgentLoopOutput",
     "AsyncServerManager",
     "AsyncrollError",
     "Engine",
@@ -44,14 +68,26 @@ __all__ = [
     "EngineSleepingError",
     "EngineStatistics",
     "FinishReason",
+    "HermesToolCallParser",
     "InvalidRequestError",
+    "MalformedToolCall",
     "ManagerStatistics",
     "NoEngineAvailableError",
     "PauseMode",
     "PushReport",
+    "ResponseBuilder",
     "ResumeMode",
+    "Sample",
     "Segment",
+    "SingleTurnAgentLoop",
+    "StopReason",
     "TokenOutput",
+    "TokenToolCallParser",
+    "Tool",
+    "ToolAgentLoop",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolResult",
     "TransportAuthError",
     "TransportBrokenError",
     "TransportClosedError",
@@ -66,4 +102,6 @@ __all__ = [
     "WeightUpdater",
     "open_weight_sender",
     "plan_buckets",
+    "register_agent_loop",
+    "run_agent_loops",
 ]

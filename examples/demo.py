@@ -2,13 +2,18 @@
 
 A tiny random Qwen2 learns a toy task (answer with tokens of a band of the vocabulary) while
 rollouts stream through the AsyncServerManager and every trainer step's weights are pushed into
-the vLLM engine. Prints a per-step table and writes demo.png (reward, staleness, push times).
+the vLLM engine. Prints a per-step table (reward, staleness, push time, requests resumed) and
+writes demo.png (reward curve, staleness, push times).
 """
 
 from __future__ import annotations
 
 import uvloop
-from fully_async import main
+from _common import run_recipe
+
+from asyncroll.recipes import run_fully_async
 
 if __name__ == "__main__":
-    uvloop.run(main(steps=30, max_staleness=2, plot_path="demo.png"))
+    uvloop.run(
+        run_recipe(run_fully_async, "fully-async", steps=30, plot_path="demo.png", max_staleness=2)
+    )

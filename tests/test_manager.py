@@ -272,3 +272,20 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
         assert all(o.engines[-1] == "shared" for o in outputs)
     finally:
         await doomed.aclose()
+
+
+def test_same_scenario_on_uvloop_with_a_real_engine(tiny_model_a: Path) -> None:
+    """uvloop in a subprocess: the suite's session loop (and its engines) is asyncio's."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).with_name("uvloop_scenario.py")
+    result = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_a)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "uvloop scenario ok" in result.stdout

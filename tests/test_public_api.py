@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncroll
+import asyncroll.agent_loop
+import asyncroll.recipes
 import asyncroll.transport
 
 
 def test_all_is_sorted_and_complete() -> None:
-    for module in (asyncroll, asyncroll.transport):
+    for module in (asyncroll, asyncroll.transport, asyncroll.agent_loop, asyncroll.recipes):
         names = module.__all__
         assert list(names) == sorted(names), f"{module.__name__}.__all__ is not sorted"
         assert all(hasattr(module, name) for name in names)

@@ -1,0 +1,62 @@
+"""Set-up shared by the recipe scripts: a tiny policy, one engine, a manager, a trainer."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll.recipes import BandTask, StepRecord, format_table, plot
+from asyncroll.testing import make_tiny_model
+from asyncroll.trainer import ReferenceTrainer
+
+Recipe = Callable[..., Awaitable[list[StepRecord]]]
+
+
+async def run_recipe(
+    recipe: Recipe, name: str, *, steps: int, plot_path: str | None = None, **options: object
+) -> tuple[list[StepRecord], float]:
+    """Run ``recipe`` on CPU with a progress bar; print the per-step table; plot if asked."""
+    task = BandTask()
+    with tempfile.TemporaryDirectory() as folder:
+        model = make_tiny_model(Path(folder) / "policy", seed=0)
+        trainer = ReferenceTrainer(model)
+        print("starting a vLLM CPU engine on a tiny random Qwen2 (20-40 s)...", flush=True)
+        async with (
+            VLLMEngine.launch(model, max_model_len=128) as engine,
+            AsyncServerManager([engine], resume_mode="abort") as manager,
+        ):
+            started = time.perf_counter()
+            with tqdm(total=steps, desc=name, unit="step") as bar:
+
+                def on_step(record: StepRecord) -> None:
+                    bar.set_postfix(reward=f"{record.reward:.3f}", stale=record.staleness_max)
+                    bar.update()
+
+                records = await recipe(
+                    manager, trainer, task, steps=steps, on_step=on_step, **options
+                )
+            elapsed = time.perf_counter() - started
+    print(format_table(records))
+    last = records[-5:]
+    final = sum(r.reward for r in last) / len(last)
+    print(
+        f"reward: random policy {task.random_policy_reward:.3f}, first step "
+        f"{records[0].reward:.3f}, last {len(last)} steps {final:.3f}; {steps} steps in"
+        f" {elapsed:.0f} s"
+    )
+    if plot_path:
+        print("wrote", plot(records, plot_path, title=f"asyncroll {name} on a tiny Qwen2 (CPU)"))
+    return records, elapsed
+
+
+def arguments(default_steps: int = 30) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=default_steps)
+    parser.add_argument("--plot", default=None, help="write the reward/staleness/push plot here")
+    return parser.parse_args()

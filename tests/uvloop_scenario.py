@@ -1,0 +1,47 @@
+"""The manager's concurrency scenario on uvloop with a real engine (run as a subprocess by
+tests/test_manager.py, since the suite's own event loop is asyncio's)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import uvloop
+from safetensors.torch import load_file
+
+from asyncroll import AsyncServerManager, VLLMEngine
+
+
+async def scenario(model: Path) -> None:
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+    weights = load_file(str(model / "model.safetensors"))
+    async with (
+        VLLMEngine.launch(model, max_model_len=512) as engine,
+        AsyncServerManager([engine]) as manager,
+    ):
+        params = {"max_tokens": 120, "ignore_eos": True}
+        tasks = [
+            asyncio.create_task(
+                manager.generate(f"u{i}", prompt_ids=[5, i + 2], sampling_params=params)
+            )
+            for i in range(16)
+        ]
+        updates = 0
+        pending = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=0.5)
+            if pending:
+                await manager.update_weights(weights, global_steps=updates + 1)
+                updates += 1
+        outputs = [task.result() for task in tasks]
+        assert updates >= 1
+        assert all(len(o.token_ids) == len(o.global_steps) == 120 for o in outputs)
+        assert all(o.global_steps == tuple(sorted(o.global_steps, key=int)) for o in outputs)
+        assert any(o.num_preempted for o in outputs)
+        assert manager.statistics().in_flight == 0
+    print(f"uvloop scenario ok: {updates} updates, 16 requests complete")
+
+
+if __name__ == "__main__":
+    uvloop.run(scenario(Path(sys.argv[1])))

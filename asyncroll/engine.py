@@ -52,6 +52,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _names = itertools.count()
 
 
+def _already_shut_down(timeout: float | None = None) -> None:
+    """Stands in for ``AsyncLLM.shutdown`` after the adapter shut the engine down."""
+
+
 def version_label(global_steps: int | None) -> str | None:
     """vLLM's weight version string for a trainer step."""
     return None if global_steps is None else str(global_steps)
@@ -333,7 +337,13 @@ class VLLMEngine:
         if self._pusher is not None:
             with contextlib.suppress(Exception):
                 await self._pusher.aclose()
+        # vLLM's output handler would log the EngineCore's exit as a crash: stop it first.
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
         await asyncio.to_thread(self._llm.shutdown)
+        # AsyncLLM.__del__ shuts down again, which fails at interpreter exit; once is enough.
+        self._llm.shutdown = _already_shut_down  # type: ignore[method-assign]
         logger.info("closed %s", self.name)
 
     # -- internals -------------------------------------------------------------------------

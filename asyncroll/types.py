@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,10 +13,17 @@ __all__ = [
     "PauseMode",
     "Segment",
     "TokenOutput",
+    "version_range",
 ]
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
+
+
+def version_range(global_steps: Sequence[int | None]) -> tuple[int | None, int | None]:
+    """The oldest and newest trainer step among per-token versions (None where none is known)."""
+    known = [step for step in global_steps if step is not None]
+    return (min(known), max(known)) if known else (None, None)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,13 +83,11 @@ class TokenOutput:
 
     @property
     def min_global_steps(self) -> int | None:
-        known = [step for step in self.global_steps if step is not None]
-        return min(known) if known else None
+        return version_range(self.global_steps)[0]
 
     @property
     def max_global_steps(self) -> int | None:
-        known = [step for step in self.global_steps if step is not None]
-        return max(known) if known else None
+        return version_range(self.global_steps)[1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

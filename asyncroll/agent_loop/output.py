@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from asyncroll.errors import InvalidRequestError
-from asyncroll.types import TokenOutput
+from asyncroll.types import TokenOutput, version_range
 
 __all__ = ["AgentLoopMetrics", "AgentLoopOutput", "ResponseBuilder", "Sample", "StopReason"]
 
@@ -99,13 +99,11 @@ class AgentLoopOutput:
 
     @property
     def min_global_steps(self) -> int | None:
-        known = [step for step in self.global_steps if step is not None]
-        return min(known) if known else None
+        return version_range(self.global_steps)[0]
 
     @property
     def max_global_steps(self) -> int | None:
-        known = [step for step in self.global_steps if step is not None]
-        return max(known) if known else None
+        return version_range(self.global_steps)[1]
 
     def with_reward(self, reward: float) -> AgentLoopOutput:
         return replace(self, reward=reward)

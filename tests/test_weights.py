@@ -91,18 +91,21 @@ async def test_push_while_asleep_is_refused(engine: VLLMEngine, tiny_model_a: Pa
 
 
 async def test_receiver_failure_keeps_old_weights_and_version(
-    engine_b: VLLMEngine, tiny_model_a: Path
+    engine_b: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
 ) -> None:
     before = engine_b.global_steps
+    served_before = await greedy(engine_b, "before-failure")  # whatever it serves now
     pusher = WeightPusher([engine_b], fail_on="model.layers.1.mlp.down_proj.weight")
     try:
         with pytest.raises(WeightSyncError, match="down_proj"):
-            await pusher.update(load_weights(tiny_model_a), global_steps=(before or 0) + 5)
+            # push the model it does not serve, so a partial load would change its outputs
+            other = tiny_model_a if served_before == FRESH_GREEDY["b"] else tiny_model_b
+            await pusher.update(load_weights(other), global_steps=(before or 0) + 5)
     finally:
         await pusher.aclose()
     assert engine_b.global_steps == before
     assert not engine_b.is_dead and not engine_b.is_paused
-    assert await greedy(engine_b, "after-failure") == FRESH_GREEDY["b"]
+    assert await greedy(engine_b, "after-failure") == served_before
 
 
 def _rss_mib(pid: int) -> float:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import FRESH_GREEDY, greedy
+from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy
 
 from asyncroll import VLLMEngine
 from asyncroll.testing import make_tiny_model
@@ -15,7 +15,6 @@ from asyncroll.testing import make_tiny_model
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-MAX_MODEL_LEN = 512
 @pytest.fixture(scope="session")
 def tiny_model_a(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model-a"), seed=0)
@@ -30,7 +29,7 @@ def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def engine(tiny_model_a: Path) -> AsyncIterator[VLLMEngine]:
     """One real vLLM CPU engine on tiny model A, shared by every test that leaves it clean."""
     async with VLLMEngine.launch(
-        tiny_model_a, name="shared", max_model_len=MAX_MODEL_LEN
+        tiny_model_a, name="shared", **ENGINE_ARGS
     ) as started:
         FRESH_GREEDY["a"] = await greedy(started, "fresh-a")
         yield started
@@ -40,7 +39,7 @@ async def engine(tiny_model_a: Path) -> AsyncIterator[VLLMEngine]:
 async def engine_b(tiny_model_b: Path) -> AsyncIterator[VLLMEngine]:
     """A second real engine, started on tiny model B (same architecture, other seed)."""
     async with VLLMEngine.launch(
-        tiny_model_b, name="second", max_model_len=MAX_MODEL_LEN
+        tiny_model_b, name="second", **ENGINE_ARGS
     ) as started:
         FRESH_GREEDY["b"] = await greedy(started, "fresh-b")
         yield started

@@ -15,6 +15,12 @@ PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
 
 PROMPT_PARAMS: dict[str, Any] = {"max_tokens": 8, "ignore_eos": True}
 
+ENGINE_ARGS: dict[str, Any] = {"max_model_len": 512, "dtype": "float32"}
+"""How every test engine starts. float32, not the adapter's bf16 default: tests compare greedy
+outputs token for token across batches, resumes (a re-prefill computes the KV with other kernels
+than decoding did) and engines, and a random tiny model's logits have near-ties that bf16 rounding
+flips; float32 keeps the comparisons about our code, not about rounding."""
+
 FRESH_GREEDY: dict[str, list[tuple[int, ...]]] = {}
 """Greedy outputs of each model, recorded on its engine before any push reached it."""
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import greedy
+from engine_helpers import ENGINE_ARGS, greedy
 from safetensors.torch import save_file
 
 from asyncroll import AsyncServerManager, UpdateReport, VLLMEngine
@@ -142,5 +142,5 @@ async def test_fully_async_raises_the_reward(
     folder = tmp_path / "trained"
     shutil.copytree(tiny_model_a, folder)
     save_file(dict(trainer.named_parameters()), str(folder / "model.safetensors"))
-    async with VLLMEngine.launch(folder, name="fresh-trained", max_model_len=512) as fresh:
+    async with VLLMEngine.launch(folder, name="fresh-trained", **ENGINE_ARGS) as fresh:
         assert await greedy(fresh, "fresh-trained") == await greedy(engine, "pushed-trained")

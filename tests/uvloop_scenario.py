@@ -17,7 +17,7 @@ async def scenario(model: Path) -> None:
     assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
     weights = load_file(str(model / "model.safetensors"))
     async with (
-        VLLMEngine.launch(model, max_model_len=512) as engine,
+        VLLMEngine.launch(model, max_model_len=512, dtype="float32") as engine,
         AsyncServerManager([engine]) as manager,
     ):
         params = {"max_tokens": 120, "ignore_eos": True}

@@ -6,8 +6,10 @@ One run, one engine, the same long-tailed workload (fixed seed) under four polic
 - ``keep``: updates freeze requests in the engine; they continue after the push,
 - ``drain``: the synchronous baseline: stop admitting, wait for every in-flight request to
   finish, update, admit again (what trainers without partial rollout do).
-Prints tokens/s, the ratio to ``none`` and to ``drain``, updates done, requests resumed and
-re-prefilled tokens per update.
+Prints tokens/s, the ratio to ``none`` and to ``drain``, updates done, requests resumed,
+re-prefilled tokens per update, and the longest event-loop turn (CPU time of the loop thread,
+with the heap frozen after start-up as a trainer should: a full garbage collection of a process
+that imported torch and vLLM takes ~0.3 s of CPU on its own).
 
     .venv/bin/python bench/rollout_throughput.py [--requests 96] [--interval 2.0]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import tempfile
 import time
@@ -41,6 +44,35 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     ]
 
 
+class LoopLag:
+    """The longest and 99th-percentile event-loop turn, in CPU time of the loop's thread."""
+
+    def __init__(self) -> None:
+        self.turns: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        while True:
+            before = time.thread_time()
+            await asyncio.sleep(0)
+            self.turns.append(time.thread_time() - before)
+
+    def __enter__(self) -> LoopLag:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    def worst_ms(self) -> float:
+        return max(self.turns, default=0.0) * 1e3
+
+    def p99_ms(self) -> float:
+        ordered = sorted(self.turns)
+        return ordered[int(0.99 * (len(ordered) - 1))] * 1e3 if ordered else 0.0
+
+
 class Admission:
     """The drain baseline's gate: closed while the trainer waits for in-flight requests."""
 
@@ -54,7 +86,7 @@ class Admission:
 
 async def run_policy(
     engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
-    interval: float,
+    interval: float, *, concurrency: int = CONCURRENCY,
 ) -> dict[str, float]:
     mode: ResumeMode = "keep" if policy == "keep" else "abort"
     admission = Admission()
@@ -87,21 +119,22 @@ async def run_policy(
                 resumed += out.num_preempted > 0
 
         started = time.perf_counter()
-        workers = [asyncio.create_task(worker()) for _ in range(CONCURRENCY)]
+        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
         updates = 0
         update_seconds = 0.0
         pending = set(workers)
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=interval)
-            if pending and policy != "none":
-                if policy == "drain":
-                    admission.open.clear()
-                    await admission.idle.wait()
-                step = (manager.global_steps or 0) + 1
-                report = await manager.update_weights(weights, global_steps=step)
-                update_seconds += report.seconds
-                admission.open.set()
-                updates += 1
+        with LoopLag() as lag:
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=interval)
+                if pending and policy != "none":
+                    if policy == "drain":
+                        admission.open.clear()
+                        await admission.idle.wait()
+                    step = (manager.global_steps or 0) + 1
+                    report = await manager.update_weights(weights, global_steps=step)
+                    update_seconds += report.seconds
+                    admission.open.set()
+                    updates += 1
         elapsed = time.perf_counter() - started
         stats = manager.statistics()
     reprefill = stats.num_reprefill_tokens - stats_before.num_reprefill_tokens
@@ -112,6 +145,8 @@ async def run_policy(
         "update_seconds": update_seconds,
         "resumed": resumed,
         "reprefill_per_update": reprefill / updates if updates else 0.0,
+        "loop_worst_ms": lag.worst_ms(),
+        "loop_p99_ms": lag.p99_ms(),
     }
 
 
@@ -130,20 +165,23 @@ async def main() -> None:
         weights = load_file(str(model / "model.safetensors"))
         async with VLLMEngine.launch(model, max_model_len=512) as engine:
             await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
+            gc.collect()
+            gc.freeze()  # start-up's objects live forever: keep full collections off the loop
             for policy in ("none", "abort", "keep", "drain"):
                 print(f"running {policy}...", flush=True)
                 results[policy] = await run_policy(engine, weights, policy, jobs, args.interval)
                 print(f"  {results[policy]['tokens_per_s']:.0f} tokens/s", flush=True)
     print("\n| policy | wall s | tokens/s | vs none | vs drain | updates | update s total "
-          "| requests resumed | re-prefill tokens / update |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| requests resumed | re-prefill tokens / update | loop turn p99 / worst ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for policy, r in results.items():
         print(
             f"| {policy} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f}"
             f" | {r['tokens_per_s'] / results['none']['tokens_per_s']:.2f}x"
             f" | {r['tokens_per_s'] / results['drain']['tokens_per_s']:.2f}x"
             f" | {r['updates']:.0f} | {r['update_seconds']:.2f} | {r['resumed']:.0f}"
-            f" | {r['reprefill_per_update']:.0f} |"
+            f" | {r['reprefill_per_update']:.0f}"
+            f" | {r['loop_p99_ms']:.2f} / {r['loop_worst_ms']:.1f} |"
         )
 
 

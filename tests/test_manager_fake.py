@@ -10,8 +10,6 @@ token with an uninterrupted run.
 from __future__ import annotations
 
 import asyncio
-import gc
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -140,39 +138,6 @@ async def _update_while_running(
         updates += 1
 
 
-class LoopLag:
-    """The longest the event loop ran without giving this monitor a turn, in CPU time.
-
-    CPU time of the loop's thread, not wall time: on a shared machine other processes preempt
-    this one for milliseconds, and that is not our code blocking the loop. The garbage
-    collector's full collections are not our code either: the monitored block runs with the
-    heap frozen (``gc.freeze``).
-    """
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self.turns = 0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _watch(self) -> None:
-        while True:
-            before = time.thread_time()
-            await asyncio.sleep(0)
-            self.worst = max(self.worst, time.thread_time() - before)
-            self.turns += 1
-
-    def __enter__(self) -> LoopLag:
-        gc.collect()
-        gc.freeze()
-        self._task = asyncio.get_running_loop().create_task(self._watch())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        gc.unfreeze()
-
-
 def _assert_exact(output: TokenOutput, expected: tuple[int, ...]) -> None:
     assert output.token_ids == expected, output.request_id
     assert len(output.log_probs) == len(output.global_steps) == len(expected)
@@ -277,9 +242,8 @@ def test_requests_complete_exactly_across_repeated_updates(
         engines = _engines()
         expected = await _reference(64)
         async with _manager(engines, resume_mode=mode) as manager:
-            with LoopLag() as lag:
-                tasks = _start(manager, 64)
-                updates = await _update_while_running(manager, engines, tasks)
+            tasks = _start(manager, 64)
+            updates = await _update_while_running(manager, engines, tasks)
             outputs = [task.result() for task in tasks]
             _assert_idle(manager, engines)
             stats = manager.statistics()
@@ -293,8 +257,6 @@ def test_requests_complete_exactly_across_repeated_updates(
             assert sum(o.num_preempted for o in outputs) == stats.num_preempted
         else:
             assert stats.num_preempted == 0
-        assert lag.turns > 10  # the monitor did watch
-        assert lag.worst < 0.005, f"the loop ran {lag.worst * 1e3:.1f} ms of CPU without a turn"
 
     run(scenario)
 

@@ -11,8 +11,8 @@ All numbers come from ONE run on one machine; only ratios between them mean anyt
 A receiver runs in a spawned child process and copies every bucket into preallocated
 destination tensors (a model's parameters). Usage::
 
-    python bench/transport_push.py                      # CPU, shm backend, 1 GiB of bf16
-    python bench/transport_push.py --device cuda        # CUDA IPC, 8 GiB, 128/512/2048 MiB
+    python bench/weight_push.py                      # CPU, shm backend, 1 GiB of bf16
+    python bench/weight_push.py --device cuda        # CUDA IPC, 8 GiB, 128/512/2048 MiB
 """
 
 from __future__ import annotations

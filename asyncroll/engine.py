@@ -8,6 +8,12 @@ the client. Invariants:
 - Every admitted request resolves exactly once, and leaves ``statistics().in_flight`` when it
   does, whether it finished, was aborted, failed or its caller was cancelled.
 - vLLM's errors are mapped onto asyncroll's tree here, and nowhere else.
+- Every token is labelled with the ``global_steps`` of the weights that produced it: from vLLM's
+  own version spans where it reports them (0.32+), else (0.24) from the boundaries this adapter
+  records while the engine is paused for an update (nothing is sampled during a pause, so the
+  token count of each live request at that moment is exact).
+
+Works on vLLM 0.24 (GPU), 0.32 (CPU build) and 0.33; version differences are detected by feature.
 """
 
 from __future__ import annotations
@@ -102,6 +108,12 @@ class VLLMEngine:
         self._num_aborted = 0
         self._num_rejected = 0
         self._pusher: WeightPusher | None = None
+        self._holding: str | None = None
+        self._weight_pusher: object = None
+        """The pusher whose sender this engine's workers are attached to (one at a time)."""
+        self.native_versions = hasattr(llm, "update_weight_version")
+        """vLLM labels weight versions itself (0.32+); else this adapter does (see module doc)."""
+        self._version_marks: dict[str, list[tuple[int | None, int]]] = {}
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -146,7 +158,7 @@ class VLLMEngine:
         engine = cls(llm, name=name, global_steps=global_steps)
         try:
             label = version_label(global_steps)
-            if label is not None:
+            if label is not None and engine.native_versions:
                 await llm.update_weight_version(label)
         except BaseException:
             await engine.aclose()
@@ -156,7 +168,7 @@ class VLLMEngine:
 
     def __repr__(self) -> str:
         state = "dead" if self.is_dead else "asleep" if self.is_asleep else (
-            "paused" if self._paused else "running"
+            "paused" if self._paused else "holding" if self._holding else "running"
         )
         return (
             f"<VLLMEngine {self.name} {state} in_flight={self._in_flight} "
@@ -190,11 +202,15 @@ class VLLMEngine:
             num_requests=self._num_requests,
             num_aborted=self._num_aborted,
             num_rejected=self._num_rejected,
+            holding=self._holding is not None,
         )
 
     def num_unfinished_in_vllm(self) -> int:
         """Requests vLLM's own front end still tracks (0 once aborts have landed)."""
-        return int(self._llm.get_num_unfinished_requests())
+        count = getattr(self._llm, "get_num_unfinished_requests", None)
+        if count is None:  # vLLM 0.24
+            count = self._llm.output_processor.get_num_unfinished_requests
+        return int(count())
 
     async def generate(
         self,
@@ -292,6 +308,8 @@ class VLLMEngine:
         fully_awake = await self._call(
             self._llm.wake_up(list(tags) if tags is not None else None)
         )
+        if fully_awake is None:  # vLLM 0.24 does not say; scheduling resumes with the memory
+            fully_awake = not (self._sleeping_tags - woken) & {"weights", "kv_cache"}
         self._sleeping_tags -= woken
         if fully_awake:
             self._sleeping_tags.clear()
@@ -356,9 +374,43 @@ class VLLMEngine:
     def _set_global_steps(self, global_steps: int | None) -> None:
         self._global_steps = global_steps
 
+    async def _mark_version_boundary(self, global_steps: int | None) -> None:
+        """Record where each live request's tokens switch to ``global_steps`` (vLLM without
+        version spans). Call while paused, after the push and before resuming."""
+        if self.native_versions or not self._version_marks:
+            return
+        # Outputs produced before the pause are in the client's queue once pause returned;
+        # let vLLM's output handler take them all before counting.
+        queue = getattr(self._llm.engine_core, "outputs_queue", None)
+        while isinstance(queue, asyncio.Queue) and not queue.empty():  # noqa: ASYNC110
+            await asyncio.sleep(0)  # vLLM's queue has no event; each turn runs its handler
+        for _ in range(3):  # the handler processes its last item in chunks, a turn each
+            await asyncio.sleep(0)
+        states = self._llm.output_processor
+        for request_id, marks in self._version_marks.items():
+            detokenizers = [
+                states.request_states[internal].detokenizer
+                for internal in states.external_req_ids.get(request_id, ())
+                if internal in states.request_states
+            ]
+            produced = max(
+                (d.num_output_tokens() for d in detokenizers if d is not None), default=0
+            )
+            if marks[-1][0] != global_steps:
+                marks.append((global_steps, produced))
+
     def _open_gate_if_ready(self) -> None:
-        if not self._paused and not self._sleeping_tags:
+        if not self._paused and not self._sleeping_tags and self._holding is None:
             self._gate.set()
+
+    def _hold(self, reason: str) -> None:
+        """Admit nothing until ``_release_hold`` (the weights in force are not whole)."""
+        self._holding = reason
+        self._gate.clear()
+
+    def _release_hold(self) -> None:
+        self._holding = None
+        self._open_gate_if_ready()
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -392,6 +444,9 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         last: RequestOutput | None = None
+        marks = [(dispatched_at, 0)]
+        if not self.native_versions:
+            self._version_marks[request_id] = marks
         stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id)
         try:
             async with contextlib.aclosing(stream):
@@ -399,7 +454,9 @@ class VLLMEngine:
                     last = output
         except Exception as exc:
             raise self._map_error(exc, request_id) from exc
-        segment = _segment(request_id, last, len(prompt), dispatched_at)
+        finally:
+            self._version_marks.pop(request_id, None)
+        segment = _segment(request_id, last, len(prompt), marks, self.native_versions)
         if segment.finish_reason == "abort":
             self._num_aborted += 1
         return segment
@@ -427,7 +484,8 @@ def _segment(
     request_id: str,
     output: RequestOutput | None,
     num_prompt_tokens: int,
-    global_steps: int | None,
+    marks: Sequence[tuple[int | None, int]],
+    use_spans: bool,
 ) -> Segment:
     """Turn vLLM's final output into a Segment (an abort may carry no output at all)."""
     if output is None or not output.outputs:
@@ -455,7 +513,9 @@ def _segment(
         request_id=request_id,
         token_ids=token_ids,
         log_probs=log_probs,
-        global_steps=_per_token_versions(completion, len(token_ids), global_steps),
+        global_steps=_per_token_versions(
+            completion if use_spans else None, len(token_ids), marks
+        ),
         finish_reason=_finish_reason(completion.finish_reason),
         num_prompt_tokens=num_prompt_tokens,
         num_cached_tokens=int(output.num_cached_tokens or 0),
@@ -463,17 +523,28 @@ def _segment(
 
 
 def _per_token_versions(
-    completion: Any, num_tokens: int, fallback: int | None
+    completion: Any, num_tokens: int, marks: Sequence[tuple[int | None, int]]
 ) -> tuple[int | None, ...]:
-    """Expand vLLM's version spans to one label a token; vLLM < 0.32 has none: use fallback."""
+    """One label a token: vLLM's version spans where it reports them (0.32+), else the
+    boundaries recorded during updates (``marks``: (global_steps, first token) in order, the
+    first being the version in force at dispatch)."""
     spans = getattr(completion, "weight_versions", None)
     if not spans:
-        return (fallback,) * num_tokens
-    versions: list[int | None] = [fallback] * num_tokens
+        return _expand_marks(marks, num_tokens)
+    versions: list[int | None] = [marks[0][0]] * num_tokens
     for span in spans:
         label = parse_version(span.version)
         for position in range(max(span.start, 0), min(span.end, num_tokens)):
             versions[position] = label
+    return tuple(versions)
+
+
+def _expand_marks(
+    marks: Sequence[tuple[int | None, int]], num_tokens: int
+) -> tuple[int | None, ...]:
+    versions: list[int | None] = []
+    for (steps, start), (_, end) in itertools.pairwise([*marks, (None, num_tokens)]):
+        versions += [steps] * (min(end, num_tokens) - min(start, num_tokens))
     return tuple(versions)
 
 

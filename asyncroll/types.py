@@ -61,6 +61,8 @@ class EngineStatistics:
     num_requests: int
     num_aborted: int
     num_rejected: int
+    holding: bool = False
+    """A push failed without a backup: requests wait until a push succeeds."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -37,8 +38,10 @@ __all__ = ["UpdateReport", "WeightPusher"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 64 << 20
-"""64 MiB buckets: two staging buffers cost 128 MiB; plenty to saturate a CPU memcpy."""
+DEFAULT_BUCKET_BYTES = {"shm": 64 << 20, "cuda_ipc": 512 << 20}
+"""Staging-buffer size by backend: 64 MiB saturates a CPU memcpy; on a GPU a bucket has a fixed
+cost of about half a millisecond (a round trip with Python on both ends), so buckets are larger
+(docs/benchmarks.md: 512 MiB reaches 1.5-3x the rate of 128 MiB on an H100)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,20 +66,26 @@ class WeightPusher:
         self,
         engines: Sequence[VLLMEngine],
         *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
         backup: bool | None = None,
         timeout: float = 120.0,
         fail_on: str = "",
+        load: Literal["auto", "layerwise", "direct"] = "auto",
     ) -> None:
         """Args:
             engines: Engines launched with asyncroll's weight-transfer backend (the default).
-            bucket_bytes: Size of each of the two staging buffers.
+            bucket_bytes: Size of each of the two staging buffers (default by backend:
+                ``DEFAULT_BUCKET_BYTES``).
             backend: ``shm`` (CPU tensors), ``cuda_ipc`` (GPU tensors), or by the tensors.
             backup: Keep a copy of the weights during a push so a failed push restores them
-                (default: on for CPU engines, off on GPU where it would double memory).
+                (default: on for CPU machines, off with CUDA where it would double memory).
             timeout: Bound on every wait for a peer.
             fail_on: Test hook: the workers fail loading the tensor of this name.
+            load: How workers load: ``layerwise`` (vLLM's layerwise reload: any model, and the
+                only way on the CPU build) or ``direct`` (``model.load_weights`` in place, as
+                verl and slime do on GPU: unquantized models on GPU). ``auto``: direct with
+                CUDA, layerwise without.
         """
         self._engines = list(engines)
         self._bucket_bytes = bucket_bytes
@@ -84,6 +93,10 @@ class WeightPusher:
         self._backup = backup
         self._timeout = timeout
         self._fail_on = fail_on
+        self._load = load
+        self._backed_up = False
+        if load == "auto":
+            self._load = "direct" if torch.cuda.is_available() else "layerwise"
         self._stack: contextlib.AsyncExitStack | None = None
         self._sender: WeightSender | None = None
         self._lock = asyncio.Lock()
@@ -124,14 +137,14 @@ class WeightPusher:
                         raise outcome
                 marks.append(time.perf_counter())
                 push = await self._push(tensors, global_steps)
+                for engine in self._engines:
+                    engine._release_hold()
                 marks.append(time.perf_counter())
-                label = None if global_steps is None else str(global_steps)
-                await asyncio.gather(
-                    *(e.llm.finish_weight_update(weight_version=label) for e in self._engines)
-                )
+                await asyncio.gather(*(_finish(e, global_steps) for e in self._engines))
                 for engine in self._engines:
                     if global_steps is not None:
                         engine._set_global_steps(global_steps)
+                    await engine._mark_version_boundary(engine.global_steps)
                 marks.append(time.perf_counter())
                 await asyncio.gather(*(_reset_prefix_cache(e) for e in self._engines))
                 marks.append(time.perf_counter())
@@ -156,11 +169,12 @@ class WeightPusher:
         stack, self._stack, self._sender = self._stack, None, None
         if stack is None:
             return
-        # The workers' receivers say goodbye (releasing their mappings) while the sender waits.
-        live = [engine for engine in self._engines if not engine.is_dead]
+        # The workers' receivers say goodbye (releasing their mappings) while the sender waits;
+        # engines that another pusher attached to since are that pusher's to release.
+        live = [e for e in self._engines if not e.is_dead and e._weight_pusher is self]
         await asyncio.gather(
             stack.aclose(),
-            *(engine.llm.shutdown_weight_transfer_engine() for engine in live),
+            *(_shutdown_receivers(engine) for engine in live),
             return_exceptions=True,
         )
 
@@ -182,7 +196,7 @@ class WeightPusher:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         request = WeightTransferUpdateRequest(update_info={"version": version})
-        await asyncio.gather(*(e.llm.start_weight_update() for e in self._engines))
+        await asyncio.gather(*(self._start(e) for e in self._engines))
         results = await asyncio.gather(
             sender.push(tensors, version=version),
             *(e.llm.update_weights(request) for e in self._engines),
@@ -190,20 +204,36 @@ class WeightPusher:
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
+            outcome = (
+                "previous weights stay in force"
+                if self._backed_up
+                else "without a backup the engines hold partly loaded weights and take no "
+                "requests until a push succeeds"
+            )
+            error = WeightSyncError(
+                f"weight push (global_steps={global_steps}) failed; {outcome}: "
+                f"{_describe(failures)}"
+            )
+            if not self._backed_up:  # cancelled or failed, the load may have begun
+                for engine in self._engines:
+                    engine._hold(str(error))
             for failure in failures:
                 if isinstance(failure, asyncio.CancelledError):
                     raise failure
-            raise WeightSyncError(
-                f"weight push (global_steps={global_steps}) failed; previous weights stay in "
-                f"force: {_describe(failures)}"
-            ) from failures[0]
+            raise error from failures[0]
         report = results[0]
         assert isinstance(report, PushReport)
         return report
 
     async def _connected(self, tensors: Mapping[str, torch.Tensor]) -> WeightSender:
+        """The sender, attached to every engine's workers. An engine holds one receiver: if
+        another pusher attached to it since, this one closes its sender and attaches again."""
         if self._sender is not None:
-            return self._sender
+            if all(engine._weight_pusher is self for engine in self._engines):
+                return self._sender
+            stack, self._stack, self._sender = self._stack, None, None
+            if stack is not None:
+                await stack.aclose()
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         on_gpu = any(t.is_cuda for t in tensors.values())
@@ -214,7 +244,7 @@ class WeightPusher:
         sender = await stack.enter_async_context(
             open_weight_sender(
                 backend=backend,
-                bucket_bytes=self._bucket_bytes,
+                bucket_bytes=self._bucket_bytes or DEFAULT_BUCKET_BYTES[backend.name],
                 receivers=workers,
                 connect_timeout=self._timeout,
                 ack_timeout=self._timeout,
@@ -222,7 +252,9 @@ class WeightPusher:
         )
         try:
             config = sender.receiver_config()
-            backup = (not use_cuda) if self._backup is None else self._backup
+            backup = (not torch.cuda.is_available()) if self._backup is None else self._backup
+            self._backed_up = backup
+            await asyncio.gather(*(_bind(e) for e in self._engines))
             await asyncio.gather(
                 sender.wait_receivers(workers),
                 *(
@@ -233,6 +265,7 @@ class WeightPusher:
                                 "name": e.name,
                                 "backup": backup,
                                 "fail_on": self._fail_on,
+                                "load": self._load,
                             }
                         )
                     )
@@ -245,7 +278,46 @@ class WeightPusher:
                 raise WeightSyncError(f"engines could not attach to the sender: {exc}") from exc
             raise
         self._stack, self._sender = stack, sender
+        for engine in self._engines:
+            engine._weight_pusher = self
         return sender
+
+    async def _start(self, engine: VLLMEngine) -> None:
+        if not _worker_runs_the_session():  # the weight-transfer engine runs it (0.32+)
+            await engine.llm.start_weight_update()
+        else:  # vLLM 0.24's worker starts the layerwise reload itself unless told otherwise
+            start: Any = engine.llm.start_weight_update
+            await start(is_checkpoint_format=self._load == "layerwise")
+
+
+@functools.cache
+def _worker_runs_the_session() -> bool:
+    """vLLM 0.24: the worker starts and finishes updates; 0.32+ leave it to the engine."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return not hasattr(WeightTransferEngine, "start_weight_update")
+
+
+async def _finish(engine: VLLMEngine, global_steps: int | None) -> None:
+    if engine.native_versions:
+        label = None if global_steps is None else str(global_steps)
+        await engine.llm.finish_weight_update(weight_version=label)
+    else:  # vLLM 0.24 labels nothing; the adapter does (see asyncroll.engine)
+        await engine.llm.finish_weight_update()
+
+
+async def _bind(engine: VLLMEngine) -> None:
+    """vLLM 0.24 builds weight-transfer engines without the configs a rollback needs."""
+    if not engine.native_versions:
+        await engine.llm.collective_rpc("asyncroll_bind_weight_transfer_engine")
+
+
+async def _shutdown_receivers(engine: VLLMEngine) -> None:
+    shutdown = getattr(engine.llm, "shutdown_weight_transfer_engine", None)
+    if shutdown is not None:
+        await shutdown()
+    else:  # vLLM 0.24 has no such call: our worker extension does it
+        await engine.llm.collective_rpc("asyncroll_shutdown_weight_transfer_engine")
 
 
 async def _reset_prefix_cache(engine: VLLMEngine) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from engine_helpers import FRESH_GREEDY, PROMPT_PARAMS, greedy, load_weights
+from engine_helpers import FRESH_GREEDY, PROBE_PROMPTS, PROMPT_PARAMS, greedy, load_weights
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.weights import WeightPusher
@@ -70,6 +70,35 @@ async def test_keep_mode_request_spans_both_versions(
     assert segment.global_steps == (before,) * switch + (before + 1,) * (300 - switch)
 
 
+async def test_keep_mode_labels_without_vllm_spans_switch_exactly_where_new_weights_took_over(
+    engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.24 reports no weight versions; the adapter labels tokens from the boundaries it
+    records while paused. Forced on here (vLLM 0.32) and checked against the weights: the
+    tokens from the switch on are model B's greedy continuation of everything before it."""
+    monkeypatch.setattr(engine, "native_versions", False)
+    before = engine.global_steps
+    assert before is not None
+    prompt = [11, 12, 13]
+    greedy_long = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    long = asyncio.create_task(
+        engine.generate("no-spans", prompt_ids=prompt, sampling_params=greedy_long)
+    )
+    await engine.generate("clock", prompt_ids=[9, 9], sampling_params=PROMPT_PARAMS)
+    await engine.update_weights(load_weights(tiny_model_b), global_steps=before + 1, mode="keep")
+    segment = await long
+    switch = segment.global_steps.index(before + 1)
+    assert 0 < switch < 300
+    assert segment.global_steps == (before,) * switch + (before + 1,) * (300 - switch)
+    head = prompt + list(segment.token_ids[:switch])
+    greedy_16 = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    cont_b = await engine.generate("cont-b", prompt_ids=head, sampling_params=greedy_16)
+    await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
+    cont_a = await engine.generate("cont-a", prompt_ids=head, sampling_params=greedy_16)
+    assert segment.token_ids[switch : switch + 16] == cont_b.token_ids != cont_a.token_ids
+    assert cont_a.global_steps == (before + 2,) * 16
+
+
 async def test_lower_version_is_refused(engine: VLLMEngine, tiny_model_a: Path) -> None:
     current = engine.global_steps
     assert current is not None and current > 0
@@ -108,6 +137,63 @@ async def test_receiver_failure_keeps_old_weights_and_version(
     assert await greedy(engine_b, "after-failure") == served_before
 
 
+async def test_pushers_sharing_an_engine_take_turns(
+    engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """An engine's workers hold one receiver; a pusher that another displaced attaches again."""
+    weights_a, weights_b = load_weights(tiny_model_a), load_weights(tiny_model_b)
+    steps = await _next_steps(engine)
+    other = WeightPusher([engine])
+    try:
+        await other.update(weights_b, global_steps=steps)
+        assert await greedy(engine, "turn-b") == FRESH_GREEDY["b"]
+        await engine.update_weights(weights_a, global_steps=steps + 1)
+        assert await greedy(engine, "turn-a") == FRESH_GREEDY["a"]
+        await other.update(weights_b, global_steps=steps + 2)
+        assert await greedy(engine, "turn-b2") == FRESH_GREEDY["b"]
+    finally:
+        await other.aclose()
+    await engine.update_weights(weights_a, global_steps=steps + 3)
+    assert await greedy(engine, "turn-a2") == FRESH_GREEDY["a"]
+
+
+async def test_failed_push_without_backup_holds_requests_until_a_push_succeeds(
+    engine_b: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """Without a backup (the GPU default: it would double memory) a failed push leaves partly
+    loaded weights: the engine takes no request until a push succeeds, and serves none from
+    the mixed weights."""
+    before = engine_b.global_steps or 0
+    pusher = WeightPusher([engine_b], backup=False, fail_on="model.layers.1.mlp.down_proj.weight")
+    try:
+        with pytest.raises(WeightSyncError, match="no requests until a push succeeds"):
+            await pusher.update(load_weights(tiny_model_a), global_steps=before + 1)
+    finally:
+        await pusher.aclose()
+    assert engine_b.statistics().holding and engine_b.global_steps == before
+    waiting = asyncio.create_task(
+        engine_b.generate("held", prompt_ids=PROBE_PROMPTS[0], sampling_params=PROMPT_PARAMS)
+    )
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not waiting.done() and engine_b.statistics().in_flight == 0
+    await engine_b.update_weights(load_weights(tiny_model_b), global_steps=before + 2)
+    assert not engine_b.statistics().holding
+    assert (await waiting).global_steps == (before + 2,) * PROMPT_PARAMS["max_tokens"]
+    assert await greedy(engine_b, "after-held") == FRESH_GREEDY["b"]
+
+
+async def test_an_update_resets_the_prefix_cache(engine: VLLMEngine, tiny_model_a: Path) -> None:
+    prompt = [10 + i % 400 for i in range(300)]  # the CPU build's KV blocks hold 128 tokens
+    params = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    await engine.generate("cache-1", prompt_ids=prompt, sampling_params=params)
+    warm = await engine.generate("cache-2", prompt_ids=prompt, sampling_params=params)
+    assert warm.num_cached_tokens >= 128  # the cache does hit while weights stay
+    await engine.update_weights(load_weights(tiny_model_a), global_steps=await _next_steps(engine))
+    cold = await engine.generate("cache-3", prompt_ids=prompt, sampling_params=params)
+    assert cold.num_cached_tokens == 0  # no KV computed with the old weights is reused
+
+
 def _rss_mib(pid: int) -> float:
     process = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**20
@@ -131,4 +217,7 @@ async def test_bad_tensors_are_rejected_before_any_push(engine: VLLMEngine) -> N
         await engine.update_weights({}, global_steps=None)
     with pytest.raises(InvalidRequestError):
         await engine.update_weights([("x", [1, 2])], global_steps=None)  # type: ignore[list-item]
-    assert torch.is_tensor(torch.zeros(1))
+    with pytest.raises(InvalidRequestError):
+        twice = [("x", torch.zeros(1)), ("x", torch.zeros(1))]
+        await engine.update_weights(twice, global_steps=None)
+    assert engine.statistics().in_flight == 0 and not engine.is_paused

@@ -67,6 +67,8 @@ class ReceiveReport:
     tensors: int
     bytes: int
     seconds: float
+    load_seconds: float = 0.0
+    """Time spent in the load callback and waiting for its device work to finish."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +125,7 @@ class WeightReceiver:
         self._closed = False
         self._imports = self._pushes = self._failed = self._buckets = self._bytes = 0
         self._auth_failures = self._stale = 0
+        self._load_seconds = 0.0
         self._auth_log = RateLimitedLog(log)
 
     @classmethod
@@ -227,6 +230,7 @@ class WeightReceiver:
             raise TransportClosedError(f"{self!r} is not connected")
         timeout = self._timeout if timeout is None else timeout
         self._spans.clear()
+        self._load_seconds = 0.0
         started = time.perf_counter()
         push, buckets, tensors, nbytes = 0, 0, 0, 0
         failure: tuple[str, str] | None = None
@@ -285,6 +289,7 @@ class WeightReceiver:
             tensors=tensors,
             bytes=nbytes,
             seconds=time.perf_counter() - started,
+            load_seconds=self._load_seconds,
         )
 
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:
@@ -302,10 +307,12 @@ class WeightReceiver:
                     view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
                     batch.append((entry.name, view))
             batch.extend(self._spans.take(bucket.completes))
+            loading = time.perf_counter()
             if batch:
                 load_fn(batch)
             if self._backend is not None:
                 self._backend.finish_loads()
+            self._load_seconds += time.perf_counter() - loading
         except Exception as exc:
             names = batch.current or ", ".join(name for name, _ in batch)[:500]
             log.warning("%r: loading %s failed: %r", self, names, exc)

@@ -171,6 +171,7 @@ class AsyncServerManager:
         self._num_updates = 0
         self._reprefill_tokens = 0
         self._closed = False
+        self._live: set[str] = set()
 
     async def __aenter__(self) -> AsyncServerManager:
         return self
@@ -242,6 +243,21 @@ class AsyncServerManager:
         """
         self._check_open()
         prompt, params = self._validate(prompt_ids, sampling_params)
+        if request_id in self._live:
+            raise InvalidRequestError(f"request id {request_id!r} is already live")
+        self._live.add(request_id)
+        try:
+            return await self._generate(request_id, prompt, params, session_key)
+        finally:
+            self._live.discard(request_id)
+
+    async def _generate(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: dict[str, Any],
+        session_key: str | None,
+    ) -> TokenOutput:
         budget: int = params["max_tokens"]
         min_tokens = int(params.get("min_tokens") or 0)
         trajectory = _Trajectory()

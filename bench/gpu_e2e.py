@@ -1,0 +1,557 @@
+"""asyncroll on CUDA vLLM: correctness, hybrid mode, the manager under load, and push benchmarks.
+
+Runs on one GPU with vLLM (0.24 on the lent H100; see docs/gpu.md for carrying it there). Each
+section prints what it checked and measured, and appends its results to ``OUT/gpu_e2e.json``;
+a failed check is reported, the other sections still run, and the exit status is 1.
+
+Sections (``--sections``, comma-separated; default all):
+
+- ``correctness``: an engine started on tiny model A takes the weights of model B (other seed)
+  through the ``cuda_ipc`` transport and vLLM's native protocol; greedy outputs equal a fresh
+  engine started on B, then A's again after pushing A back; tokens after an update carry its
+  ``global_steps``; a request in flight across a ``keep``-mode update has per-token labels whose
+  switch point is checked against the new weights' own continuation; a receiver-side failure
+  leaves the old weights serving.
+- ``hybrid``: ``sleep(1)`` frees the engine's memory (``torch.cuda.mem_get_info``), a training
+  step runs on the freed GPU, a push while asleep is refused, ``wake_up(["weights"])``, push,
+  ``wake_up(["kv_cache", "scheduling"])``, the engine serves exactly the trained weights.
+- ``manager``: 256 concurrent requests across repeated updates, ``abort`` and ``keep`` modes:
+  exact lengths, per-token ``global_steps`` that never decrease, outputs spanning versions.
+- ``push``: random-weight models of Qwen2.5 shapes (``--sizes`` 0.5b, 1.5b, 7b) loaded with
+  ``load_format="dummy"``; the same trainer tensors pushed by asyncroll (double-buffered
+  ``cuda_ipc``) and by vLLM's built-in ``ipc`` backend (packed and unpacked), against the
+  two-copy limit from a measured device copy. Stages: pack, wait (sender), load (worker).
+- ``rollout``: rollout tokens/s on the 0.5b shape with updates every 2 s: none / abort / keep /
+  drain (bench/rollout_throughput.py's workload and policies, 256 concurrent callers).
+
+    python bench/gpu_e2e.py --out /tmp/out --sections correctness,hybrid,manager
+    python bench/gpu_e2e.py --out /tmp/out --sections push,rollout --sizes 0.5b,1.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+import torch
+from safetensors.torch import load_file
+
+from asyncroll import (
+    AsyncServerManager,
+    EngineSleepingError,
+    VLLMEngine,
+    WeightPusher,
+    WeightSyncError,
+)
+from asyncroll.testing import make_tiny_model
+
+GiB = 1 << 30
+SMALL = {  # GPU-friendly tiny model: head size 64, bf16
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+}
+SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5 configs
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               tie_word_embeddings=False),
+}
+PROBES = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7], [900, 17, 1500]]
+
+
+def engine_args(**extra: Any) -> dict[str, Any]:
+    """What every engine here starts with: no CUDA graphs (fast start), no async scheduling
+    (docs/gpu.md: it stalled vLLM 0.24's start-up there), a modest share of the GPU."""
+    return {"enforce_eager": True, "async_scheduling": False, "gpu_memory_utilization": 0.25,
+            "max_model_len": 4096, "dtype": "bfloat16", **extra}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Results:
+    """Checks and measurements of one run, appended to OUT/gpu_e2e.json."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "gpu_e2e.json"
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.failed = 0
+
+    def check(self, section: str, name: str, ok: bool, detail: Any = "") -> None:
+        self.data.setdefault(section, {}).setdefault("checks", {})[name] = {
+            "ok": bool(ok), "detail": detail}
+        self.failed += not ok
+        log(f"  [{'ok' if ok else 'FAILED'}] {section}: {name} {detail if not ok else ''}")
+
+    def record(self, section: str, key: str, value: Any) -> None:
+        self.data.setdefault(section, {})[key] = value
+        self.save()
+
+    def save(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+async def greedy(engine: VLLMEngine, tag: str, n: int = 32) -> list[tuple[int, ...]]:
+    outs = []
+    for i, prompt in enumerate(PROBES):
+        seg = await engine.generate(f"{tag}-{i}", prompt_ids=prompt, sampling_params={
+            "max_tokens": n, "temperature": 0.0, "ignore_eos": True})
+        outs.append(seg.token_ids)
+    return outs
+
+
+def free_gib() -> float:
+    free, _ = torch.cuda.mem_get_info()
+    return free / GiB
+
+
+def cuda_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v.cuda() for k, v in load_file(str(folder / "model.safetensors")).items()}
+
+
+# -- correctness and hybrid mode on a small model ------------------------------------------------
+
+
+async def correctness_and_hybrid(res: Results, work: Path, sections: set[str]) -> None:
+    model_a = make_tiny_model(work / "a", seed=0, **SMALL)
+    model_b = make_tiny_model(work / "b", seed=1, **SMALL)
+    log("starting a fresh engine on model B (reference outputs)...")
+    async with VLLMEngine.launch(model_b, name="fresh-b", **engine_args()) as fresh:
+        fresh_b = await greedy(fresh, "fresh-b")
+    weights_a, weights_b = cuda_weights(model_a), cuda_weights(model_b)
+    log("starting the engine on model A (sleep mode on)...")
+    async with VLLMEngine.launch(
+        model_a, name="a", enable_sleep_mode=True, **engine_args()
+    ) as engine:
+        res.record("env", "vllm", __import__("vllm").__version__)
+        res.record("env", "native_versions", engine.native_versions)
+        fresh_a = await greedy(engine, "fresh-a")
+        res.check("correctness", "models differ", fresh_a != fresh_b)
+        if "correctness" in sections:
+            await _correctness(res, engine, weights_a, weights_b, fresh_a, fresh_b)
+        if "hybrid" in sections:
+            await _hybrid(res, engine, model_a, weights_b, fresh_b)
+        if "manager" in sections:
+            await _manager_load(res, engine, weights_a)
+
+
+async def _correctness(
+    res: Results, engine: VLLMEngine, weights_a: dict[str, torch.Tensor],
+    weights_b: dict[str, torch.Tensor], fresh_a: list[Any], fresh_b: list[Any],
+) -> None:
+    s = "correctness"
+    report = await engine.update_weights(weights_b, global_steps=1)
+    assert report.push is not None
+    res.record(s, "tiny push", {"bytes": report.push.bytes, "buckets": report.push.buckets})
+    res.check(s, "push B: greedy equals a fresh engine on B", await greedy(engine, "b") == fresh_b)
+    res.record(s, "tiny update ms", {k: round(v * 1e3, 2) for k, v in asdict(report).items()
+                                      if k.endswith("seconds")})
+    await engine.update_weights(weights_a, global_steps=2)
+    outs = await asyncio.gather(*(engine.generate(f"lab{i}", prompt_ids=p, sampling_params={
+        "max_tokens": 16, "ignore_eos": True}) for i, p in enumerate(PROBES)))
+    res.check(s, "push A back: greedy equals A's again", await greedy(engine, "a2") == fresh_a)
+    res.check(s, "tokens after update(global_steps=2) are labelled 2",
+              all(o.global_steps == (2,) * 16 for o in outs))
+    # keep mode across an update to B: labels switch where B's weights took over
+    prompt = [11, 12, 13]
+    params = {"max_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
+    long = asyncio.create_task(engine.generate("span", prompt_ids=prompt, sampling_params=params))
+    await asyncio.sleep(0.5)
+    await engine.update_weights(weights_b, global_steps=3, mode="keep")
+    seg = await long
+    labels = seg.global_steps
+    switch = labels.index(3) if 3 in labels else -1
+    res.check(s, "keep mode: one output, labels 2 then 3", len(seg.token_ids) == 3000
+              and 0 < switch < 3000 and labels == (2,) * switch + (3,) * (3000 - switch),
+              f"switch at {switch}")
+    if 0 < switch < 3000:
+        head = list(prompt) + list(seg.token_ids[:switch])
+        cont_b = (await engine.generate("cont-b", prompt_ids=head, sampling_params={
+            "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
+        await engine.update_weights(weights_a, global_steps=4)
+        cont_a = (await engine.generate("cont-a", prompt_ids=head, sampling_params={
+            "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
+        after = seg.token_ids[switch:switch + 16]
+        res.check(s, "keep mode: tokens from the switch are B's continuation, not A's",
+                  after == cont_b and after != cont_a,
+                  {"after": after, "B": cont_b, "A": cont_a})
+        res.record(s, "keep switch position", switch)
+    # a receiver-side failure (with backup) leaves the served weights untouched
+    served = await greedy(engine, "before-fail")
+    pusher = WeightPusher([engine], backup=True, fail_on="model.layers.1.mlp.down_proj.weight")
+    try:
+        await pusher.update(weights_b, global_steps=9)
+        failed = False
+    except WeightSyncError as exc:
+        failed = "down_proj" in str(exc)
+    finally:
+        await pusher.aclose()
+    res.check(s, "receiver failure raises WeightSyncError naming the tensor", failed)
+    res.check(s, "after the failure: old weights and label serve",
+              await greedy(engine, "after-fail") == served and engine.global_steps == 4)
+
+
+async def _hybrid(
+    res: Results, engine: VLLMEngine, model_a: Path, weights_b: dict[str, torch.Tensor],
+    fresh_b: list[Any],
+) -> None:
+    from transformers import Qwen2ForCausalLM
+
+    s = "hybrid"
+    trainer = Qwen2ForCausalLM.from_pretrained(str(model_a), dtype=torch.bfloat16).cuda()
+    torch.cuda.synchronize()
+    awake = free_gib()
+    await engine.sleep(1)
+    asleep = free_gib()
+    res.record(s, "free GiB awake / asleep", [round(awake, 2), round(asleep, 2)])
+    res.check(s, "sleep(1) frees the engine's memory", asleep - awake > 1.0,
+              f"{asleep - awake:.2f} GiB freed")
+    optimizer = torch.optim.SGD(trainer.parameters(), lr=1e-2)
+    batch = torch.randint(2, SMALL["vocab_size"], (8, 64), device="cuda")
+    loss = trainer(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    res.record(s, "training step loss", float(loss))
+    named = {k: v.detach() for k, v in trainer.state_dict().items()}
+    try:
+        await engine.update_weights(named, global_steps=10)
+        refused = False
+    except EngineSleepingError:
+        refused = True
+    res.check(s, "push while asleep is refused", refused)
+    await engine.wake_up(["weights"])
+    report = await engine.update_weights(named, global_steps=10)
+    await engine.wake_up(["kv_cache", "scheduling"])
+    res.record(s, "push after wake_up(weights) ms", round(report.seconds * 1e3, 2))
+    (digest,) = await engine.llm.collective_rpc("asyncroll_weight_digest")
+    served = dict(digest)
+    exact = all(
+        served[n] == float(named[n].double().sum()) for n in ("model.embed_tokens.weight",
+                                                              "lm_head.weight"))
+    res.check(s, "the engine serves exactly the trained tensors (embed, lm_head sums)", exact)
+    outs = await greedy(engine, "trained")
+    res.check(s, "serves after wake-up", all(len(o) == 32 for o in outs))
+    await engine.update_weights(weights_b, global_steps=11)
+    res.check(s, "then push B: greedy equals a fresh engine on B", await greedy(engine, "b3")
+              == fresh_b)
+    del trainer, optimizer
+    torch.cuda.empty_cache()
+
+
+async def _manager_load(
+    res: Results, engine: VLLMEngine, weights: dict[str, torch.Tensor]
+) -> None:
+    s = "manager"
+    for mode in ("abort", "keep"):
+        async with AsyncServerManager([engine], resume_mode=mode) as manager:
+            params = {"max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
+            started = time.perf_counter()
+            tasks = [asyncio.create_task(manager.generate(
+                f"{mode}{i}", prompt_ids=[2 + i % 1000, 3, 4], sampling_params=params))
+                for i in range(256)]
+            updates, pending = 0, set(tasks)
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=0.5)
+                if pending:
+                    await manager.update_weights(
+                        weights, global_steps=(manager.global_steps or 0) + 1)
+                    updates += 1
+            outs = [t.result() for t in tasks]
+            elapsed = time.perf_counter() - started
+            stats = manager.statistics()
+        exact = all(len(o.token_ids) == len(o.log_probs) == len(o.global_steps) == 1500
+                    and o.finish_reason == "length" for o in outs)
+        monotone = all(list(o.global_steps) == sorted(o.global_steps) for o in outs)  # type: ignore[type-var]
+        spanning = sum(o.min_global_steps != o.max_global_steps for o in outs)
+        res.check(s, f"{mode}: 256 requests complete with exactly 1500 tokens", exact)
+        res.check(s, f"{mode}: per-token global_steps never decrease", monotone)
+        res.check(s, f"{mode}: outputs span several versions", spanning > 0 and updates >= 2,
+                  f"{spanning} spanning, {updates} updates")
+        res.check(s, f"{mode}: nothing in flight at the end", stats.in_flight == 0)
+        res.record(s, f"{mode} run", {"updates": updates, "spanning": spanning,
+                                      "seconds": round(elapsed, 2),
+                                      "tokens_per_s": round(256 * 1500 / elapsed),
+                                      "preempted": stats.num_preempted})
+
+
+# -- push benchmark -----------------------------------------------------------------------------
+
+
+def write_config(folder: Path, shape: dict[str, Any]) -> Path:
+    from transformers import Qwen2Config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Qwen2Config(**shape, max_position_embeddings=4096).save_pretrained(folder)
+    return folder
+
+
+def random_weights(shape: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Trainer-side tensors with Hugging Face Qwen2 names and shapes, bf16 on the GPU."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape["vocab_size"], h)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.input_layernorm.weight": (h,),
+                   f"{p}.post_attention_layernorm.weight": (h,),
+                   f"{p}.self_attn.q_proj.weight": (h, h), f"{p}.self_attn.q_proj.bias": (h,),
+                   f"{p}.self_attn.k_proj.weight": (kv, h), f"{p}.self_attn.k_proj.bias": (kv,),
+                   f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.v_proj.bias": (kv,),
+                   f"{p}.self_attn.o_proj.weight": (h, h),
+                   f"{p}.mlp.gate_proj.weight": (inter, h), f"{p}.mlp.up_proj.weight": (inter, h),
+                   f"{p}.mlp.down_proj.weight": (h, inter)}
+    shapes["model.norm.weight"] = (h,)
+    if not shape["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (shape["vocab_size"], h)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return {n: (torch.randn(s, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+            for n, s in shapes.items()}
+
+
+def _sum(tensor: torch.Tensor) -> float:
+    return float(tensor.sum(dtype=torch.float64))
+
+
+def copy_rate_gbs() -> float:
+    """Best payload rate of one 1 GiB device-to-device copy."""
+    src = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return GiB / best / 1e9
+
+
+async def timed(repeats: int, push: Callable[[int], Awaitable[dict[str, float]]]) -> dict[str, Any]:
+    await push(0)  # warm-up: attach, first import of buffers, allocator
+    runs = [await push(i + 1) for i in range(repeats)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> None:
+    s = f"push {size}"
+    shape = SHAPES[size]
+    folder = write_config(work / size, shape)
+    tensors = random_weights(shape)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    rate = copy_rate_gbs()
+    limit_ms = 2 * nbytes / rate / 1e6
+    res.record(s, "payload", {"GiB": round(nbytes / GiB, 3), "tensors": len(tensors),
+                              "copy GB/s": round(rate, 1), "two-copy limit ms": round(limit_ms, 2)})
+    log(f"{size}: {nbytes / GiB:.2f} GiB in {len(tensors)} tensors; copy {rate:.0f} GB/s, "
+        f"two-copy limit {limit_ms:.1f} ms")
+    util = 0.25 if size != "7b" else 0.4
+    results: dict[str, Any] = {}
+    steps = itertools.count(1)
+    async with VLLMEngine.launch(folder, name=f"ours-{size}", load_format="dummy",
+                                 **engine_args(gpu_memory_utilization=util)) as engine:
+        variants = [("direct", 512), ("direct", 1024), ("layerwise", 512)]
+        for load, bucket_mib in variants if size != "7b" else variants[::2]:
+            label = f"asyncroll {load} {bucket_mib} MiB x2"
+            pusher = WeightPusher([engine], bucket_bytes=bucket_mib << 20, load=load)  # type: ignore[arg-type]
+
+            async def ours(i: int, pusher: WeightPusher = pusher) -> dict[str, float]:
+                r = await pusher.update(tensors, global_steps=next(steps))
+                (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+                assert r.push is not None
+                return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
+                        "total_with_pause_resume_ms": r.seconds * 1e3,
+                        "pack_ms": r.push.pack_seconds * 1e3, "wait_ms": r.push.wait_seconds * 1e3,
+                        "load_ms": worker["load_seconds"] * 1e3, "buckets": r.push.buckets}
+
+            results[label] = await timed(repeats, ours)
+            after_first = free_gib()
+            for _ in range(10):
+                await pusher.update(tensors, global_steps=next(steps))
+            drift = (after_first - free_gib()) / (torch.cuda.mem_get_info()[1] / GiB) * 100
+            results[label]["gpu mem drift % of total"] = round(drift, 3)
+            res.record(s, "results", results)
+            (digest,) = await engine.llm.collective_rpc("asyncroll_weight_digest")
+            name = "model.embed_tokens.weight"
+            res.check(s, f"{label}: engine serves the pushed tensors",
+                      math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
+            await pusher.aclose()
+    gc.collect()
+    torch.cuda.empty_cache()
+    results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results)
+    ours_ms = results["asyncroll direct 512 MiB x2"]["update_ms"]
+    for r in results.values():
+        r["vs limit"] = round(limit_ms / r["update_ms"], 3)
+        r["asyncroll direct 512 MiB speed-up"] = round(r["update_ms"] / ours_ms, 2)
+    res.record(s, "results", results)
+    for name, r in results.items():
+        log(f"  {name}: {r['update_ms']:.1f} ms ({r['vs limit'] * 100:.1f}% of limit)")
+
+
+async def vllm_ipc_baseline(
+    res: Results, s: str, folder: Path, tensors: dict[str, torch.Tensor], util: float,
+    repeats: int, results: dict[str, Any],
+) -> dict[str, Any]:
+    """vLLM's built-in ``ipc`` backend: ``trainer_send_weights`` (packed / unpacked), the same
+    engine set-up, the same start / update / finish protocol around it."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _baseline_ext import install_ray_stub
+
+    install_ray_stub()
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # its handles travel as pickles
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferInitRequest,
+        WeightTransferUpdateRequest,
+    )
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCTrainerSendWeightsArgs,
+        IPCWeightTransferEngine,
+    )
+
+    async with VLLMEngine.launch(
+        folder, name="vllm-ipc", load_format="dummy",
+        weight_transfer_config=WeightTransferConfig(backend="ipc"),
+        worker_extension_cls="_baseline_ext.BaselineWorkerExtension",
+        **engine_args(gpu_memory_utilization=util),
+    ) as engine:
+        llm = engine.llm
+        await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        loop = asyncio.get_running_loop()
+
+        def send(info: Any) -> None:
+            request = WeightTransferUpdateRequest(update_info=asdict(info))
+            asyncio.run_coroutine_threadsafe(llm.update_weights(request), loop).result()
+
+        for label, packed, buffer in (("vLLM ipc packed 1 GiB (default)", True, GiB),
+                                      ("vLLM ipc packed 2 GiB", True, 2 * GiB),
+                                      ("vLLM ipc unpacked", False, GiB)):
+            args = IPCTrainerSendWeightsArgs(send_mode=send, packed=packed,
+                                             packed_buffer_size_bytes=buffer)
+
+            async def baseline(i: int, args: Any = args) -> dict[str, float]:
+                started = time.perf_counter()
+                await llm.start_weight_update()
+                try:
+                    await asyncio.to_thread(IPCWeightTransferEngine.trainer_send_weights,
+                                            iter(tensors.items()), args)
+                finally:
+                    await llm.finish_weight_update()
+                return {"update_ms": (time.perf_counter() - started) * 1e3}
+
+            try:
+                results[label] = await timed(repeats, baseline)
+                res.record(s, "results", results)
+            except Exception as exc:  # report, keep going with the other variants
+                res.record(s, f"{label} failed", repr(exc)[:500])
+                log(f"  {label} failed: {exc!r}"[:400])
+        (digest,) = await llm.collective_rpc("asyncroll_weight_digest")
+        name = "model.embed_tokens.weight"
+        res.check(s, "vLLM ipc: engine serves the pushed tensors",
+                  math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
+    return results
+
+
+# -- rollout throughput -------------------------------------------------------------------------
+
+
+async def rollout(res: Results, work: Path, interval: float) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import rollout_throughput as rt
+
+    folder = write_config(work / "rollout-0.5b", SHAPES["0.5b"])
+    tensors = random_weights(SHAPES["0.5b"])
+    jobs = [(prompt, min(1000, n * 2)) for prompt, n in rt.workload(384, seed=0)]
+    res.record("rollout", "workload", {"requests": len(jobs), "tokens": sum(n for _, n in jobs),
+                                       "concurrency": 256, "update every s": interval})
+    table = {}
+    async with VLLMEngine.launch(folder, name="rollout", load_format="dummy",
+                                 **engine_args(gpu_memory_utilization=0.5)) as engine:
+        await rt.run_policy(engine, tensors, "none", jobs[:32], interval, concurrency=256)
+        gc.collect()
+        gc.freeze()
+        for policy in ("none", "abort", "keep", "drain"):
+            log(f"rollout: {policy}...")
+            table[policy] = await rt.run_policy(engine, tensors, policy, jobs, interval,
+                                                concurrency=256)
+            log(f"  {table[policy]['tokens_per_s']:.0f} tokens/s")
+    for r in table.values():
+        r["vs none"] = round(r["tokens_per_s"] / table["none"]["tokens_per_s"], 3)
+        r["vs drain"] = round(r["tokens_per_s"] / table["drain"]["tokens_per_s"], 3)
+    res.record("rollout", "results", table)
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--sections", default="correctness,hybrid,manager,push,rollout")
+    parser.add_argument("--sizes", default="0.5b,1.5b,7b")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--interval", type=float, default=2.0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        log("gpu_e2e needs CUDA and CUDA vLLM; skipped (see docs/gpu.md)")
+        return 0
+    sections = set(args.sections.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = Results(args.out)
+    res.record("env", "gpu", torch.cuda.get_device_name())
+    res.record("env", "torch", torch.__version__)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+        if sections & {"correctness", "hybrid", "manager"}:
+            steps.append(("small", lambda: correctness_and_hybrid(res, work, sections)))
+        if "push" in sections:
+            for size in args.sizes.split(","):
+                steps.append((f"push {size}",
+                              lambda size=size: push_benchmark(res, work, size, args.repeats)))
+        if "rollout" in sections:
+            steps.append(("rollout", lambda: rollout(res, work, args.interval)))
+        for name, step in steps:
+            started = time.perf_counter()
+            log(f"== {name}")
+            try:
+                await step()
+            except Exception:
+                res.check(name, "ran to the end", False, traceback.format_exc()[-3000:])
+            log(f"== {name}: {time.perf_counter() - started:.0f} s")
+            res.save()
+    res.save()
+    log(json.dumps(res.data, indent=1, default=str)[-6000:])
+    log(f"{res.failed} checks failed")
+    return 1 if res.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

@@ -290,4 +290,5 @@ def test_same_scenario_on_uvloop_with_a_real_engine(tiny_model_a: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "uvloop scenario ok" in result.stdout
+    assert "uvloop scenario ok (abort)" in result.stdout
+    assert "uvloop scenario ok (keep)" in result.stdout

@@ -16,31 +16,34 @@ from asyncroll import AsyncServerManager, VLLMEngine
 async def scenario(model: Path) -> None:
     assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
     weights = load_file(str(model / "model.safetensors"))
-    async with (
-        VLLMEngine.launch(model, max_model_len=512, dtype="float32") as engine,
-        AsyncServerManager([engine]) as manager,
-    ):
-        params = {"max_tokens": 120, "ignore_eos": True}
-        tasks = [
-            asyncio.create_task(
-                manager.generate(f"u{i}", prompt_ids=[5, i + 2], sampling_params=params)
-            )
-            for i in range(16)
-        ]
-        updates = 0
-        pending = set(tasks)
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=0.5)
-            if pending:
-                await manager.update_weights(weights, global_steps=updates + 1)
-                updates += 1
-        outputs = [task.result() for task in tasks]
-        assert updates >= 1
-        assert all(len(o.token_ids) == len(o.global_steps) == 120 for o in outputs)
-        assert all(o.global_steps == tuple(sorted(o.global_steps, key=int)) for o in outputs)
-        assert any(o.num_preempted for o in outputs)
-        assert manager.statistics().in_flight == 0
-    print(f"uvloop scenario ok: {updates} updates, 16 requests complete")
+    async with VLLMEngine.launch(model, max_model_len=512, dtype="float32") as engine:
+        for mode in ("abort", "keep"):
+            async with AsyncServerManager([engine], resume_mode=mode) as manager:
+                params = {"max_tokens": 120, "ignore_eos": True}
+                tasks = [
+                    asyncio.create_task(
+                        manager.generate(
+                            f"{mode}{i}", prompt_ids=[5, i + 2], sampling_params=params
+                        )
+                    )
+                    for i in range(16)
+                ]
+                updates = 0
+                pending = set(tasks)
+                while pending:
+                    _, pending = await asyncio.wait(pending, timeout=0.5)
+                    if pending:
+                        steps = (manager.global_steps or 0) + 1
+                        await manager.update_weights(weights, global_steps=steps)
+                        updates += 1
+                outputs = [task.result() for task in tasks]
+                assert updates >= 1
+                assert all(len(o.token_ids) == len(o.global_steps) == 120 for o in outputs)
+                assert all(list(o.global_steps) == sorted(o.global_steps) for o in outputs)  # type: ignore[type-var]
+                assert any(o.min_global_steps != o.max_global_steps for o in outputs)
+                assert any(o.num_preempted for o in outputs) == (mode == "abort")
+                assert manager.statistics().in_flight == 0
+            print(f"uvloop scenario ok ({mode}): {updates} updates, 16 requests complete")
 
 
 if __name__ == "__main__":

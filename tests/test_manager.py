@@ -269,9 +269,26 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
             os.kill(core, signal.SIGKILL)
             outputs = await asyncio.gather(*tasks)
             stats = manager.statistics()
-        assert all(len(o.token_ids) == 150 for o in outputs)
-        assert stats.alive_engines == 1 and stats.num_engine_failovers > 0
-        assert all(o.engines[-1] == "shared" for o in outputs)
+            assert all(len(o.token_ids) == 150 for o in outputs)
+            assert stats.alive_engines == 1 and stats.num_engine_failovers > 0
+            assert all(o.engines[-1] == "shared" for o in outputs)
+            # A replacement joins: the next update reaches it, and it gets traffic.
+            replacement = await VLLMEngine.start(tiny_model_a, name="replacement", **ENGINE_ARGS)
+            try:
+                manager.add_engine(replacement)
+                steps = (manager.global_steps or 0) + 1
+                await manager.update_weights(load_weights(tiny_model_a), global_steps=steps)
+                assert replacement.global_steps == engine.global_steps == steps
+                later = await asyncio.gather(
+                    *(
+                        manager.generate(f"n{i}", prompt_ids=[5, i + 2], sampling_params=params)
+                        for i in range(8)
+                    )
+                )
+                assert {o.engines[0] for o in later} == {"shared", "replacement"}
+                assert all(o.global_steps == (steps,) * 150 for o in later)
+            finally:
+                await replacement.aclose()
     finally:
         await doomed.aclose()
 

@@ -13,7 +13,8 @@ the client. Invariants:
   records while the engine is paused for an update (nothing is sampled during a pause, so the
   token count of each live request at that moment is exact).
 
-Works on vLLM 0.24 (GPU), 0.32 (CPU build) and 0.33; version differences are detected by feature.
+Run on vLLM 0.24 (GPU) and 0.32 (CPU build); written for 0.33's differences too. Version
+differences are detected by feature, never by version number.
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ _CPU_MEMORY_UTILIZATION = 0.2
 """On CPU vLLM reserves this fraction of the NUMA node's memory; its default of 0.92 fails on
 any machine that runs anything else (a trainer, a second engine)."""
 
+_SETTLE_TURNS = 10_000
+"""Loop turns vLLM 0.24's output handler gets to drain its queue before a version boundary."""
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _names = itertools.count()
 
@@ -381,10 +384,16 @@ class VLLMEngine:
         if self.native_versions or not self._version_marks:
             return
         # Outputs produced before the pause are in the client's queue once pause returned;
-        # let vLLM's output handler take them all before counting.
+        # let vLLM's output handler take them all before counting. The queue has no event to
+        # wait on: give the handler loop turns, a bounded number (it takes one item a turn).
         queue = getattr(self._llm.engine_core, "outputs_queue", None)
-        while isinstance(queue, asyncio.Queue) and not queue.empty():  # noqa: ASYNC110
-            await asyncio.sleep(0)  # vLLM's queue has no event; each turn runs its handler
+        for _ in range(_SETTLE_TURNS):
+            if not (isinstance(queue, asyncio.Queue) and queue.qsize()):
+                break
+            await asyncio.sleep(0)
+        else:
+            logger.warning("%s: vLLM's output queue did not drain; version labels may be off",
+                           self.name)
         for _ in range(3):  # the handler processes its last item in chunks, a turn each
             await asyncio.sleep(0)
         states = self._llm.output_processor

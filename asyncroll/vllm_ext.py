@@ -112,11 +112,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def start_weight_update(self) -> None:
         assert self._info is not None, "init_weight_transfer_engine first"
-        self._backup = (
-            {name: t.detach().clone() for name, t in _state(self.model).items()}
-            if self._info.backup
-            else None
-        )
+        self._backup = _clone_state(self.model) if self._info.backup else None
         if not self.direct:
             layerwise.initialize_layerwise_reload(self.model)
 
@@ -146,9 +142,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         )
         if worker_driven and self._info.backup:
             self._backup = (
-                {name: t.detach().clone() for name, t in _state(self.model).items()}
-                if direct
-                else _backup_from_layerwise(self.model)
+                _clone_state(self.model) if direct else _backup_from_layerwise(self.model)
             )
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -198,6 +192,10 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in _state(model).items()}
 
 
 def _backup_from_layerwise(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -87,6 +87,10 @@ class WeightPusher:
                 verl and slime do on GPU: unquantized models on GPU). ``auto``: direct with
                 CUDA, layerwise without.
         """
+        if backend not in ("auto", "shm", "cuda_ipc"):
+            raise InvalidRequestError(f"backend must be auto, shm or cuda_ipc, not {backend!r}")
+        if load not in ("auto", "layerwise", "direct"):
+            raise InvalidRequestError(f"load must be auto, layerwise or direct, not {load!r}")
         self._engines = list(engines)
         self._bucket_bytes = bucket_bytes
         self._backend_name = backend

@@ -212,6 +212,13 @@ async def test_thirty_pushes_keep_memory_bounded(engine: VLLMEngine, tiny_model_
     assert await greedy(engine, "after-30") == FRESH_GREEDY["a"]
 
 
+async def test_bad_pusher_options_are_rejected(engine: VLLMEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="load must be"):
+        WeightPusher([engine], load="fast")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="backend must be"):
+        WeightPusher([engine], backend="nccl")  # type: ignore[arg-type]
+
+
 async def test_bad_tensors_are_rejected_before_any_push(engine: VLLMEngine) -> None:
     with pytest.raises(InvalidRequestError):
         await engine.update_weights({}, global_steps=None)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from asyncroll import VLLMEngine
+from asyncroll import AsyncServerManager, VLLMEngine
 
 PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
 """Prompts whose greedy continuations identify the weights an engine serves."""
@@ -42,3 +43,37 @@ def load_weights(model: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model / "model.safetensors"))
 
 
+
+
+async def until_decoding(target: AsyncServerManager | VLLMEngine, num_requests: int) -> None:
+    """Return once ``num_requests`` requests (routed by ``target``, or sent to it if it is an
+    engine) are inside vLLM and have each been decoded for several steps.
+
+    Event-ordered, not timed: a "clock" request sent to an engine after its requests reached
+    vLLM finishes only after they were all scheduled (vLLM schedules running requests first,
+    in arrival order), so each has tokens by then. A clock sent before the requests arrive, or
+    to another engine, proves nothing: a pause in our process (a full garbage collection) or an
+    engine that gets less CPU lets the clock finish first.
+    """
+    while True:
+        if isinstance(target, VLLMEngine):
+            counts = {target.name: num_requests}
+            engines: tuple[Any, ...] = (target,)
+        else:
+            counts = target.statistics().in_flight_per_engine
+            engines = target.engines
+        busy = [engine for engine in engines if counts.get(engine.name)]
+        arrived = all(
+            isinstance(engine, VLLMEngine)
+            and engine.num_unfinished_in_vllm() >= counts[engine.name]
+            for engine in busy
+        )
+        if sum(counts.values()) >= num_requests and arrived:
+            break
+        await asyncio.sleep(0.005)
+    await asyncio.gather(
+        *(
+            engine.generate(f"clock-{engine.name}", prompt_ids=[9], sampling_params=PROMPT_PARAMS)
+            for engine in busy
+        )
+    )

@@ -10,6 +10,7 @@ from typing import Any
 
 import psutil
 import pytest
+from engine_helpers import until_decoding
 
 from asyncroll import (
     EngineDeadError,
@@ -25,11 +26,6 @@ PROMPT = [5, 6, 7, 8]
 
 def _params(max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, **extra}
-
-
-async def _after_some_decoding(engine: VLLMEngine) -> None:
-    """Return once the engine has run several decode steps (a short request as a clock)."""
-    await engine.generate("clock", prompt_ids=[9, 9], sampling_params=_params(8))
 
 
 def _assert_consistent(segment: Segment) -> None:
@@ -67,7 +63,7 @@ async def test_abort_returns_partial_output(engine: VLLMEngine) -> None:
     task = asyncio.create_task(
         engine.generate("long", prompt_ids=PROMPT, sampling_params=_params(400))
     )
-    await _after_some_decoding(engine)
+    await until_decoding(engine, 1)
     await engine.abort("long")
     segment = await task
     assert segment.finish_reason == "abort"
@@ -83,7 +79,7 @@ async def test_pause_abort_ends_requests_with_partial_output(engine: VLLMEngine)
         )
         for i in range(3)
     ]
-    await _after_some_decoding(engine)
+    await until_decoding(engine, 3)
     await engine.pause("abort")
     try:
         late = asyncio.create_task(
@@ -107,7 +103,7 @@ async def test_pause_keep_resumes_to_completion(engine: VLLMEngine) -> None:
         )
         for i in range(3)
     ]
-    await _after_some_decoding(engine)
+    await until_decoding(engine, 3)
     await engine.pause("keep")
     try:
         assert engine.statistics().paused
@@ -172,7 +168,7 @@ async def test_cancel_aborts_the_request_in_the_engine(engine: VLLMEngine) -> No
     task = asyncio.create_task(
         engine.generate("cancel-me", prompt_ids=PROMPT, sampling_params=_params(400))
     )
-    await _after_some_decoding(engine)
+    await until_decoding(engine, 1)
     assert engine.statistics().in_flight == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 import pytest
-from engine_helpers import ENGINE_ARGS, load_weights
+from engine_helpers import ENGINE_ARGS, load_weights, until_decoding
 
 import asyncroll.transport.sender as sender_module
 from asyncroll import (
@@ -70,10 +70,19 @@ def _assert_monotone(output: TokenOutput) -> None:
 
 
 async def _update_until_done(
-    manager: AsyncServerManager, weights: dict[str, Any], tasks: list[asyncio.Task[TokenOutput]]
+    manager: AsyncServerManager,
+    weights: dict[str, Any],
+    tasks: list[asyncio.Task[TokenOutput]],
+    *,
+    at_least: int = 1,
 ) -> int:
-    updates = 0
-    pending = set(tasks)
+    """Push updates while ``tasks`` run. The first ``at_least`` land mid-decode on any machine
+    (after ``until_decoding``, back to back); more follow every 0.5 s while any task is left."""
+    await until_decoding(manager, len(tasks))
+    for _ in range(at_least):
+        await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
+    updates = at_least
+    pending = {task for task in tasks if not task.done()}
     while pending:
         _, pending = await asyncio.wait(pending, timeout=0.5)
         if pending:
@@ -98,7 +107,7 @@ async def test_requests_complete_exactly_across_repeated_updates(
         )
         for i in range(64)
     ]
-    updates = await _update_until_done(manager, weights_a, tasks)
+    updates = await _update_until_done(manager, weights_a, tasks, at_least=2)
     outputs = [task.result() for task in tasks]
     assert updates >= 2
     for output in outputs:
@@ -231,7 +240,7 @@ async def test_partial_rollout_off_marks_interrupted_requests_abort(
             )
             for i in range(4)
         ]
-        await manager.generate("clock", prompt_ids=[9], sampling_params={"max_tokens": 8})
+        await until_decoding(manager, 4)
         await manager.update_weights(weights_a, global_steps=(manager.global_steps or 0) + 1)
         outputs = await asyncio.gather(*tasks)
     for output in outputs:
@@ -264,7 +273,7 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
                 )
                 for i in range(16)
             ]
-            await manager.generate("clock", prompt_ids=[9], sampling_params={"max_tokens": 8})
+            await until_decoding(manager, 16)
             assert manager.statistics().in_flight_per_engine["doomed-2"] > 0
             os.kill(core, signal.SIGKILL)
             outputs = await asyncio.gather(*tasks)

@@ -8,7 +8,14 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from engine_helpers import FRESH_GREEDY, PROBE_PROMPTS, PROMPT_PARAMS, greedy, load_weights
+from engine_helpers import (
+    FRESH_GREEDY,
+    PROBE_PROMPTS,
+    PROMPT_PARAMS,
+    greedy,
+    load_weights,
+    until_decoding,
+)
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.weights import WeightPusher
@@ -61,7 +68,7 @@ async def test_keep_mode_request_spans_both_versions(
             sampling_params={"max_tokens": 300, "ignore_eos": True},
         )
     )
-    await engine.generate("clock", prompt_ids=[9, 9], sampling_params=PROMPT_PARAMS)
+    await until_decoding(engine, 1)
     await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 1, mode="keep")
     segment = await long
     assert segment.finish_reason == "length" and len(segment.token_ids) == 300
@@ -84,7 +91,7 @@ async def test_keep_mode_labels_without_vllm_spans_switch_exactly_where_new_weig
     long = asyncio.create_task(
         engine.generate("no-spans", prompt_ids=prompt, sampling_params=greedy_long)
     )
-    await engine.generate("clock", prompt_ids=[9, 9], sampling_params=PROMPT_PARAMS)
+    await until_decoding(engine, 1)
     await engine.update_weights(load_weights(tiny_model_b), global_steps=before + 1, mode="keep")
     segment = await long
     switch = segment.global_steps.index(before + 1)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import uvloop
+from engine_helpers import until_decoding
 from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, VLLMEngine
@@ -28,8 +29,10 @@ async def scenario(model: Path) -> None:
                     )
                     for i in range(16)
                 ]
-                updates = 0
-                pending = set(tasks)
+                await until_decoding(manager, len(tasks))  # the first update lands mid-decode
+                await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
+                updates = 1
+                pending = {task for task in tasks if not task.done()}
                 while pending:
                     _, pending = await asyncio.wait(pending, timeout=0.5)
                     if pending:

@@ -3,6 +3,8 @@
 All numbers come from ONE run on one machine; only ratios between them mean anything.
 
 * double / single: ``open_weight_sender(buffers=2)`` vs the same code with ``buffers=1``.
+* sync acks (CUDA): double buffering with the receiver synchronising its stream before each ack,
+  as before device load events (the sender's copies now wait on the receiver's event instead).
 * naive: CPU, every tensor's bytes sent through a ZeroMQ ipc socket and copied into place;
   CUDA, one IPC handle per tensor (what the staged, bucketed design replaces).
 * limit: a staged push costs two copies (pack, load), so its payload rate is at most half the
@@ -35,6 +37,7 @@ import torch
 import zmq
 
 from asyncroll.transport import CudaIpcBackend, ShmBackend, WeightReceiver, open_weight_sender
+from asyncroll.transport.backends import Backend, make_backend
 
 MiB = 1 << 20
 
@@ -114,8 +117,17 @@ def child_main(conn: Connection, device: str) -> None:
         if command == "exit":
             return
         if command == "receive":
-            config, pushes = args
-            with WeightReceiver.from_config(config, name="bench") as receiver:
+            config, pushes, events = args
+
+            def backend(name: str, events: bool = events) -> Backend:
+                made = make_backend(name)
+                if isinstance(made, CudaIpcBackend):
+                    made.use_load_events = events
+                return made
+
+            with WeightReceiver.from_config(
+                config, name="bench", backend_factory=backend
+            ) as receiver:
                 receiver.connect()
                 conn.send("connected")
                 for _ in range(pushes):
@@ -163,12 +175,13 @@ async def bench_staged(
     bucket: int,
     buffers: int,
     pushes: int,
+    events: bool = True,
 ) -> dict[str, Any]:
     backend = CudaIpcBackend(0) if device.startswith("cuda") else ShmBackend()
     async with open_weight_sender(
         backend=backend, bucket_bytes=bucket, buffers=buffers, receivers=1, ack_timeout=300
     ) as sender:
-        child.send(("receive", (sender.receiver_config(), pushes + 1)))
+        child.send(("receive", (sender.receiver_config(), pushes + 1, events)))
         await sender.wait_receivers(1)
         await asyncio.to_thread(child.recv)
         await sender.push(tensors, version=0)  # warm-up: page faults, receiver allocations
@@ -265,7 +278,10 @@ def main() -> None:
     try:
         for mib in buckets:
             row: dict[str, Any] = {"bucket_mib": mib}
-            for buffers, label in ((2, "double"), (1, "single"), (3, "triple")):
+            configs = [(2, "double", True), (1, "single", True), (3, "triple", True)]
+            if cuda:
+                configs.append((2, "double_sync", False))
+            for buffers, label, events in configs:
                 log(f"bucket {mib} MiB, {label} buffer: {pushes} pushes ...")
                 row[label] = asyncio.run(
                     bench_staged(
@@ -275,6 +291,7 @@ def main() -> None:
                         bucket=mib * MiB,
                         buffers=buffers,
                         pushes=pushes,
+                        events=events,
                     )
                 )
                 r = row[label]
@@ -301,17 +318,22 @@ def main() -> None:
     print(
         "| bucket | double GB/s | single GB/s | double/single | double/limit | double/naive |"
         " double ms (pack/wait) | triple GB/s (limit) |"
+        + (" double, sync acks GB/s (limit) |" if cuda else "")
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for row in rows:
         d, s, t = row["double"], row["single"], row["triple"]
-        print(
+        line = (
             f"| {row['bucket_mib']} MiB ({d['buckets']} buckets) | {d['gbps']:.2f} |"
             f" {s['gbps']:.2f} |"
             f" {d['gbps'] / s['gbps']:.2f}x | {d['gbps'] * 1e9 / limit:.0%} |"
             f" {d['gbps'] / naive_gbps:.1f}x | {d['seconds'] * 1e3:.1f} ({d['pack'] * 1e3:.1f}/"
             f"{d['wait'] * 1e3:.1f}) | {t['gbps']:.2f} ({t['gbps'] * 1e9 / limit:.0%}) |"
         )
+        if cuda:
+            y = row["double_sync"]
+            line += f" {y['gbps']:.2f} ({y['gbps'] * 1e9 / limit:.0%}) |"
+        print(line)
     if cuda:
         for row in rows:
             d = row["double"]

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll.manager import Engine
 
 PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
 """Prompts whose greedy continuations identify the weights an engine serves."""
@@ -45,9 +46,9 @@ def load_weights(model: Path) -> dict[str, torch.Tensor]:
 
 
 
-async def until_decoding(target: AsyncServerManager | VLLMEngine, num_requests: int) -> None:
+async def until_decoding(target: AsyncServerManager | Engine, num_requests: int) -> None:
     """Return once ``num_requests`` requests (routed by ``target``, or sent to it if it is an
-    engine) are inside vLLM and have each been decoded for several steps.
+    engine) are inside the engine and have each been decoded for several steps.
 
     Event-ordered, not timed: a "clock" request sent to an engine after its requests reached
     vLLM finishes only after they were all scheduled (vLLM schedules running requests first,
@@ -56,19 +57,16 @@ async def until_decoding(target: AsyncServerManager | VLLMEngine, num_requests: 
     engine that gets less CPU lets the clock finish first.
     """
     while True:
-        if isinstance(target, VLLMEngine):
-            counts = {target.name: num_requests}
-            engines: tuple[Any, ...] = (target,)
-        else:
+        if isinstance(target, AsyncServerManager):
             counts = target.statistics().in_flight_per_engine
-            engines = target.engines
+            engines: tuple[Engine, ...] = target.engines
+        else:
+            counts = {target.name: num_requests}
+            engines = (target,)
         busy = [engine for engine in engines if counts.get(engine.name)]
-        arrived = all(
-            isinstance(engine, VLLMEngine)
-            and engine.num_unfinished_in_vllm() >= counts[engine.name]
-            for engine in busy
-        )
-        if sum(counts.values()) >= num_requests and arrived:
+        if sum(counts.values()) >= num_requests and all(
+            _arrived(engine, counts[engine.name]) for engine in busy
+        ):
             break
         await asyncio.sleep(0.005)
     await asyncio.gather(
@@ -77,3 +75,10 @@ async def until_decoding(target: AsyncServerManager | VLLMEngine, num_requests: 
             for engine in busy
         )
     )
+
+
+def _arrived(engine: Engine, count: int) -> bool:
+    """Whether ``count`` requests are inside the engine (past our adapter's admission gate)."""
+    if isinstance(engine, VLLMEngine):
+        return engine.num_unfinished_in_vllm() >= count
+    return engine.statistics().in_flight >= count  # a fake engine decodes what it admitted

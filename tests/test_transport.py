@@ -249,6 +249,124 @@ async def test_receiver_killed_mid_push_fails_the_push_without_hanging(kind: str
         victim.stop()
 
 
+@gpu
+@needs_cuda
+async def test_cuda_acks_precede_device_loads_and_the_sender_waits_for_them(
+    pair: tuple[Child, Child],
+) -> None:
+    """Receivers on the sender's GPU ack once their loads are queued, not done: each load waits
+    behind a GPU sleep. Were the sender to rewrite a buffer on the ack alone, the queued copies
+    would read the next bucket's bytes and the digests would differ."""
+    tensors = model_tensors(device="cuda")
+    async with open_weight_sender(
+        backend=CudaIpcBackend(0), bucket_bytes=16 * KB, receivers=2, ack_timeout=30
+    ) as sender:
+        for i, child in enumerate(pair):
+            child.start("connect", sender.receiver_config(), f"r{i}")
+        await sender.wait_receivers(2)
+        stats = [child.result() for child in pair]
+        for child in pair:
+            child.start("receive", pushes=2, device_delay_cycles=2_000_000)  # ~1 ms a bucket
+        for version in (1, 2):
+            report = await sender.push(tensors, version=version)
+        replies = [await asyncio.to_thread(child.result) for child in pair]
+        for child in pair:
+            await child.acall("close")
+    assert all(s["load_events"] == 2 for s in stats)  # the event path, not a sync per ack
+    assert report.buckets > 4
+    for reply in replies:
+        assert reply["digests"] == digests(tensors)
+
+
+@gpu
+@needs_cuda
+async def test_cuda_receiver_killed_with_loads_queued_fails_the_push_within_the_deadline() -> None:
+    """The receiver acks a bucket with a long GPU sleep queued before its loads, then dies: the
+    sender's copies into that buffer wait on an event of a dead process, which never fires (seen
+    on an H100). The push must fail within the deadline (never hang), the next one at once, and
+    closing must not raise."""
+    victim = Child()
+    try:
+        async with open_weight_sender(
+            backend=CudaIpcBackend(0), bucket_bytes=16 * KB, receivers=1, ack_timeout=5
+        ) as sender:
+            await victim.acall("connect", sender.receiver_config(), "victim")
+            victim.start("receive", device_delay_cycles=60 * 2_000_000_000, die_at_bucket=1)
+            async with asyncio.timeout(60):
+                with pytest.raises(TransportBrokenError):
+                    await sender.push(model_tensors(device="cuda"), version=1)
+                await asyncio.to_thread(victim.process.join, 20)
+                with pytest.raises(TransportBrokenError):
+                    await sender.push(model_tensors(device="cuda"), version=2)
+    finally:
+        victim.stop()
+
+
+class AsyncCopiesShm(ShmBackend):
+    """Shared memory that claims asynchronous copies, as CUDA's do: the sender then signals each
+    bucket one step late. Logs which copy markers were made and which were waited for."""
+
+    async_copies = True
+
+    def __init__(self, *, stuck_after: int | None = None) -> None:
+        super().__init__()
+        self.made: list[int] = []
+        self.finished: list[int] = []
+        self.stuck_after = stuck_after
+
+    def mark_copies(self) -> object:
+        self.made.append(len(self.made))
+        return self.made[-1]
+
+    def finish_copies(self, marker: object, *, within: float) -> None:
+        assert isinstance(marker, int)
+        if self.stuck_after is not None and len(self.finished) >= self.stuck_after:
+            raise TimeoutError("stuck (simulated)")
+        self.finished.append(marker)
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+async def test_late_signals_of_asynchronous_copies_deliver_every_bucket(
+    child: Child, buffers: int
+) -> None:
+    """The sender's pipelining logic for CUDA, with CPU memory: no deadlock at any buffer count,
+    every bucket arrives bit-exact, and every bucket's copies were waited for."""
+    tensors = model_tensors()
+    backend = AsyncCopiesShm()
+    async with open_weight_sender(
+        backend=backend, bucket_bytes=16 * KB, buffers=buffers, receivers=1, ack_timeout=30
+    ) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive", pushes=2)
+        for version in (1, 2):
+            report = await sender.push(tensors, version=version)
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+    assert reply["digests"] == digests(tensors) and reply["versions"] == [1, 2]
+    assert report.buckets > 4
+    assert len(backend.made) > 2 * report.buckets  # a marker per bucket, one per final drain
+    assert sorted(backend.finished) == backend.made  # and each was waited for
+
+
+async def test_stuck_copies_break_the_sender_for_good_and_close_still_works(child: Child) -> None:
+    """What a copy stream stuck behind a dead receiver's device event does (simulated): the push
+    raises within the deadline, later pushes raise at once, and ``aclose`` does not raise."""
+    backend = AsyncCopiesShm(stuck_after=2)
+    async with open_weight_sender(
+        backend=backend, bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive")
+        with pytest.raises(TransportBrokenError, match="did not finish"):
+            await sender.push(model_tensors(), version=1)
+        with pytest.raises(ChildError, match="WeightSyncError"):
+            await asyncio.to_thread(child.result)
+        with pytest.raises(TransportBrokenError, match="did not finish"):
+            await sender.push(model_tensors(), version=2)
+        await child.acall("close")
+    assert sender.statistics().closed
+
+
 async def test_silent_receiver_times_out_naming_it(child: Child) -> None:
     async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=0.5) as sender:
         await child.acall("connect", sender.receiver_config(), "sleepy")

@@ -55,27 +55,52 @@ class _Child:
         return {name: getattr(s, name) for name in s.__slots__}
 
     def receive(
-        self, pushes: int = 1, *, fail_on: str = "", die_on: str = "", gate: bool = False
+        self,
+        pushes: int = 1,
+        *,
+        fail_on: str = "",
+        die_on: str = "",
+        gate: bool = False,
+        device_delay_cycles: int = 0,
+        die_at_bucket: int = -1,
     ) -> dict[str, Any]:
+        """Receive ``pushes`` pushes; reply with digests of the last one.
+
+        ``device_delay_cycles``: each bucket's loads queue a GPU sleep, then device copies (no
+        host sync), so the ack reaches the sender long before the loads run on the device.
+        ``die_at_bucket``: SIGKILL ourselves when handed that bucket (counting from 0).
+        """
         assert self.receiver is not None
         got: dict[str, Digest] = {}
+        kept: dict[str, torch.Tensor] = {}
         rss: list[int] = []
         versions: list[int] = []
+        buckets = 0
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+            nonlocal buckets
+            if buckets == die_at_bucket:
+                os.kill(os.getpid(), signal.SIGKILL)
+            buckets += 1
             if gate and self.entered is not None and self.release is not None:
                 self.entered.set()
                 self.release.wait(30)
+            if device_delay_cycles:
+                torch.cuda._sleep(device_delay_cycles)
             for name, tensor in batch:
                 if name == die_on:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if name == fail_on:
                     raise ValueError(f"refusing {name}")
-                got[name] = digest(tensor)
+                if device_delay_cycles:
+                    kept[name] = tensor.clone()  # queued behind the sleep
+                else:
+                    got[name] = digest(tensor)
 
         for _ in range(pushes):
             got.clear()
             versions.append(self.receiver.receive(load).version)
+            got.update({name: digest(t) for name, t in kept.items()})
             rss.append(rss_bytes())
         return {"digests": dict(got), "versions": versions, "rss": rss, "stats": self.stats()}
 

@@ -4,8 +4,14 @@
 on both sides. CPU tensors; the CI path, and the fallback where CUDA IPC is unavailable.
 
 ``cuda_ipc``: device buffers shared by CUDA IPC handle (torch's ``reduce_tensor``). Copies run
-on a private stream that is synchronised before the sender signals a bucket; the receiver
-synchronises its stream before it acks.
+on a private stream; the sender signals a bucket once its copies are done (so a receiver never
+waits on the trainer's device work, and a trainer that dies mid-push cannot hang an engine), by
+then the next bucket's copies are already queued behind them. A receiver
+on the same GPU does not synchronise before it acks: it records an interprocess CUDA event after
+its loads, one per staging buffer, and the sender's copy stream waits on that event before it
+rewrites the buffer. The device queue stays full while both sides' Python works; the receiver
+synchronises once, at the end of the push. The sender's waits on the device are polled against
+its deadline, so a receiver that dies with loads queued cannot hang the trainer.
 
 Invariants: a buffer is exported exactly once (its descriptor is computed once and cached) and a
 receiver maps each descriptor once for the life of the connection. Nothing here calls
@@ -21,6 +27,7 @@ import os
 import pickle
 import re
 import stat
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -92,14 +99,42 @@ class Backend(Protocol):
         """On the caller's thread, before packing: later copies wait for work queued so far."""
         ...
 
-    def finish_copies(self) -> None:
-        """Block until the copies issued in copy_context are visible to other processes."""
+    async_copies: bool
+    """Whether copies issued in copy_context may still be running when the call returns."""
+
+    def mark_copies(self) -> object:
+        """A marker of the copies issued in copy_context so far (for ``finish_copies``)."""
+        ...
+
+    def finish_copies(self, marker: object, *, within: float) -> None:
+        """Block until the copies before ``marker`` are visible to other processes.
+
+        Raises:
+            TimeoutError: not done within ``within`` seconds (a peer's event never fired).
+        """
+        ...
+
+    def open_peer_events(self, handles: list[bytes]) -> list[object] | None:
+        """Sender: open a receiver's per-buffer load events (None: that receiver syncs)."""
+        ...
+
+    def wait_peer_loads(self, events: list[object]) -> None:
+        """Sender, on the caller's thread: later copies wait until these load events fire."""
         ...
 
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer: ...
 
+    def export_load_events(self, buffers: int) -> list[bytes]:
+        """Receiver, after ``open``: one event handle per buffer, or [] to sync before acks."""
+        ...
+
+    def loads_issued(self, buffer: int) -> None:
+        """Receiver, after the loader returned: the buffer may be reused once its reads are
+        done (records the buffer's event, or synchronises if there are no events)."""
+        ...
+
     def finish_loads(self) -> None:
-        """Receiver: block until the loader's reads of the mapped buffers are done."""
+        """Receiver: block until the loader's device work is done."""
         ...
 
 
@@ -176,7 +211,18 @@ class ShmBackend:
     def mark_sources_ready(self) -> None:
         pass
 
-    def finish_copies(self) -> None:
+    async_copies = False
+
+    def mark_copies(self) -> object:
+        return None
+
+    def finish_copies(self, marker: object, *, within: float) -> None:
+        pass
+
+    def open_peer_events(self, handles: list[bytes]) -> list[object] | None:
+        return None
+
+    def wait_peer_loads(self, events: list[object]) -> None:
         pass
 
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
@@ -184,6 +230,12 @@ class ShmBackend:
         if not _SHM_NAME.match(path.name):
             raise ValueError(f"not an asyncroll shared-memory name: {path.name!r}")
         return _ShmBuffer(path, nbytes, create=False)
+
+    def export_load_events(self, buffers: int) -> list[bytes]:
+        return []
+
+    def loads_issued(self, buffer: int) -> None:
+        pass  # the loader's copies out of host memory are done when it returns
 
     def finish_loads(self) -> None:
         pass
@@ -224,6 +276,9 @@ class CudaIpcBackend:
         )
         self._stream: torch.cuda.Stream | None = None
         self._sources_ready: torch.cuda.Event | None = None
+        self._load_events: list[torch.cuda.Event] = []  # receiver side, one per buffer
+        self.use_load_events = True
+        """Receiver: export load events when the buffers live on our current GPU (else sync)."""
 
     def __repr__(self) -> str:
         return f"<CudaIpcBackend device={self.device}>"
@@ -251,8 +306,31 @@ class CudaIpcBackend:
         event.record(torch.cuda.current_stream(self.device))
         self._sources_ready = event
 
-    def finish_copies(self) -> None:
-        self._copy_stream().synchronize()
+    async_copies = True
+
+    def mark_copies(self) -> object:
+        marker = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        marker.record(self._copy_stream())
+        return marker
+
+    def finish_copies(self, marker: object, *, within: float) -> None:
+        assert isinstance(marker, torch.cuda.Event)
+        _poll(marker, within)
+
+    def open_peer_events(self, handles: list[bytes]) -> list[object] | None:
+        if not handles:
+            return None
+        with torch.cuda.device(self.device):
+            return [
+                torch.cuda.Event.from_ipc_handle(self.device, h)  # type: ignore[no-untyped-call]
+                for h in handles
+            ]
+
+    def wait_peer_loads(self, events: list[object]) -> None:
+        stream = self._copy_stream()
+        for event in events:
+            assert isinstance(event, torch.cuda.Event)
+            stream.wait_event(event)
 
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -267,8 +345,40 @@ class CudaIpcBackend:
         self.device = tensor.device
         return _CudaBuffer(tensor)
 
+    def export_load_events(self, buffers: int) -> list[bytes]:
+        if not self.use_load_events or self.device != torch.device(
+            "cuda", torch.cuda.current_device()
+        ):
+            return []  # another GPU than our loads run on: sync before each ack instead
+        with torch.cuda.device(self.device):
+            self._load_events = [
+                torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+                for _ in range(buffers)
+            ]
+            return [bytes(e.ipc_handle()) for e in self._load_events]  # type: ignore[no-untyped-call]
+
+    def loads_issued(self, buffer: int) -> None:
+        if self._load_events:
+            self._load_events[buffer].record(torch.cuda.current_stream(self.device))
+        else:
+            self.finish_loads()
+
     def finish_loads(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+
+def _poll(event: torch.cuda.Event, within: float) -> None:
+    """Wait for ``event`` for at most ``within`` seconds (``synchronize`` has no deadline)."""
+    if event.query():  # type: ignore[no-untyped-call]
+        return
+    started = time.monotonic()
+    while not event.query():  # type: ignore[no-untyped-call]
+        waited = time.monotonic() - started
+        if waited > within:
+            raise TimeoutError(f"device work not done within {within:g} s")
+        # A bucket's copies take ~0.1-2 ms and this wait is on the push's critical path: spin
+        # (yielding the GIL) for the first 10 ms, then back off.
+        time.sleep(0 if waited < 0.01 else 0.001)
 
 
 BACKENDS: Final[dict[str, Callable[[], Backend]]] = {

@@ -11,7 +11,9 @@ Invariants:
 * ``load_fn`` always sees whole fused groups and whole tensors (spanning groups are reassembled
   in one reusable scratch buffer the receiver owns and handed over when complete: also views,
   also valid only during the call);
-* the ack of a bucket is sent after ``load_fn`` returned and the backend's reads are finished;
+* the ack of a bucket is sent after ``load_fn`` returned and the backend's reads are finished,
+  or, on the sender's GPU, once they are queued behind a device event the sender's next copies
+  into that buffer wait on; ``receive`` returns after the device finished every load;
   a loader exception becomes an error ack naming the tensor, and ``receive`` raises
   WeightSyncError once the sender ends the push;
 * every wait is bounded; unauthenticated or out-of-sequence frames are dropped and counted;
@@ -82,6 +84,9 @@ class ReceiverStatistics:
     bytes_loaded: int
     auth_failures: int
     stale_messages: int
+    load_events: int = 0
+    """Device events exported to the sender (one per buffer): acks then precede the loads on
+    the device, and the sender's copies wait on the events. 0: we sync before each ack."""
 
 
 class _Batch(list[tuple[str, torch.Tensor]]):
@@ -126,6 +131,7 @@ class WeightReceiver:
         self._imports = self._pushes = self._failed = self._buckets = self._bytes = 0
         self._auth_failures = self._stale = 0
         self._load_seconds = 0.0
+        self._load_events = 0
         self._auth_log = RateLimitedLog(log)
 
     @classmethod
@@ -166,6 +172,7 @@ class WeightReceiver:
             bytes_loaded=self._bytes,
             auth_failures=self._auth_failures,
             stale_messages=self._stale,
+            load_events=self._load_events,
         )
 
     # ---------------------------------------------------------------- connect
@@ -193,19 +200,23 @@ class WeightReceiver:
             welcome = self._recv(timeout, "the sender did not answer our hello", handshake=True)
             if not isinstance(welcome, wire.Welcome):
                 raise TransportBrokenError(f"expected a welcome, got {type(welcome).__name__}")
-            self._import(welcome)
-            self._send(lambda seq: wire.Ready(conn=self._conn, seq=seq))
+            events = self._import(welcome)
+            self._send(lambda seq: wire.Ready(conn=self._conn, seq=seq, events=events))
         except BaseException:
             self.close()
             raise
         log.info("%r connected", self)
 
-    def _import(self, welcome: wire.Welcome) -> None:
+    def _import(self, welcome: wire.Welcome) -> list[bytes]:
+        """Map the buffers; returns the handles of our per-buffer load events (may be [])."""
         self._backend = self._backend_factory(welcome.backend)
         self._bucket_bytes = welcome.bucket_bytes
         for descriptor in welcome.buffers:
             self._mapped.append(self._backend.open(descriptor, nbytes=welcome.bucket_bytes))
             self._imports += 1
+        events = self._backend.export_load_events(len(self._mapped))
+        self._load_events = len(events)
+        return events
 
     # ---------------------------------------------------------------- receive
 
@@ -262,6 +273,10 @@ class WeightReceiver:
             self._failed += 1
             raise
         self._finished_push = push
+        if self._backend is not None:  # acks may have preceded the loads on the device
+            syncing = time.perf_counter()
+            self._backend.finish_loads()
+            self._load_seconds += time.perf_counter() - syncing
         return self._finish(end, failure, buckets, tensors, nbytes, started)
 
     def _finish(
@@ -311,7 +326,7 @@ class WeightReceiver:
             if batch:
                 load_fn(batch)
             if self._backend is not None:
-                self._backend.finish_loads()
+                self._backend.loads_issued(bucket.buffer)
             self._load_seconds += time.perf_counter() - loading
         except Exception as exc:
             names = batch.current or ", ".join(name for name, _ in batch)[:500]

@@ -6,8 +6,11 @@ that authenticates every incoming frame and turns acks into state the push corou
 
 Invariants:
 
-* a buffer is rewritten only after every receiver that was sent its bucket has acked it (or left);
+* a buffer is rewritten only after every receiver that was sent its bucket has acked it (or left)
+  and, on the device, after the load events those receivers recorded (CUDA, same GPU);
   packing bucket k+1 into one buffer overlaps receivers loading bucket k from the other;
+* a bucket is signalled only once its copies are done; with asynchronous copies (CUDA) and two
+  or more buffers, one step late: bucket k+1's copies are queued before bucket k is signalled;
 * packing runs in one private worker thread, FIFO, so a push cancelled mid-pack can never race
   the next push's packing of the same buffer;
 * every wait is bounded (``connect_timeout``, ``ack_timeout``) and a timeout names the receiver
@@ -59,6 +62,8 @@ DEFAULT_BUCKET_BYTES: Final = 512 << 20
 """Size of one staging buffer: large enough to amortise a round trip, small enough to double."""
 MAX_FRAME_BYTES: Final = 1 << 20
 """Largest frame a peer may send us; bigger ones drop the peer's connection (no memory DoS)."""
+_QUARANTINE: list[StagingBuffer] = []
+"""Staging buffers of senders whose copy stream got stuck: never freed (see ``_release``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +110,8 @@ class _Peer:
     next_in: int = 1
     next_out: int = 0
     ready: bool = False
+    load_events: list[object] | None = None
+    """Device events the peer records after loading each buffer (None: it syncs before acks)."""
 
     def describe(self) -> str:
         return f"receiver {self.name!r} (pid {self.pid})"
@@ -153,10 +160,11 @@ class WeightSender:
         self._rejected: set[bytes] = set()
         self._holders: list[set[bytes]] = [set() for _ in range(buffers)]
         self._holding: list[tuple[int, int] | None] = [None] * buffers
+        self._loaders: list[list[bytes]] = [[] for _ in range(buffers)]
         self._push: _PushState | None = None
         self._push_ids = 0
         self._pushes = self._failed = self._bytes = self._auth_failures = 0
-        self._sealed = self._closed = False
+        self._sealed = self._closed = self._stuck = False
         self._fatal: BaseException | None = None
         self._changed = asyncio.Condition()
         self._push_lock = asyncio.Lock()
@@ -308,7 +316,11 @@ class WeightSender:
             async with self._changed:
                 self._changed.notify_all()  # a push waiting on acks raises TransportClosedError
             with contextlib.suppress(TimeoutError):
-                await self._wait(lambda: not self._peers, within=self._close_timeout, closing=True)
+                await self._wait(
+                    lambda: not self._peers or self._fatal is not None,
+                    within=self._close_timeout,
+                    closing=True,
+                )
         finally:
             if self._reader is not None:
                 self._reader.cancel()
@@ -329,6 +341,11 @@ class WeightSender:
         started = time.perf_counter()
         pack_s = wait_s = 0.0
         loop = asyncio.get_running_loop()
+        # With asynchronous copies (CUDA) and two or more buffers, a bucket is signalled one
+        # step late: once bucket k+1's copies are queued, we wait for bucket k's and signal it,
+        # so the device always has the next copies at hand while Python signals and acks.
+        lag = self._backend.async_copies and len(self._staging) > 1
+        unsignalled: tuple[Bucket, int, object] | None = None
         try:
             self._backend.mark_sources_ready()
             for bucket in plan:
@@ -336,18 +353,36 @@ class WeightSender:
                 t0 = time.perf_counter()
                 await self._wait_buffer_free(index, state)
                 t1 = time.perf_counter()
-                await loop.run_in_executor(self._packer, self._pack, bucket, index, tensors)
+                events = self._load_events_of(index)
+                previous = unsignalled[2] if unsignalled is not None else None
+                marker = await loop.run_in_executor(
+                    self._packer, self._pack, bucket, index, tensors, events, previous
+                )
                 t2 = time.perf_counter()
                 wait_s, pack_s = wait_s + t1 - t0, pack_s + t2 - t1
-                await self._send_bucket(peers, bucket, index, state)
+                if unsignalled is not None:
+                    await self._send_bucket(peers, unsignalled[0], unsignalled[1], state)
+                    unsignalled = None
+                if lag:
+                    unsignalled = (bucket, index, marker)
+                else:
+                    await self._send_bucket(peers, bucket, index, state)
             t0 = time.perf_counter()
+            if unsignalled is not None:
+                await loop.run_in_executor(self._packer, self._finish_copies, [], unsignalled[2])
+                await self._send_bucket(peers, unsignalled[0], unsignalled[1], state)
             for index in range(len(self._staging)):
                 await self._wait_buffer_free(index, state)
+            # Acks may precede the loads on the device (load events): wait for those too.
+            events = [e for i in range(len(self._staging)) for e in self._load_events_of(i)]
+            await loop.run_in_executor(self._packer, self._finish_copies, events, None)
             wait_s += time.perf_counter() - t0
             await self._send_end(peers, state, len(plan), error="")
         except BaseException as exc:
             self._failed += 1
             await _shielded(self._send_end(peers, state, len(plan), error=_describe_exc(exc)))
+            if self._backend.async_copies and not self._stuck:
+                await _shielded(self._drain_after_failure())
             raise
         finally:
             self._push = None
@@ -366,10 +401,59 @@ class WeightSender:
             wait_seconds=wait_s,
         )
 
-    def _pack(self, bucket: Bucket, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _load_events_of(self, index: int) -> list[object]:
+        """Load events of the receivers that were last sent buffer ``index`` and are still here."""
+        events = []
+        for identity in self._loaders[index]:
+            peer = self._peers.get(identity)
+            if peer is not None and peer.load_events is not None:
+                events.append(peer.load_events[index])
+        return events
+
+    def _pack(
+        self,
+        bucket: Bucket,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        load_events: list[object],
+        previous: object | None,
+    ) -> object:
+        """Queue bucket's copies (after the buffer's last readers, on the device); then, if
+        given, wait for the previous bucket's copies. Returns this bucket's copies' marker."""
+        self._backend.wait_peer_loads(load_events)
         with torch.no_grad(), self._backend.copy_context():  # parameters require grad
             pack_bucket(bucket, self._staging[index].tensor, tensors)
-        self._backend.finish_copies()
+        marker = self._backend.mark_copies()
+        if previous is not None:
+            self._finish_copies([], previous)
+        elif not self._backend.async_copies or len(self._staging) == 1:
+            self._finish_copies([], marker)
+        return marker
+
+    async def _drain_after_failure(self) -> None:
+        """Copies queued by a failed push must finish (bounded): a copy stream stuck behind the
+        event of a receiver that died makes the sender unusable and its buffers unsafe to free."""
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(TransportBrokenError):
+            await loop.run_in_executor(self._packer, self._finish_copies, [], None)
+
+    def _finish_copies(self, load_events: list[object], marker: object | None) -> None:
+        """Wait (bounded) for the copies before ``marker`` (all so far if None), after the
+        device has seen ``load_events`` fire."""
+        self._backend.wait_peer_loads(load_events)
+        if marker is None:
+            marker = self._backend.mark_copies()
+        try:
+            self._backend.finish_copies(marker, within=self._ack_timeout)
+        except TimeoutError:
+            # The copy stream waits on a receiver's device event that never fired (it died with
+            # loads queued): that stream is stuck for good, and so is this sender.
+            self._stuck = True
+            self._fatal = TransportBrokenError(
+                f"the staging copies did not finish within {self._ack_timeout:g} s (a receiver"
+                " died with loads queued on the device?): open a new sender"
+            )
+            raise self._fatal from None
 
     async def _wait_buffer_free(self, index: int, state: _PushState) -> None:
         def what() -> str:
@@ -408,6 +492,7 @@ class WeightSender:
         ]
         self._holding[index] = (state.id, bucket.index)
         self._holders[index] = {peer.identity for peer in peers if peer.identity in self._peers}
+        self._loaders[index] = list(self._holders[index])
         for peer in peers:
             await self._send(
                 peer,
@@ -504,7 +589,7 @@ class WeightSender:
         if isinstance(message, wire.Hello):
             await self._welcome(identity, message)
         elif isinstance(message, wire.Ready):
-            self._peers[identity].ready = True
+            self._on_ready(self._peers[identity], message)
         elif isinstance(message, wire.Ack):
             self._on_ack(identity, message)
         elif isinstance(message, wire.Bye):
@@ -563,6 +648,18 @@ class WeightSender:
                 ),
             )
 
+    def _on_ready(self, peer: _Peer, ready: wire.Ready) -> None:
+        if ready.events:
+            try:
+                if len(ready.events) != len(self._staging):
+                    raise ValueError(f"{len(ready.events)} load events for {len(self._staging)}")
+                peer.load_events = self._backend.open_peer_events(ready.events)
+            except Exception as exc:  # it would ack before its loads are done: unusable
+                log.warning("%s sent unusable load events: %r", peer.describe(), exc)
+                self._drop_peer(peer.identity, f"{peer.describe()} sent unusable load events")
+                return
+        peer.ready = True
+
     def _on_ack(self, identity: bytes, ack: wire.Ack) -> None:
         index = ack.index % len(self._holders)
         if self._holding[index] == (ack.push, ack.index):
@@ -601,7 +698,7 @@ class WeightSender:
     def _check_usable(self, *, closing: bool = False) -> None:
         if self._closed and not closing:
             raise TransportClosedError(f"{self!r} is closed")
-        if self._fatal is not None:
+        if self._fatal is not None and not closing:
             raise self._fatal
         if self._reader is None:
             raise TransportClosedError("the sender's reader is not running: use open_weight_sender")
@@ -641,8 +738,14 @@ class WeightSender:
             self._monitor = None
         self._sock.close(linger=0)
         self._ctx.term()
-        for buffer in self._staging:
-            buffer.close()
+        if self._stuck:
+            # Copies into these buffers sit queued behind an event that never fired; if memory
+            # went back to the allocator, they could one day write into someone else's tensor.
+            log.warning("keeping %d stuck staging buffers until exit", len(self._staging))
+            _QUARANTINE.extend(self._staging)
+        else:
+            for buffer in self._staging:
+                buffer.close()
         self._staging = []
         self._unlink_names()
         self._packer.shutdown(wait=True)

@@ -64,10 +64,15 @@ class Welcome(msgspec.Struct, tag=True, frozen=True):
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
-    """Receiver -> sender: every staging buffer is mapped (the sender may now unlink names)."""
+    """Receiver -> sender: every staging buffer is mapped (the sender may now unlink names).
+
+    ``events``: one device-event handle per buffer that the receiver records after loading it;
+    the sender's copies into that buffer wait on it. Empty: the receiver syncs before acking.
+    """
 
     conn: bytes
     seq: int
+    events: list[bytes] = []
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):

@@ -4,14 +4,16 @@
 on both sides. CPU tensors; the CI path, and the fallback where CUDA IPC is unavailable.
 
 ``cuda_ipc``: device buffers shared by CUDA IPC handle (torch's ``reduce_tensor``). Copies run
-on a private stream; the sender signals a bucket once its copies are done (so a receiver never
-waits on the trainer's device work, and a trainer that dies mid-push cannot hang an engine), by
-then the next bucket's copies are already queued behind them. A receiver
-on the same GPU does not synchronise before it acks: it records an interprocess CUDA event after
-its loads, one per staging buffer, and the sender's copy stream waits on that event before it
-rewrites the buffer. The device queue stays full while both sides' Python works; the receiver
-synchronises once, at the end of the push. The sender's waits on the device are polled against
-its deadline, so a receiver that dies with loads queued cannot hang the trainer.
+on a private stream; the sender signals a bucket once its copies are done (by then the next
+bucket's copies are already queued behind them). A receiver on the same GPU does not synchronise
+before it acks: it records an interprocess CUDA event after its loads, one per staging buffer,
+and the sender polls that event from the host before it queues copies into the buffer again.
+The receiver synchronises once, at the end of the push.
+
+No stream of either side ever waits on the other process's device work: an IPC event recorded by
+a process that then dies never fires (seen on an H100), and a stream waiting on it would be stuck
+for the life of the process (and with it ``torch.cuda.synchronize()``). Host-side polls are
+bounded and give up on a receiver that has left.
 
 Invariants: a buffer is exported exactly once (its descriptor is computed once and cached) and a
 receiver maps each descriptor once for the life of the connection. Nothing here calls
@@ -118,8 +120,8 @@ class Backend(Protocol):
         """Sender: open a receiver's per-buffer load events (None: that receiver syncs)."""
         ...
 
-    def wait_peer_loads(self, events: list[object]) -> None:
-        """Sender, on the caller's thread: later copies wait until these load events fire."""
+    def peer_loads_done(self, event: object) -> bool:
+        """Sender: whether the loads behind a receiver's load event have finished."""
         ...
 
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer: ...
@@ -222,8 +224,8 @@ class ShmBackend:
     def open_peer_events(self, handles: list[bytes]) -> list[object] | None:
         return None
 
-    def wait_peer_loads(self, events: list[object]) -> None:
-        pass
+    def peer_loads_done(self, event: object) -> bool:
+        return True
 
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
         path = Path(descriptor.decode())
@@ -315,7 +317,7 @@ class CudaIpcBackend:
 
     def finish_copies(self, marker: object, *, within: float) -> None:
         assert isinstance(marker, torch.cuda.Event)
-        _poll(marker, within)
+        poll_until(marker.query, within=within)
 
     def open_peer_events(self, handles: list[bytes]) -> list[object] | None:
         if not handles:
@@ -326,11 +328,9 @@ class CudaIpcBackend:
                 for h in handles
             ]
 
-    def wait_peer_loads(self, events: list[object]) -> None:
-        stream = self._copy_stream()
-        for event in events:
-            assert isinstance(event, torch.cuda.Event)
-            stream.wait_event(event)
+    def peer_loads_done(self, event: object) -> bool:
+        assert isinstance(event, torch.cuda.Event)
+        return bool(event.query())  # type: ignore[no-untyped-call]
 
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -367,18 +367,27 @@ class CudaIpcBackend:
         torch.cuda.current_stream(self.device).synchronize()
 
 
-def _poll(event: torch.cuda.Event, within: float) -> None:
-    """Wait for ``event`` for at most ``within`` seconds (``synchronize`` has no deadline)."""
-    if event.query():  # type: ignore[no-untyped-call]
-        return
+def poll_until(
+    done: Callable[[], bool], *, within: float, give_up: Callable[[], bool] | None = None
+) -> bool:
+    """Poll ``done`` until it is true (returns True) or ``give_up`` is (returns False).
+
+    For device work, where ``synchronize`` has no deadline. A bucket's copies take ~0.1-2 ms and
+    these waits are on a push's critical path: spin (yielding the GIL) for the first 10 ms, then
+    back off to 1 ms.
+
+    Raises:
+        TimeoutError: neither within ``within`` seconds.
+    """
     started = time.monotonic()
-    while not event.query():  # type: ignore[no-untyped-call]
+    while not done():
+        if give_up is not None and give_up():
+            return False
         waited = time.monotonic() - started
         if waited > within:
-            raise TimeoutError(f"device work not done within {within:g} s")
-        # A bucket's copies take ~0.1-2 ms and this wait is on the push's critical path: spin
-        # (yielding the GIL) for the first 10 ms, then back off.
+            raise TimeoutError(f"not done within {within:g} s")
         time.sleep(0 if waited < 0.01 else 0.001)
+    return True
 
 
 BACKENDS: Final[dict[str, Callable[[], Backend]]] = {

@@ -12,8 +12,8 @@ Invariants:
   in one reusable scratch buffer the receiver owns and handed over when complete: also views,
   also valid only during the call);
 * the ack of a bucket is sent after ``load_fn`` returned and the backend's reads are finished,
-  or, on the sender's GPU, once they are queued behind a device event the sender's next copies
-  into that buffer wait on; ``receive`` returns after the device finished every load;
+  or, on the sender's GPU, once they are queued, followed by a device event that the sender
+  polls before it reuses the buffer; ``receive`` returns after the device finished every load;
   a loader exception becomes an error ack naming the tensor, and ``receive`` raises
   WeightSyncError once the sender ends the push;
 * every wait is bounded; unauthenticated or out-of-sequence frames are dropped and counted;
@@ -323,8 +323,15 @@ class WeightReceiver:
                     batch.append((entry.name, view))
             batch.extend(self._spans.take(bucket.completes))
             loading = time.perf_counter()
-            if batch:
-                load_fn(batch)
+            try:
+                if batch:
+                    load_fn(batch)
+            except Exception:
+                # Reads it queued before failing must still finish before the buffer is reused.
+                if self._backend is not None:
+                    with contextlib.suppress(Exception):
+                        self._backend.loads_issued(bucket.buffer)
+                raise
             if self._backend is not None:
                 self._backend.loads_issued(bucket.buffer)
             self._load_seconds += time.perf_counter() - loading

@@ -7,7 +7,8 @@ that authenticates every incoming frame and turns acks into state the push corou
 Invariants:
 
 * a buffer is rewritten only after every receiver that was sent its bucket has acked it (or left)
-  and, on the device, after the load events those receivers recorded (CUDA, same GPU);
+  and the device finished their reads (the load events they recorded, polled from the host: no
+  stream of ours ever waits on another process's device work);
   packing bucket k+1 into one buffer overlaps receivers loading bucket k from the other;
 * a bucket is signalled only once its copies are done; with asynchronous copies (CUDA) and two
   or more buffers, one step late: bucket k+1's copies are queued before bucket k is signalled;
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -34,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 import torch
 import zmq
@@ -49,7 +51,7 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.transport import wire
-from asyncroll.transport.backends import Backend, ShmBackend, StagingBuffer
+from asyncroll.transport.backends import Backend, ShmBackend, StagingBuffer, poll_until
 from asyncroll.transport.packing import dtype_name, pack_bucket
 from asyncroll.transport.plan import Bucket, GroupOf, TensorMeta, default_group, plan_buckets
 from asyncroll.transport.security import JobIdentity, RateLimitedLog, make_runtime_dir
@@ -57,13 +59,14 @@ from asyncroll.transport.security import JobIdentity, RateLimitedLog, make_runti
 __all__ = ["PushReport", "SenderStatistics", "WeightSender", "open_weight_sender"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 DEFAULT_BUCKET_BYTES: Final = 512 << 20
 """Size of one staging buffer: large enough to amortise a round trip, small enough to double."""
 MAX_FRAME_BYTES: Final = 1 << 20
 """Largest frame a peer may send us; bigger ones drop the peer's connection (no memory DoS)."""
 _QUARANTINE: list[StagingBuffer] = []
-"""Staging buffers of senders whose copy stream got stuck: never freed (see ``_release``)."""
+"""Staging buffers closed with copies still queued into them: never freed (see ``_release``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,7 +167,7 @@ class WeightSender:
         self._push: _PushState | None = None
         self._push_ids = 0
         self._pushes = self._failed = self._bytes = self._auth_failures = 0
-        self._sealed = self._closed = self._stuck = False
+        self._sealed = self._closed = False
         self._fatal: BaseException | None = None
         self._changed = asyncio.Condition()
         self._push_lock = asyncio.Lock()
@@ -316,11 +319,7 @@ class WeightSender:
             async with self._changed:
                 self._changed.notify_all()  # a push waiting on acks raises TransportClosedError
             with contextlib.suppress(TimeoutError):
-                await self._wait(
-                    lambda: not self._peers or self._fatal is not None,
-                    within=self._close_timeout,
-                    closing=True,
-                )
+                await self._wait(lambda: not self._peers, within=self._close_timeout, closing=True)
         finally:
             if self._reader is not None:
                 self._reader.cancel()
@@ -340,7 +339,6 @@ class WeightSender:
         state = self._push = _PushState(id=self._push_ids, version=version)
         started = time.perf_counter()
         pack_s = wait_s = 0.0
-        loop = asyncio.get_running_loop()
         # With asynchronous copies (CUDA) and two or more buffers, a bucket is signalled one
         # step late: once bucket k+1's copies are queued, we wait for bucket k's and signal it,
         # so the device always has the next copies at hand while Python signals and acks.
@@ -353,10 +351,10 @@ class WeightSender:
                 t0 = time.perf_counter()
                 await self._wait_buffer_free(index, state)
                 t1 = time.perf_counter()
-                events = self._load_events_of(index)
+                readers = self._load_events_of(index)
                 previous = unsignalled[2] if unsignalled is not None else None
-                marker = await loop.run_in_executor(
-                    self._packer, self._pack, bucket, index, tensors, events, previous
+                marker = await self._in_packer(
+                    self._pack, bucket, index, tensors, readers, previous
                 )
                 t2 = time.perf_counter()
                 wait_s, pack_s = wait_s + t1 - t0, pack_s + t2 - t1
@@ -369,20 +367,18 @@ class WeightSender:
                     await self._send_bucket(peers, bucket, index, state)
             t0 = time.perf_counter()
             if unsignalled is not None:
-                await loop.run_in_executor(self._packer, self._finish_copies, [], unsignalled[2])
+                await self._in_packer(self._finish_copies, unsignalled[2])
                 await self._send_bucket(peers, unsignalled[0], unsignalled[1], state)
             for index in range(len(self._staging)):
                 await self._wait_buffer_free(index, state)
             # Acks may precede the loads on the device (load events): wait for those too.
-            events = [e for i in range(len(self._staging)) for e in self._load_events_of(i)]
-            await loop.run_in_executor(self._packer, self._finish_copies, events, None)
+            readers = [r for i in range(len(self._staging)) for r in self._load_events_of(i)]
+            await self._in_packer(self._wait_loads, readers)
             wait_s += time.perf_counter() - t0
             await self._send_end(peers, state, len(plan), error="")
         except BaseException as exc:
             self._failed += 1
             await _shielded(self._send_end(peers, state, len(plan), error=_describe_exc(exc)))
-            if self._backend.async_copies and not self._stuck:
-                await _shielded(self._drain_after_failure())
             raise
         finally:
             self._push = None
@@ -401,59 +397,72 @@ class WeightSender:
             wait_seconds=wait_s,
         )
 
-    def _load_events_of(self, index: int) -> list[object]:
-        """Load events of the receivers that were last sent buffer ``index`` and are still here."""
-        events = []
+    async def _in_packer(self, function: Callable[..., _T], *args: object) -> _T:
+        """Run ``function`` in the packing thread (FIFO); TransportClosedError once closed."""
+        self._check_usable()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._packer, function, *args)
+        except RuntimeError:  # the executor was shut down by aclose() meanwhile
+            self._check_usable()
+            raise
+
+    def _load_events_of(self, index: int) -> list[tuple[bytes, object]]:
+        """(receiver, load event) of the receivers last sent buffer ``index`` that are here."""
+        readers = []
         for identity in self._loaders[index]:
             peer = self._peers.get(identity)
             if peer is not None and peer.load_events is not None:
-                events.append(peer.load_events[index])
-        return events
+                readers.append((identity, peer.load_events[index]))
+        return readers
 
     def _pack(
         self,
         bucket: Bucket,
         index: int,
         tensors: Mapping[str, torch.Tensor],
-        load_events: list[object],
+        readers: list[tuple[bytes, object]],
         previous: object | None,
     ) -> object:
-        """Queue bucket's copies (after the buffer's last readers, on the device); then, if
-        given, wait for the previous bucket's copies. Returns this bucket's copies' marker."""
-        self._backend.wait_peer_loads(load_events)
+        """Wait until the buffer's last readers finished on the device, queue the bucket's
+        copies, then (if given) wait for the previous bucket's. Returns this one's marker."""
+        self._wait_loads(readers)
         with torch.no_grad(), self._backend.copy_context():  # parameters require grad
             pack_bucket(bucket, self._staging[index].tensor, tensors)
         marker = self._backend.mark_copies()
         if previous is not None:
-            self._finish_copies([], previous)
+            self._finish_copies(previous)
         elif not self._backend.async_copies or len(self._staging) == 1:
-            self._finish_copies([], marker)
+            self._finish_copies(marker)
         return marker
 
-    async def _drain_after_failure(self) -> None:
-        """Copies queued by a failed push must finish (bounded): a copy stream stuck behind the
-        event of a receiver that died makes the sender unusable and its buffers unsafe to free."""
-        loop = asyncio.get_running_loop()
-        with contextlib.suppress(TransportBrokenError):
-            await loop.run_in_executor(self._packer, self._finish_copies, [], None)
+    def _wait_loads(self, readers: list[tuple[bytes, object]]) -> None:
+        """Poll receivers' load events from the host (never on our stream: an event of a process
+        that died never fires). A receiver that left is not waited for."""
+        for identity, event in readers:
+            try:
+                poll_until(
+                    functools.partial(self._backend.peer_loads_done, event),
+                    within=self._ack_timeout,
+                    give_up=functools.partial(self._left, identity),
+                )
+            except TimeoutError:
+                raise TransportTimeoutError(
+                    f"{self._describe(identity)} did not finish loading a bucket on the device"
+                    f" within {self._ack_timeout:g} s"
+                ) from None
 
-    def _finish_copies(self, load_events: list[object], marker: object | None) -> None:
-        """Wait (bounded) for the copies before ``marker`` (all so far if None), after the
-        device has seen ``load_events`` fire."""
-        self._backend.wait_peer_loads(load_events)
-        if marker is None:
-            marker = self._backend.mark_copies()
+    def _left(self, identity: bytes) -> bool:
+        return identity not in self._peers
+
+    def _finish_copies(self, marker: object) -> None:
+        """Wait (bounded) for our copies up to ``marker``."""
         try:
             self._backend.finish_copies(marker, within=self._ack_timeout)
         except TimeoutError:
-            # The copy stream waits on a receiver's device event that never fired (it died with
-            # loads queued): that stream is stuck for good, and so is this sender.
-            self._stuck = True
-            self._fatal = TransportBrokenError(
-                f"the staging copies did not finish within {self._ack_timeout:g} s (a receiver"
-                " died with loads queued on the device?): open a new sender"
-            )
-            raise self._fatal from None
+            raise TransportTimeoutError(
+                f"the staging copies did not finish within {self._ack_timeout:g} s (device work"
+                " queued before the push, which the copies wait for, is still running?)"
+            ) from None
 
     async def _wait_buffer_free(self, index: int, state: _PushState) -> None:
         def what() -> str:
@@ -698,7 +707,7 @@ class WeightSender:
     def _check_usable(self, *, closing: bool = False) -> None:
         if self._closed and not closing:
             raise TransportClosedError(f"{self!r} is closed")
-        if self._fatal is not None and not closing:
+        if self._fatal is not None:
             raise self._fatal
         if self._reader is None:
             raise TransportClosedError("the sender's reader is not running: use open_weight_sender")
@@ -738,17 +747,28 @@ class WeightSender:
             self._monitor = None
         self._sock.close(linger=0)
         self._ctx.term()
-        if self._stuck:
-            # Copies into these buffers sit queued behind an event that never fired; if memory
-            # went back to the allocator, they could one day write into someone else's tensor.
-            log.warning("keeping %d stuck staging buffers until exit", len(self._staging))
+        self._packer.shutdown(wait=True)  # no copies are queued after this
+        if self._copies_pending():
+            # Copies into these buffers are still queued (a push was cut short while the device
+            # was busy); were the memory given back to the allocator, they could write into
+            # someone else's tensor.
+            log.warning("keeping %d staging buffers with copies still queued", len(self._staging))
             _QUARANTINE.extend(self._staging)
         else:
             for buffer in self._staging:
                 buffer.close()
         self._staging = []
         self._unlink_names()
-        self._packer.shutdown(wait=True)
+
+    def _copies_pending(self) -> bool:
+        """Whether copies into the staging buffers are still running after ``close_timeout``."""
+        if not self._staging or not self._backend.async_copies:
+            return False
+        try:
+            self._backend.finish_copies(self._backend.mark_copies(), within=self._close_timeout)
+        except Exception:  # a timeout, or a broken device: either way, do not free
+            return True
+        return False
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

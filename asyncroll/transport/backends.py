@@ -112,7 +112,8 @@ class Backend(Protocol):
         """Block until the copies before ``marker`` are visible to other processes.
 
         Raises:
-            TimeoutError: not done within ``within`` seconds (a peer's event never fired).
+            TimeoutError: not done within ``within`` seconds (the device work the copies wait
+                for, queued by the caller before the push, is still running).
         """
         ...
 

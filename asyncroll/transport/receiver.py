@@ -86,7 +86,8 @@ class ReceiverStatistics:
     stale_messages: int
     load_events: int = 0
     """Device events exported to the sender (one per buffer): acks then precede the loads on
-    the device, and the sender's copies wait on the events. 0: we sync before each ack."""
+    the device, and the sender polls the events before reusing a buffer. 0: we sync before
+    each ack."""
 
 
 class _Batch(list[tuple[str, torch.Tensor]]):
@@ -271,6 +272,7 @@ class WeightReceiver:
         except BaseException:
             self._finished_push = max(self._finished_push, push)
             self._failed += 1
+            self._settle_loads()
             raise
         self._finished_push = push
         if self._backend is not None:  # acks may have preceded the loads on the device
@@ -341,6 +343,12 @@ class WeightReceiver:
             return (names, f"{type(exc).__name__}: {exc}"[:2000]), 0
         return None, len(batch)
 
+    def _settle_loads(self) -> None:
+        """Best effort: wait for loads already queued on the device (acked or not)."""
+        if self._backend is not None:
+            with contextlib.suppress(Exception):
+                self._backend.finish_loads()
+
     def _ack(
         self, bucket: wire.Bucket, failure: tuple[str, str] | None
     ) -> Callable[[int], wire.Message]:
@@ -410,6 +418,7 @@ class WeightReceiver:
         if self._closed:
             return
         self._closed = True
+        self._settle_loads()  # queued reads must end before the mappings (and our Bye) go
         self._spans.release()
         for mapped in self._mapped:
             mapped.close()

@@ -308,7 +308,7 @@ class WeightSender:
             return await self._run_push(plan, tensors, version)
 
     async def aclose(self) -> None:
-        """Say goodbye, wait (bounded) for receivers to release their mappings, free everything.
+        """Wait (bounded) for receivers to release their mappings and say bye; free everything.
 
         Idempotent; safe to call while a push is in flight (the push raises TransportClosedError).
         """
@@ -319,7 +319,11 @@ class WeightSender:
             async with self._changed:
                 self._changed.notify_all()  # a push waiting on acks raises TransportClosedError
             with contextlib.suppress(TimeoutError):
-                await self._wait(lambda: not self._peers, within=self._close_timeout, closing=True)
+                await self._wait(
+                    lambda: not self._peers or self._fatal is not None,  # no reader: no byes
+                    within=self._close_timeout,
+                    closing=True,
+                )
         finally:
             if self._reader is not None:
                 self._reader.cancel()
@@ -401,10 +405,14 @@ class WeightSender:
         """Run ``function`` in the packing thread (FIFO); TransportClosedError once closed."""
         self._check_usable()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._packer, function, *args)
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._packer, function, *args
+            )
         except RuntimeError:  # the executor was shut down by aclose() meanwhile
             self._check_usable()
             raise
+        self._check_usable()  # aclose() may have run while the thread worked
+        return result
 
     def _load_events_of(self, index: int) -> list[tuple[bytes, object]]:
         """(receiver, load event) of the receivers last sent buffer ``index`` that are here."""
@@ -438,21 +446,24 @@ class WeightSender:
     def _wait_loads(self, readers: list[tuple[bytes, object]]) -> None:
         """Poll receivers' load events from the host (never on our stream: an event of a process
         that died never fires). A receiver that left is not waited for."""
+        deadline = time.monotonic() + self._ack_timeout
         for identity, event in readers:
             try:
                 poll_until(
                     functools.partial(self._backend.peer_loads_done, event),
-                    within=self._ack_timeout,
-                    give_up=functools.partial(self._left, identity),
+                    within=max(0.0, deadline - time.monotonic()),
+                    give_up=functools.partial(self._left_or_closed, identity),
                 )
             except TimeoutError:
                 raise TransportTimeoutError(
                     f"{self._describe(identity)} did not finish loading a bucket on the device"
                     f" within {self._ack_timeout:g} s"
                 ) from None
+            if self._closed:
+                raise TransportClosedError(f"{self!r} is closed")
 
-    def _left(self, identity: bytes) -> bool:
-        return identity not in self._peers
+    def _left_or_closed(self, identity: bytes) -> bool:
+        return self._closed or identity not in self._peers
 
     def _finish_copies(self, marker: object) -> None:
         """Wait (bounded) for our copies up to ``marker``."""
@@ -522,7 +533,7 @@ class WeightSender:
     ) -> None:
         for peer in peers:
             if peer.identity in self._peers:
-                with contextlib.suppress(TransportBrokenError):
+                with contextlib.suppress(TransportBrokenError, TransportClosedError):
                     await self._send(
                         peer,
                         lambda p, seq: wire.End(
@@ -541,6 +552,8 @@ class WeightSender:
         try:
             await self._sock.send_multipart([peer.identity, *self._sealer.seal(message)])
         except zmq.ZMQError as exc:
+            if self._closed:
+                raise TransportClosedError(f"{self!r} is closed") from exc
             self._drop_peer(peer.identity, f"{peer.describe()} is unreachable ({exc})")
             raise TransportBrokenError(f"{peer.describe()} is unreachable") from exc
 
@@ -707,7 +720,7 @@ class WeightSender:
     def _check_usable(self, *, closing: bool = False) -> None:
         if self._closed and not closing:
             raise TransportClosedError(f"{self!r} is closed")
-        if self._fatal is not None:
+        if self._fatal is not None and not closing:
             raise self._fatal
         if self._reader is None:
             raise TransportClosedError("the sender's reader is not running: use open_weight_sender")

@@ -34,6 +34,7 @@ from asyncroll.errors import (
     EngineDeadError,
     EngineGenerateError,
     EngineSleepingError,
+    EngineStartError,
     InvalidRequestError,
 )
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
@@ -152,13 +153,27 @@ class VLLMEngine:
         global_steps: int | None = 0,
         **engine_args: Any,
     ) -> VLLMEngine:
-        """Start an engine without a context manager; the caller must ``aclose()`` it."""
+        """Start an engine without a context manager; the caller must ``aclose()`` it.
+
+        Raises:
+            EngineStartError: no such model folder (a path that does not exist never reaches
+                vLLM, which would look it up on the Hugging Face hub), bad engine arguments, or
+                vLLM failed to start (its error is the cause).
+        """
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**_engine_args_with_defaults(Path(model_path), engine_args))
-        # Start-up blocks for tens of seconds; keep the event loop free for other engines.
-        llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        path = _check_model_path(model_path)
+        try:
+            args = AsyncEngineArgs(**_engine_args_with_defaults(path, engine_args))
+        except Exception as exc:  # an unknown keyword, a value vLLM refuses
+            raise EngineStartError(f"bad engine arguments: {exc}") from exc
+        try:
+            # Start-up blocks for tens of seconds; keep the event loop free for other engines.
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        except Exception as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:2000]
+            raise EngineStartError(f"vLLM could not start on {str(path)!r}: {reason}") from exc
         engine = cls(llm, name=name, global_steps=global_steps)
         try:
             label = version_label(global_steps)
@@ -562,6 +577,15 @@ def _finish_reason(reason: str | None) -> FinishReason:
     if reason in ("stop", "length"):
         return reason  # type: ignore[return-value]
     return "abort"
+
+
+def _check_model_path(model_path: str | os.PathLike[str]) -> Path:
+    """The model's path; a local-looking path that does not exist is an error here, before vLLM
+    would take it for a Hugging Face hub id (and fail, after a network timeout, on that)."""
+    path = Path(model_path)
+    if not path.exists() and (path.is_absolute() or str(model_path).startswith(".")):
+        raise EngineStartError(f"model folder {str(model_path)!r} does not exist")
+    return path
 
 
 def _engine_args_with_defaults(model_path: Path, engine_args: Mapping[str, Any]) -> dict[str, Any]:

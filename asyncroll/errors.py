@@ -26,6 +26,7 @@ __all__ = [
     "EngineError",
     "EngineGenerateError",
     "EngineSleepingError",
+    "EngineStartError",
     "InvalidRequestError",
     "NoEngineAvailableError",
     "TransportAuthError",
@@ -51,6 +52,10 @@ class EngineGenerateError(EngineError):
 
 class EngineDeadError(EngineError):
     """The engine is gone (its EngineCore died or it was closed); route elsewhere."""
+
+
+class EngineStartError(EngineError):
+    """An engine could not start (no such model folder, bad engine arguments, vLLM failed)."""
 
 
 class EngineSleepingError(EngineError):

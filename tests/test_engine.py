@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -14,6 +15,7 @@ from engine_helpers import until_decoding
 
 from asyncroll import (
     EngineDeadError,
+    EngineStartError,
     InvalidRequestError,
     Segment,
     VLLMEngine,
@@ -193,6 +195,42 @@ async def test_sleep_gates_admission_until_wake_up(engine: VLLMEngine) -> None:
         await engine.wake_up()
     assert len((await waiting).token_ids) == 4
     assert not engine.statistics().asleep
+
+
+def _engine_cores() -> set[int]:
+    cores = set()
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # exited while we looked
+            if "EngineCore" in " ".join(child.cmdline()):
+                cores.add(child.pid)
+    return cores
+
+
+async def test_a_missing_model_folder_fails_before_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path that does not exist would otherwise become a Hugging Face hub lookup."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def must_not_run(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("vLLM was asked to start")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", must_not_run)
+    for path in (tmp_path / "no-such-model", "./no-such-model"):
+        with pytest.raises(EngineStartError, match=r"no-such-model.*does not exist"):
+            await VLLMEngine.start(path)
+
+
+async def test_bad_engine_arguments_raise_engine_start_error_and_leave_no_process(
+    tiny_model_a: Path,
+) -> None:
+    before = _engine_cores()
+    with pytest.raises(EngineStartError, match=r"bad engine arguments.*max_modle_len"):
+        await VLLMEngine.start(tiny_model_a, max_modle_len=64)  # a typo
+    with pytest.raises(EngineStartError, match=r"could not start.*max_model_len") as refused:
+        await VLLMEngine.start(tiny_model_a, max_model_len=10**7)  # beyond the model's context
+    assert isinstance(refused.value.__cause__, ValueError)  # vLLM's own error, kept as the cause
+    assert _engine_cores() == before
 
 
 async def test_statistics_and_repr(engine: VLLMEngine) -> None:

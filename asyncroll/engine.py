@@ -114,8 +114,9 @@ class VLLMEngine:
         self._num_rejected = 0
         self._pusher: WeightPusher | None = None
         self._holding: str | None = None
-        self._weight_pusher: object = None
-        """The pusher whose sender this engine's workers are attached to (one at a time)."""
+        self._attached_pusher: WeightPusher | None = None
+        """The pusher whose sender this engine's workers are attached to (one at a time; not
+        necessarily ``_pusher``, the one ``update_weights`` uses)."""
         self.native_versions = hasattr(llm, "update_weight_version")
         """vLLM labels weight versions itself (0.32+); else this adapter does (see module doc)."""
         self._version_marks: dict[str, list[tuple[int | None, int]]] = {}

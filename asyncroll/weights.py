@@ -175,7 +175,7 @@ class WeightPusher:
             return
         # The workers' receivers say goodbye (releasing their mappings) while the sender waits;
         # engines that another pusher attached to since are that pusher's to release.
-        live = [e for e in self._engines if not e.is_dead and e._weight_pusher is self]
+        live = [e for e in self._engines if not e.is_dead and e._attached_pusher is self]
         await asyncio.gather(
             stack.aclose(),
             *(_shutdown_receivers(engine) for engine in live),
@@ -233,7 +233,7 @@ class WeightPusher:
         """The sender, attached to every engine's workers. An engine holds one receiver: if
         another pusher attached to it since, this one closes its sender and attaches again."""
         if self._sender is not None:
-            if all(engine._weight_pusher is self for engine in self._engines):
+            if all(engine._attached_pusher is self for engine in self._engines):
                 return self._sender
             stack, self._stack, self._sender = self._stack, None, None
             if stack is not None:
@@ -283,7 +283,7 @@ class WeightPusher:
             raise
         self._stack, self._sender = stack, sender
         for engine in self._engines:
-            engine._weight_pusher = self
+            engine._attached_pusher = self
         return sender
 
     async def _start(self, engine: VLLMEngine) -> None:
@@ -311,9 +311,9 @@ async def _finish(engine: VLLMEngine, global_steps: int | None) -> None:
 
 
 async def _bind(engine: VLLMEngine) -> None:
-    """vLLM 0.24 builds weight-transfer engines without the configs a rollback needs."""
-    if not engine.native_versions:
-        await engine.llm.collective_rpc("asyncroll_bind_weight_transfer_engine")
+    """vLLM 0.24 builds weight-transfer engines without the configs a rollback needs; the RPC
+    supplies them where they are missing (the worker checks, not a version guess here)."""
+    await engine.llm.collective_rpc("asyncroll_bind_weight_transfer_engine")
 
 
 async def _shutdown_receivers(engine: VLLMEngine) -> None:

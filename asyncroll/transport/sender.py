@@ -164,6 +164,8 @@ class WeightSender:
         self._holders: list[set[bytes]] = [set() for _ in range(buffers)]
         self._holding: list[tuple[int, int] | None] = [None] * buffers
         self._loaders: list[list[bytes]] = [[] for _ in range(buffers)]
+        self._late_signals = self._backend.async_copies and buffers > 1
+        """Signal bucket k once bucket k+1's copies are queued (see ``_run_push``)."""
         self._push: _PushState | None = None
         self._push_ids = 0
         self._pushes = self._failed = self._bytes = self._auth_failures = 0
@@ -346,7 +348,6 @@ class WeightSender:
         # With asynchronous copies (CUDA) and two or more buffers, a bucket is signalled one
         # step late: once bucket k+1's copies are queued, we wait for bucket k's and signal it,
         # so the device always has the next copies at hand while Python signals and acks.
-        lag = self._backend.async_copies and len(self._staging) > 1
         unsignalled: tuple[Bucket, int, object] | None = None
         try:
             self._backend.mark_sources_ready()
@@ -365,7 +366,7 @@ class WeightSender:
                 if unsignalled is not None:
                     await self._send_bucket(peers, unsignalled[0], unsignalled[1], state)
                     unsignalled = None
-                if lag:
+                if self._late_signals:
                     unsignalled = (bucket, index, marker)
                 else:
                     await self._send_bucket(peers, bucket, index, state)
@@ -437,9 +438,10 @@ class WeightSender:
         with torch.no_grad(), self._backend.copy_context():  # parameters require grad
             pack_bucket(bucket, self._staging[index].tensor, tensors)
         marker = self._backend.mark_copies()
-        if previous is not None:
-            self._finish_copies(previous)
-        elif not self._backend.async_copies or len(self._staging) == 1:
+        if self._late_signals:
+            if previous is not None:
+                self._finish_copies(previous)
+        else:
             self._finish_copies(marker)
         return marker
 

@@ -249,6 +249,15 @@ async def test_partial_rollout_off_marks_interrupted_requests_abort(
         assert output.num_preempted == 0
 
 
+async def _until_in_flight(manager: AsyncServerManager, name: str) -> None:
+    """Return once the manager has dispatched a request to the engine called ``name`` (a
+    state to reach, checked each few milliseconds; no duration is assumed)."""
+    while True:
+        if manager.statistics().in_flight_per_engine[name]:
+            return
+        await asyncio.sleep(0.005)
+
+
 def _engine_core_pid() -> Iterator[int]:
     for child in psutil.Process().children(recursive=True):
         try:
@@ -266,19 +275,24 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
     try:
         (core,) = set(_engine_core_pid()) - before
         async with AsyncServerManager([engine, doomed]) as manager:
-            params = {"max_tokens": 150, "ignore_eos": True}
+            # Budgets far longer than the clock below: the doomed engine's requests cannot
+            # finish before the kill, however the two engines share the machine's cores.
+            params = {"max_tokens": 400, "ignore_eos": True}
             tasks = [
                 asyncio.create_task(
                     manager.generate(f"k{i}", prompt_ids=[5, i + 2], sampling_params=params)
                 )
                 for i in range(16)
             ]
-            await until_decoding(manager, 16)
+            # Kill only once the manager shows requests on the doomed engine and they are
+            # decoding there (a clock on that engine alone: event order, not timing).
+            await _until_in_flight(manager, "doomed-2")
+            await until_decoding(doomed, manager.statistics().in_flight_per_engine["doomed-2"])
             assert manager.statistics().in_flight_per_engine["doomed-2"] > 0
             os.kill(core, signal.SIGKILL)
             outputs = await asyncio.gather(*tasks)
             stats = manager.statistics()
-            assert all(len(o.token_ids) == 150 for o in outputs)
+            assert all(len(o.token_ids) == 400 for o in outputs)
             assert stats.alive_engines == 1 and stats.num_engine_failovers > 0
             assert all(o.engines[-1] == "shared" for o in outputs)
             # A replacement joins: the next update reaches it, and it gets traffic.
@@ -288,9 +302,10 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
                 steps = (manager.global_steps or 0) + 1
                 await manager.update_weights(load_weights(tiny_model_a), global_steps=steps)
                 assert replacement.global_steps == engine.global_steps == steps
+                short = {"max_tokens": 150, "ignore_eos": True}
                 later = await asyncio.gather(
                     *(
-                        manager.generate(f"n{i}", prompt_ids=[5, i + 2], sampling_params=params)
+                        manager.generate(f"n{i}", prompt_ids=[5, i + 2], sampling_params=short)
                         for i in range(8)
                     )
                 )

@@ -38,7 +38,12 @@ from asyncroll.errors import (
     InvalidRequestError,
 )
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
-from asyncroll.validation import check_prompt, resolve_sampling_params
+from asyncroll.validation import (
+    ENGINE_REQUEST_ID_LEN,
+    check_prompt,
+    check_request_id,
+    resolve_sampling_params,
+)
 from asyncroll.weights import UpdateReport, WeightPusher
 
 if TYPE_CHECKING:
@@ -212,6 +217,14 @@ class VLLMEngine:
     def is_asleep(self) -> bool:
         return bool(self._sleeping_tags)
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether vLLM loaded a tokenizer (not with ``skip_tokenizer_init``, asyncroll's default
+        for a model folder without tokenizer files); sampling by text needs one."""
+        if self._llm.model_config.skip_tokenizer_init:
+            return False
+        return getattr(self._llm, "tokenizer", None) is not None
+
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
             in_flight=self._in_flight,
@@ -245,10 +258,11 @@ class VLLMEngine:
         the engine.
 
         Args:
-            request_id: Unique among this engine's live requests.
+            request_id: A non-empty printable str, unique among this engine's live requests.
             prompt_ids: Token ids of the prompt.
-            sampling_params: vLLM sampling arguments (``max_tokens``, ``temperature``...); never
-                mutated. ``max_tokens`` defaults to the rest of the context.
+            sampling_params: vLLM sampling arguments (``max_tokens``, ``temperature``...; see
+                ``asyncroll.validation.SAMPLING_KEYS``); never mutated. ``max_tokens`` defaults
+                to the rest of the context.
 
         Returns:
             The tokens, their log probs and per-token ``global_steps``; ``finish_reason`` is
@@ -261,6 +275,7 @@ class VLLMEngine:
         """
         self._check_alive()
         try:
+            check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
             params = self._sampling_params(prompt_ids, sampling_params)
             if request_id in self._live:
                 raise InvalidRequestError(f"request id {request_id!r} is already live")
@@ -358,8 +373,10 @@ class VLLMEngine:
 
         Raises:
             EngineSleepingError: the weights are asleep; nothing was pushed.
-            InvalidRequestError: ``global_steps`` is lower than the current one.
-            WeightSyncError: the push failed; the previous weights and label stay in force.
+            InvalidRequestError: bad input, found before the engine paused (see
+                ``WeightPusher.update``).
+            WeightSyncError: the push failed; the previous label stays, and the engine serves
+                its previous weights or holds (the error says which).
         """
         self._check_alive()
         if self._pusher is None:
@@ -456,13 +473,16 @@ class VLLMEngine:
             prompt_len=len(prompt),
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
+            has_tokenizer=self.has_tokenizer,
         )
         try:
             return SamplingParams(
                 **resolved, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False
             )
-        except Exception as exc:  # vLLM's validation errors are not all ValueErrors
-            raise InvalidRequestError(f"bad sampling_params: {exc}") from exc
+        # ValueError, TypeError, and vLLM's VLLMValidationError (not a ValueError in 0.32):
+        # whatever the shared checks let through is still the caller's input.
+        except Exception as exc:
+            raise InvalidRequestError(f"vLLM rejected sampling_params: {exc}") from exc
 
     async def _run(
         self, request_id: str, prompt: list[int], params: Any, dispatched_at: int | None
@@ -479,7 +499,11 @@ class VLLMEngine:
                 async for output in stream:
                     last = output
         except Exception as exc:
-            raise self._map_error(exc, request_id) from exc
+            error = self._map_error(exc, request_id)
+            if not isinstance(error, EngineDeadError):  # leave nothing behind inside vLLM
+                with contextlib.suppress(Exception):
+                    await self._llm.abort(request_id)
+            raise error from exc
         finally:
             self._version_marks.pop(request_id, None)
         segment = _segment(request_id, last, len(prompt), marks, self.native_versions)
@@ -501,9 +525,14 @@ class VLLMEngine:
             self._dead = exc
             self._gate.set()  # requests waiting for admission wake and find the engine dead
             return EngineDeadError(f"{what}: the engine died ({exc!r})")
-        if isinstance(exc, ValueError):
+        if isinstance(exc, ValueError) or _is_input_error(exc):
             return InvalidRequestError(f"{what}: vLLM rejected the request: {exc}")
         return EngineGenerateError(f"{what} failed: {exc!r}")
+
+
+def _is_input_error(exc: Exception) -> bool:
+    """vLLM's own input-validation errors (not ``ValueError`` subclasses in every version)."""
+    return any(cls.__name__ == "VLLMClientError" for cls in type(exc).__mro__)
 
 
 def _segment(

@@ -5,6 +5,7 @@ AsyncrollError
 ├── EngineError
 │   ├── EngineGenerateError     one request failed; the engine is fine
 │   ├── EngineDeadError         the engine is gone; the manager stops routing to it
+│   ├── EngineStartError        an engine could not start
 │   ├── EngineSleepingError     the engine is asleep; it refuses weights and requests
 │   └── NoEngineAvailableError  no engine is left to route to
 ├── TransportError
@@ -13,6 +14,7 @@ AsyncrollError
 │   │   └── TransportTimeoutError  a peer did not answer within its deadline (also a TimeoutError)
 │   └── TransportAuthError      a peer failed authentication (wrong secret)
 ├── WeightSyncError             a push failed; the old version stays in force
+├── ManagerClosedError          a call on a closed AsyncServerManager (also a RuntimeError)
 └── InvalidRequestError         bad input, caught before it reaches an engine (also a ValueError)
 ```
 Third-party errors are mapped onto this tree at the boundary with ``raise ... from exc``.
@@ -28,6 +30,7 @@ __all__ = [
     "EngineSleepingError",
     "EngineStartError",
     "InvalidRequestError",
+    "ManagerClosedError",
     "NoEngineAvailableError",
     "TransportAuthError",
     "TransportBrokenError",
@@ -88,6 +91,10 @@ class TransportAuthError(TransportError):
 
 class WeightSyncError(AsyncrollError):
     """A weight push failed; the previous weights and version stay in force."""
+
+
+class ManagerClosedError(AsyncrollError, RuntimeError):
+    """A call on an ``AsyncServerManager`` after its ``aclose()``."""
 
 
 class InvalidRequestError(AsyncrollError, ValueError):

@@ -22,7 +22,12 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from asyncroll.errors import EngineDeadError, InvalidRequestError, WeightSyncError
+from asyncroll.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    ManagerClosedError,
+    WeightSyncError,
+)
 from asyncroll.routing import EngineLoad, StickyTable, choose_engine
 from asyncroll.types import (
     EngineStatistics,
@@ -31,8 +36,8 @@ from asyncroll.types import (
     Segment,
     TokenOutput,
 )
-from asyncroll.validation import check_prompt, resolve_sampling_params
-from asyncroll.weights import UpdateReport, WeightPusher
+from asyncroll.validation import check_prompt, check_request_id, resolve_sampling_params
+from asyncroll.weights import UpdateReport, WeightPusher, check_global_steps
 
 __all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
@@ -53,6 +58,9 @@ class Engine(Protocol):
 
     @property
     def global_steps(self) -> int | None: ...
+
+    @property
+    def has_tokenizer(self) -> bool: ...
 
     async def generate(
         self,
@@ -230,9 +238,12 @@ class AsyncServerManager:
         """Generate one complete output, resuming it across weight updates and engine deaths.
 
         Args:
-            request_id: The caller's id for this call.
+            request_id: The caller's id for this call: a non-empty printable str of at most
+                ``validation.MAX_REQUEST_ID_LEN`` characters, not live in another call. Each
+                segment reaches its engine as ``<request_id>@<attempt>`` (attempt from 0).
             prompt_ids: Token ids of the prompt.
-            sampling_params: vLLM sampling arguments; never mutated.
+            sampling_params: vLLM sampling arguments (``validation.SAMPLING_KEYS``); never
+                mutated.
             session_key: Calls sharing a key go to the same engine while it is not much busier
                 than the others, so its prefix cache hits. Pass one per conversation. Without
                 one, only the segments of this call stick together.
@@ -240,8 +251,10 @@ class AsyncServerManager:
         Raises:
             InvalidRequestError: bad input; no engine saw it.
             NoEngineAvailableError: every engine is dead.
+            ManagerClosedError: the manager was closed.
         """
         self._check_open()
+        check_request_id(request_id)
         prompt, params = self._validate(prompt_ids, sampling_params)
         if request_id in self._live:
             raise InvalidRequestError(f"request id {request_id!r} is already live")
@@ -276,7 +289,8 @@ class AsyncServerManager:
             try:
                 segment = await self._dispatch(
                     engine,
-                    f"{request_id}@{attempt}" if attempt else request_id,
+                    # Always suffixed, so no caller's id (say "x@1") equals a segment's id.
+                    f"{request_id}@{attempt}",
                     prompt + trajectory.token_ids,
                     segment_params,
                 )
@@ -305,10 +319,15 @@ class AsyncServerManager:
         weights ``global_steps`` and publishes it once every engine succeeded, then resumes.
 
         Raises:
-            InvalidRequestError: ``global_steps`` is lower than the published one.
-            WeightSyncError: a push failed; the published version stays the old one.
+            InvalidRequestError: bad input, found before any engine paused: ``global_steps``
+                not a non-negative int or lower than the published one; a tensor with an
+                unknown name, a wrong shape or dtype, or non-finite values.
+            WeightSyncError: a push failed; the published version stays the old one, and each
+                engine serves its previous weights or holds (the error says which).
+            ManagerClosedError: the manager was closed.
         """
         self._check_open()
+        global_steps = check_global_steps(global_steps)
         async with self._update_lock:
             if (
                 global_steps is not None
@@ -355,7 +374,7 @@ class AsyncServerManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("the AsyncServerManager is closed")
+            raise ManagerClosedError("the AsyncServerManager is closed")
 
     def _total(self) -> int:
         return sum(self._in_flight.values())
@@ -363,6 +382,7 @@ class AsyncServerManager:
     def _validate(
         self, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any] | None
     ) -> tuple[list[int], dict[str, Any]]:
+        """What every engine accepts: a request may be resumed on any of them."""
         vocab_size = min(engine.vocab_size for engine in self._engines)
         max_model_len = min(engine.max_model_len for engine in self._engines)
         prompt = check_prompt(prompt_ids, vocab_size=vocab_size)
@@ -371,6 +391,7 @@ class AsyncServerManager:
             prompt_len=len(prompt),
             max_model_len=max_model_len,
             vocab_size=vocab_size,
+            has_tokenizer=all(engine.has_tokenizer for engine in self._engines),
         )
         del params["logprobs"]  # the engine sets its own
         return prompt, params

@@ -1,32 +1,102 @@
-"""Checks that run before a request reaches an engine.
+"""Checks that run before a request reaches an engine: the one place that says what is valid.
 
 Every check here is pure and synchronous. A request that fails one raises
-``InvalidRequestError`` and never reaches vLLM: a bad token id, for one, kills a vLLM EngineCore
-and every request on it.
+``InvalidRequestError`` naming the parameter, the value and what is allowed, and never reaches
+vLLM: a bad token id kills a vLLM EngineCore and every request on it; a value vLLM cannot carry
+to its EngineCore (an int request id, a seed past 64 bits) fails only after vLLM registered the
+request, which then stays unfinished inside vLLM or hangs its caller.
+
+Invariants:
+- ``resolve_sampling_params`` never mutates the caller's mapping; it returns a fresh dict that
+  ``vllm.SamplingParams`` accepts.
+- Only keys in ``SAMPLING_KEYS`` pass; the adapter owns ``logprobs``, ``detokenize``,
+  ``output_kind`` and ``n`` (which may only be 1).
+- Engines run token-in/token-out (``detokenize=False``): nothing that needs detokenized text is
+  accepted, and nothing that needs a tokenizer unless the engine has one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from asyncroll.errors import InvalidRequestError
 
-__all__ = ["check_prompt", "resolve_sampling_params"]
+__all__ = [
+    "ENGINE_REQUEST_ID_LEN",
+    "MAX_REQUEST_ID_LEN",
+    "SAMPLING_KEYS",
+    "SEED_RANGE",
+    "check_prompt",
+    "check_request_id",
+    "resolve_sampling_params",
+]
 
-_OWNED_KEYS = frozenset({"logprobs", "n", "detokenize", "output_kind"})
-"""Sampling keys the adapter sets itself: one sample, its own log prob, token ids only."""
+MAX_REQUEST_ID_LEN = 256
+"""The longest request id a caller may pass."""
+
+ENGINE_REQUEST_ID_LEN = MAX_REQUEST_ID_LEN + 32
+"""The longest request id an engine accepts: room for the ``@<attempt>`` a manager appends."""
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""Seeds vLLM carries to its EngineCore (msgpack int64/uint64) and torch accepts; -1 means
+unseeded. Measured on vLLM 0.32 CPU: a seed outside fails after vLLM registered the request."""
+
+_OWNED_KEYS = frozenset({"logprobs", "detokenize", "output_kind"})
+"""Sampling keys the adapter sets itself: its own log prob, token ids only, final output only."""
+
+_TEXT_KEYS = frozenset(
+    {"stop", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"}
+)
+"""Keys about detokenized text, which token-in/token-out engines never produce."""
+
+_TOKENIZER_KEYS = frozenset({"bad_words"})
+"""Keys vLLM resolves with the engine's tokenizer (silently ignored without one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    vocab_size: int
+    has_tokenizer: bool
+
+
+_Check = Callable[[str, Any, _Limits], Any]
+"""Checks one sampling argument and returns the value to pass to vLLM."""
+
+
+def check_request_id(request_id: object, *, max_len: int = MAX_REQUEST_ID_LEN) -> str:
+    """Return ``request_id`` if it is a non-empty printable str of at most ``max_len`` chars."""
+    if not isinstance(request_id, str):
+        raise InvalidRequestError(
+            f"request_id must be a str, got {type(request_id).__name__} {_show(request_id)}"
+        )
+    if not request_id:
+        raise InvalidRequestError("request_id must be a non-empty str, got ''")
+    if len(request_id) > max_len:
+        raise InvalidRequestError(
+            f"request_id {_show(request_id)} has {len(request_id)} characters; at most "
+            f"{max_len} are allowed"
+        )
+    if not request_id.isprintable():
+        raise InvalidRequestError(
+            f"request_id {_show(request_id)} must hold printable characters only"
+        )
+    return request_id
 
 
 def check_prompt(prompt_ids: Sequence[int], *, vocab_size: int) -> list[int]:
     """Return the prompt as a list of ints, or raise if an engine could not serve it."""
-    if isinstance(prompt_ids, (str, bytes)):
-        raise InvalidRequestError("prompt_ids must be a sequence of token ids, not text")
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+        raise InvalidRequestError(
+            f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}"
+        )
     ids = list(prompt_ids)
     if not ids:
         raise InvalidRequestError("prompt_ids is empty")
     for position, token in enumerate(ids):
-        if isinstance(token, bool) or not isinstance(token, int):
+        if not _is_int(token):
             raise InvalidRequestError(
                 f"prompt_ids[{position}] is {type(token).__name__}, not int"
             )
@@ -43,33 +113,220 @@ def resolve_sampling_params(
     prompt_len: int,
     max_model_len: int,
     vocab_size: int,
+    has_tokenizer: bool,
 ) -> dict[str, Any]:
     """Return a fresh dict of sampling arguments for one request; never mutates ``params``.
 
-    ``max_tokens`` defaults to the rest of the context. The result asks for the sampled token's
-    log prob at every position.
+    Args:
+        params: The caller's sampling arguments: keys from ``SAMPLING_KEYS``; None is {}.
+        prompt_len: Tokens in the prompt (``max_tokens`` defaults to the rest of the context).
+        max_model_len: The engine's context length.
+        vocab_size: Token ids must be in ``[0, vocab_size)``.
+        has_tokenizer: Whether the engine loaded a tokenizer (``bad_words`` needs one).
+
+    Returns:
+        The arguments with ``max_tokens`` set and ``logprobs=0`` (the sampled token's).
+
+    Raises:
+        InvalidRequestError: a key or value vLLM would reject, ignore or fail on.
     """
-    resolved = dict(params or {})
-    owned = sorted(_OWNED_KEYS & resolved.keys() - {"n"})
-    if owned:
-        raise InvalidRequestError(f"sampling_params may not set {owned}: asyncroll sets them")
-    if resolved.pop("n", 1) != 1:
-        raise InvalidRequestError("sampling_params n must be 1: issue one generate call a sample")
+    limits = _Limits(vocab_size=vocab_size, has_tokenizer=has_tokenizer)
+    resolved = {
+        key: _FIELDS[key](key, value, limits)
+        for key, value in _checked_keys(params, limits).items()
+        if value is not None or key not in _OPTIONAL
+    }
+    resolved.pop("n", None)
+    resolved["max_tokens"] = _max_tokens(resolved.get("max_tokens"), prompt_len, max_model_len)
+    min_tokens = resolved.get("min_tokens", 0)
+    if min_tokens > resolved["max_tokens"]:
+        raise _bad("min_tokens", min_tokens, f"at most max_tokens ({resolved['max_tokens']})")
+    resolved["logprobs"] = 0
+    return resolved
+
+
+def _checked_keys(params: object, limits: _Limits) -> Mapping[str, Any]:
+    """The caller's mapping, once every key in it is one a caller may set on this engine."""
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise InvalidRequestError(
+            f"sampling_params must be a mapping of vLLM sampling arguments or None, got "
+            f"{type(params).__name__} {_show(params)}"
+        )
+    for key in params:
+        if not isinstance(key, str):
+            raise InvalidRequestError(f"sampling_params keys must be str, got {_show(key)}")
+        _check_key(key, limits)
+    return params
+
+
+def _check_key(key: str, limits: _Limits) -> None:
+    if key in _OWNED_KEYS:
+        raise InvalidRequestError(f"sampling_params may not set {key!r}: asyncroll sets it")
+    if key in _TEXT_KEYS:
+        raise InvalidRequestError(
+            f"sampling_params may not set {key!r}: it needs detokenized text and asyncroll "
+            "engines run token-in/token-out (stop on tokens with 'stop_token_ids')"
+        )
+    if key not in _FIELDS:
+        raise InvalidRequestError(
+            f"unknown sampling_params key {key!r}; accepted: {sorted(SAMPLING_KEYS)}"
+        )
+    if key in _TOKENIZER_KEYS and not limits.has_tokenizer:
+        raise InvalidRequestError(
+            f"sampling_params {key!r} needs a tokenizer and this engine has none "
+            "(skip_tokenizer_init); pass token ids instead (e.g. 'logit_bias')"
+        )
+
+
+def _max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
     room = max_model_len - prompt_len
-    max_tokens = resolved.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = room
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise InvalidRequestError(f"max_tokens must be a positive int, got {max_tokens!r}")
-    if max_tokens > room:
+    if room <= 0:
+        raise InvalidRequestError(
+            f"prompt ({prompt_len} tokens) leaves no room in the context length {max_model_len}"
+        )
+    if max_tokens is not None and max_tokens > room:
         raise InvalidRequestError(
             f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
             f"length {max_model_len}"
         )
-    for key in ("stop_token_ids", "bad_words_token_ids"):
-        for token in resolved.get(key) or ():
-            if not isinstance(token, int) or not 0 <= token < vocab_size:
-                raise InvalidRequestError(f"{key} holds {token!r}, outside the vocabulary")
-    resolved["max_tokens"] = max_tokens
-    resolved["logprobs"] = 0
-    return resolved
+    return room if max_tokens is None else max_tokens
+
+
+# -- one check per sampling argument ---------------------------------------------------------
+
+
+def _real(low: float, high: float, *, open_low: bool = False) -> _Check:
+    """A finite number in [low, high] (or (low, high] with ``open_low``)."""
+    if high == math.inf:
+        allowed = f"a finite number {'>' if open_low else '>='} {low:g}"
+    else:
+        allowed = f"a finite number in {'(' if open_low else '['}{low:g}, {high:g}]"
+
+    def check(key: str, value: Any, limits: _Limits) -> float:
+        number = _finite(key, value, allowed)
+        if not (low < number if open_low else low <= number) or number > high:
+            raise _bad(key, value, allowed)
+        return number
+
+    return check
+
+
+def _integer(low: int, high: float = math.inf, *, allowed: str = "") -> _Check:
+    """An int (not a bool) in [low, high]."""
+    if not allowed:
+        allowed = f"an int >= {low}" if high == math.inf else f"an int in [{low}, {high}]"
+
+    def check(key: str, value: Any, limits: _Limits) -> int:
+        if not (_is_int(value) and low <= value <= high):
+            raise _bad(key, value, allowed)
+        return int(value)
+
+    return check
+
+
+def _flag(key: str, value: Any, limits: _Limits) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(key, value, "a bool")
+    return value
+
+
+def _token_ids(*, non_empty: bool = False) -> _Check:
+    """A list of token ids in the vocabulary."""
+
+    def check(key: str, value: Any, limits: _Limits) -> list[int]:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise _bad(key, value, "a list of token ids")
+        if non_empty and not value:
+            raise _bad(key, value, "a non-empty list of token ids (None allows every token)")
+        for token in value:
+            _check_token(key, token, limits.vocab_size)
+        return list(value)
+
+    return check
+
+
+def _logit_bias(key: str, value: Any, limits: _Limits) -> dict[int, float]:
+    if not isinstance(value, Mapping):
+        raise _bad(key, value, "a mapping of token id to a bias in [-100, 100]")
+    for token in value:
+        _check_token(key, token, limits.vocab_size)
+    return {token: _bias(f"{key}[{token}]", amount, limits) for token, amount in value.items()}
+
+
+def _words(key: str, value: Any, limits: _Limits) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise _bad(key, value, "a list of non-empty str")
+    if not all(isinstance(word, str) and word for word in value):
+        raise _bad(key, value, "a list of non-empty str")
+    return list(value)
+
+
+def _check_token(key: str, token: Any, vocab_size: int) -> None:
+    if not (_is_int(token) and 0 <= token < vocab_size):
+        raise InvalidRequestError(
+            f"sampling_params {key} holds {_show(token)}: its token ids must be ints in the "
+            f"vocabulary [0, {vocab_size})"
+        )
+
+
+_MAX_BIAS = 100.0
+"""The largest logit bias magnitude (vLLM's OpenAI API clamps to it; more only overflows)."""
+
+_bias = _real(-_MAX_BIAS, _MAX_BIAS)
+
+_FIELDS: dict[str, _Check] = {
+    "n": _integer(1, 1, allowed="1: issue one generate call per sample"),
+    "temperature": _real(0.0, 2.0),
+    "top_p": _real(0.0, 1.0, open_low=True),
+    "top_k": _integer(-1, allowed="an int >= -1 (0 or -1: every token)"),
+    "min_p": _real(0.0, 1.0),
+    "presence_penalty": _real(-2.0, 2.0),
+    "frequency_penalty": _real(-2.0, 2.0),
+    "repetition_penalty": _real(0.0, math.inf, open_low=True),
+    "seed": _integer(*SEED_RANGE, allowed="an int in [-2**63, 2**64 - 1] (-1: unseeded)"),
+    "max_tokens": _integer(1, allowed="a positive int"),
+    "min_tokens": _integer(0),
+    "ignore_eos": _flag,
+    "skip_reading_prefix_cache": _flag,
+    "stop_token_ids": _token_ids(),
+    "allowed_token_ids": _token_ids(non_empty=True),
+    "logit_bias": _logit_bias,
+    "bad_words": _words,
+}
+"""The ``vllm.SamplingParams`` arguments a caller may set, each with its check. Ranges are
+vLLM's own (``SamplingParams._verify_args``, which caps temperature at 2 in 0.32, and the input
+processor's vocabulary checks); the rest need text, a tokenizer, engine features asyncroll does not
+start, or return what a ``Segment`` does not carry."""
+
+_OPTIONAL = frozenset(
+    {"seed", "max_tokens", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words",
+     "skip_reading_prefix_cache"}
+)
+"""Keys where None means vLLM's default (the key is then dropped)."""
+
+SAMPLING_KEYS = frozenset(_FIELDS)
+"""The sampling arguments a caller may pass (``bad_words`` only to an engine with a tokenizer)."""
+
+
+def _finite(key: str, value: object, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(key, value, allowed)
+    return float(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bad(key: str, value: object, allowed: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"sampling_params {key}={_show(value)} is not allowed: {key} must be {allowed}"
+    )
+
+
+def _show(value: object, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters, so a huge value cannot flood a log line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"

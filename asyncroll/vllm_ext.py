@@ -25,8 +25,9 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,6 +86,19 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.last_report: ReceiveReport | None = None
         self._info: InitInfo | None = None
         self._backup: dict[str, torch.Tensor] | None = None
+        self._shadow: dict[str, torch.Tensor] | None = None
+        """Checkpoint-format copy of the served weights (layerwise load with a backup): what a
+        rollback reloads, and what completes a layer a partial update touched but did not fill.
+        A kernel-format copy cannot do either: the CPU build keeps repacked weights outside the
+        parameters (oneDNN handles), so copying parameters back does not restore them."""
+        self._unknown = False
+        """A push landed without updating a shadow: the checkpoint no longer describes the
+        served weights (until a push of every checkpoint tensor seeds the shadow again)."""
+        self._mixed = False
+        """A push failed without a backup: the served weights are partly loaded."""
+        self._pending: dict[str, torch.Tensor] = {}
+        self._active = False
+        self.test_hooks: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         self.shutdown()
@@ -112,7 +126,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def start_weight_update(self) -> None:
         assert self._info is not None, "init_weight_transfer_engine first"
-        self._backup = _clone_state(self.model) if self._info.backup else None
+        self._begin()
         if not self.direct:
             layerwise.initialize_layerwise_reload(self.model)
 
@@ -132,7 +146,6 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         ``direct`` load (``start_weight_update(is_checkpoint_format=False)``), started nothing:
         its loader copies kernel-format names, so the model's own loader is used instead."""
         assert self._receiver is not None and self._info is not None
-        fail_on = self._info.fail_on
         worker_driven = load_weights is not None
         direct = self.direct
         load_batch: Callable[[list[tuple[str, torch.Tensor]]], Any] = (
@@ -140,55 +153,122 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if direct or load_weights is None
             else load_weights
         )
-        if worker_driven and self._info.backup:
-            self._backup = (
-                _clone_state(self.model) if direct else _backup_from_layerwise(self.model)
-            )
+        if worker_driven:
+            self._begin()
+        keep = self._keeps_copies()
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
-            if fail_on and any(name == fail_on for name, _ in batch):
-                raise RuntimeError(f"injected failure loading {fail_on}")
-            load_batch(batch)
+            _fail_if_asked(self._info, batch)
+            try:
+                load_batch(batch)
+            except Exception as exc:  # name the tensors: vLLM's loaders often say nothing
+                names = ", ".join(name for name, _ in batch[:4])
+                raise RuntimeError(f"loading [{names}]: {type(exc).__name__}: {exc}") from exc
+            for name, tensor in batch:
+                self._pending[name] = tensor.detach().clone() if keep else tensor[:0]
             if not direct:
                 _detach_pending_views()
 
         try:
             self.last_report = self._receiver.receive(load)
+            if not direct:
+                self._complete_partial_layers(load_batch)
+            hook = self.test_hooks.get("after_load")
+            if hook is not None:
+                hook(self)
         except BaseException:
-            self._roll_back()
+            self.abort_update()
             raise
-        if worker_driven:
-            self._backup = None  # 0.24 never calls finish_weight_update on the engine
+        if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
+            self._commit()
 
     def finish_weight_update(self) -> None:
         if not self.direct:
             layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
                 self.model, self.model_config
             )
-        self._backup = None
+        self._commit()
+
+    def abort_update(self) -> bool:
+        """End an update in progress, if any: restore the previous weights where a backup
+        exists. Returns whether the weights served now are whole (previous, or untouched)."""
+        if not self._active:
+            return not self._mixed
+        self._active = False
+        touched = bool(self._pending)
+        self._pending = {}
+        if not self.direct:
+            _end_layerwise_reload(self.model, self.model_config)
+        if self._shadow is not None and not self.direct:
+            _reload(self.model, self.model_config, self._shadow.items())
+            logger.warning("weight push failed: previous weights reloaded from the backup")
+            return True
+        if self._backup is not None:
+            state = _state(self.model)
+            with torch.no_grad():
+                for name, saved in self._backup.items():
+                    if name in state:  # aliases (tied weights) appear once in the state
+                        state[name].copy_(saved)
+            self._backup = None
+            logger.warning("weight push failed: previous weights restored")
+            return True
+        if touched:
+            self._unknown = self._mixed = True
+            logger.error("weight push failed without a backup: the model holds mixed weights")
+        return not self._mixed
 
     def shutdown(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
 
-    def _roll_back(self) -> None:
-        """Put the model back into a consistent state; restore the old weights if backed up."""
-        if not self.direct:
-            layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
-                self.model, self.model_config
-            )
-        if self._backup is None:
-            logger.error("weight push failed without a backup: the model holds mixed weights")
-            return
-        state = _state(self.model)
-        with torch.no_grad():
-            for name, saved in self._backup.items():
-                if name in state:  # aliases (tied weights) appear once in the state
-                    state[name].copy_(saved)
-        self._backup = None
-        logger.warning("weight push failed: previous weights restored")
+    # -- internals -------------------------------------------------------------------------
 
+    def _begin(self) -> None:
+        """Start an update: take what a rollback needs (see ``_shadow``)."""
+        assert self._info is not None
+        self._active = True
+        self._pending = {}
+        self._backup = None
+        if not self._info.backup:
+            self._shadow = None  # it would go stale: this push does not keep copies
+        elif self.direct:
+            self._backup = _clone_state(self.model)
+        elif self._shadow is None and not self._unknown:
+            self._shadow = _read_checkpoint(self.model_config)
+
+    def _keeps_copies(self) -> bool:
+        return self._info is not None and self._info.backup and not self.direct
+
+    def _commit(self) -> None:
+        self._active = self._mixed = False
+        self._backup = None
+        if self._shadow is not None:
+            self._shadow.update(self._pending)
+        elif self._keeps_copies() and _covers_checkpoint(self.model_config, self._pending):
+            self._shadow, self._unknown = dict(self._pending), False  # a whole model arrived
+        elif self._pending:
+            self._unknown = True
+        self._pending = {}
+
+    def _complete_partial_layers(
+        self, load_batch: Callable[[list[tuple[str, torch.Tensor]]], Any]
+    ) -> None:
+        """A layer the push touched but did not fill (one member of a fused q/k/v, say) would
+        be processed with undefined values: fill it from the shadow, or fail."""
+        partial = _partially_loaded_layers(self.model)
+        if not partial:
+            return
+        if self._shadow is None:
+            names = _checkpoint_names(self.model_config)
+            if not names or names <= self._pending.keys():
+                return  # padding (vLLM finishes such layers itself), or nothing to tell by
+            raise RuntimeError(
+                f"a partial update touched {partial[:3]} without filling them; on the layerwise "
+                "load path that needs a backup (WeightPusher(backup=True)) to fill in the rest"
+            )
+        rest = [(n, t) for n, t in self._shadow.items() if n not in self._pending]
+        load_batch(rest)  # completed or untouched layers reload unchanged values
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -198,18 +278,77 @@ def _clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in _state(model).items()}
 
 
-def _backup_from_layerwise(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of the served (kernel-format) tensors once the layerwise reload has started: the
-    parameters are placeholders then, and the reload keeps the served tensors aside."""
-    backup: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
+def _read_checkpoint(model_config: Any) -> dict[str, torch.Tensor] | None:
+    """The checkpoint the engine loaded at start-up, or None (no safetensors files: e.g. an
+    engine started with ``load_format="dummy"`` serves weights no file holds)."""
+    from safetensors.torch import load_file
+
+    if model_config is None or getattr(model_config, "load_format", "auto") == "dummy":
+        return None
+    files = sorted(Path(str(model_config.model)).glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors or None
+
+
+def _checkpoint_names(model_config: Any) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(Path(str(model_config.model)).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def _covers_checkpoint(model_config: Any, tensors: Mapping[str, torch.Tensor]) -> bool:
+    names = _checkpoint_names(model_config)
+    return bool(names) and names <= tensors.keys()
+
+
+def _partially_loaded_layers(model: torch.nn.Module) -> list[str]:
+    partial = []
+    for name, module in model.named_modules():
         info = layerwise.LAYERWISE_INFO.get(module)
-        if info is None or info.kernel_tensors is None:
-            continue
-        parameters, buffers = info.kernel_tensors
-        for name, tensor in {**parameters, **buffers}.items():
-            backup[f"{module_name}.{name}" if module_name else name] = tensor.detach().clone()
-    return backup
+        if info is not None and info.can_load() and 0 < info.load_numel < (
+            info.load_numel_total or 0
+        ):
+            partial.append(name)
+    return partial
+
+
+def _end_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """Close a layerwise reload that failed part-way, whatever state its layers are in."""
+    try:
+        layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
+            model, model_config
+        )
+    except Exception:  # a layer buffered a bad load: put every pending layer's tensors back
+        logger.exception("finalizing a failed reload failed; restoring the kernel tensors")
+        place = getattr(layerwise, "_place_kernel_tensors", None)
+        for module in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is None or not info.can_load():
+                continue
+            if place is not None and info.kernel_tensors is not None:
+                place(module, info)
+            info.reset()  # type: ignore[no-untyped-call]
+
+
+def _reload(
+    model: torch.nn.Module, model_config: Any, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Load checkpoint-format tensors through vLLM's layerwise reload (any model, any build)."""
+    layerwise.initialize_layerwise_reload(model)
+    model.load_weights(list(tensors))  # type: ignore[operator]
+    layerwise.finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call]
+
+
+def _fail_if_asked(info: InitInfo | None, batch: list[tuple[str, torch.Tensor]]) -> None:
+    fail_on = info.fail_on if info is not None else ""
+    if fail_on and any(name == fail_on for name, _ in batch):
+        raise RuntimeError(f"injected failure loading {fail_on}")
 
 
 def _detach_pending_views() -> None:
@@ -228,13 +367,8 @@ class AsyncrollWorkerExtension:
         """Baseline for benchmarks: weights as safetensors bytes through vLLM's own RPC."""
         from safetensors.torch import load
 
-        model = self.model_runner.model  # type: ignore[attr-defined]
         tensors = load(payload)
-        layerwise.initialize_layerwise_reload(model)
-        model.load_weights(list(tensors.items()))
-        layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
-            model, self.model_config  # type: ignore[attr-defined]
-        )
+        _reload(self.model_runner.model, self.model_config, tensors.items())  # type: ignore[attr-defined]
         return len(tensors)
 
     def asyncroll_bind_weight_transfer_engine(self) -> None:
@@ -243,6 +377,29 @@ class AsyncrollWorkerExtension:
         if engine is not None and getattr(engine, "model_config", None) is None:
             engine.model_config = self.model_config  # type: ignore[attr-defined]
             engine.device = self.device  # type: ignore[attr-defined]
+
+    def asyncroll_abort_weight_update(self) -> bool:
+        """End a weight update that did not finish (the trainer failed or was cancelled after
+        ``start_weight_update``): roll back, close vLLM's session so the next update can
+        start. Idempotent. Returns whether the served weights are whole."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        whole = engine.abort_update() if isinstance(engine, AsyncrollWeightTransferEngine) else True
+        if getattr(self, "_weight_update_active", False):
+            self._weight_update_active = False
+            reset = getattr(engine, "reset_weight_update_target", None)
+            if reset is not None:
+                reset()
+        return bool(whole)
+
+    def asyncroll_set_test_hook(self, name: str, action: str) -> None:
+        """Test hook: ``after_load`` = ``fail`` (the push fails once every tensor loaded), or
+        empty to remove the hook."""
+        engine = self.weight_transfer_engine  # type: ignore[attr-defined]
+        engine.test_hooks.pop(name, None)
+        if action == "fail":
+            engine.test_hooks[name] = _fail_after_load
+        elif action:
+            raise ValueError(f"unknown test hook action {action!r}")
 
     def asyncroll_shutdown_weight_transfer_engine(self) -> None:
         """Release the receiver's mappings (vLLM 0.24 has no call for it)."""
@@ -262,6 +419,10 @@ class AsyncrollWorkerExtension:
         """Per-parameter sums of the served model (tests compare them across engines)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
+
+
+def _fail_after_load(engine: AsyncrollWeightTransferEngine) -> None:
+    raise RuntimeError("injected failure after every tensor was loaded")
 
 
 def _register() -> None:

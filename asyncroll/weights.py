@@ -5,9 +5,16 @@ engine (vLLM's native protocol: ``init_weight_transfer_engine`` once, then per u
 ``start_weight_update``, ``update_weights``, ``finish_weight_update(weight_version=...)``).
 
 Invariants:
+- An update is checked before any engine pauses: ``global_steps`` (a non-negative int within
+  vLLM's range, never lower than an engine's), the names, shapes and dtypes against the
+  checkpoint each engine was started from, and finite values (``asyncroll.update_check``). A bad
+  update raises ``InvalidRequestError`` and touches nothing.
 - A push never reaches an engine whose weights are asleep, and versions never go backwards.
-- An engine's version label changes only when its push succeeded; on failure the worker has
-  restored its previous weights (see ``asyncroll.vllm_ext``) and ``WeightSyncError`` is raised.
+- An engine's version label changes only when its push succeeded. Once an update has started in
+  the workers, any failure or cancellation ends it there (``asyncroll_abort_weight_update``):
+  each engine serves its previous weights (a backup was restored) or holds, admitting nothing
+  until a push succeeds; ``WeightSyncError`` says which. Never a mix.
+- Every wait is bounded by ``timeout``: a worker that dies mid-push fails the update, not hangs it.
 - After the new weights are in, the prefix cache is reset and the reset is checked: no KV
   computed with old weights is served as a cache hit.
 - Engines paused here are resumed here, whatever happens.
@@ -21,27 +28,50 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
 from asyncroll.errors import InvalidRequestError, WeightSyncError
 from asyncroll.transport import CudaIpcBackend, PushReport, ShmBackend, WeightSender
 from asyncroll.transport.sender import open_weight_sender
+from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
 
 if TYPE_CHECKING:
     from asyncroll.engine import VLLMEngine
 
-__all__ = ["UpdateReport", "WeightPusher"]
+__all__ = ["MAX_GLOBAL_STEPS", "UpdateReport", "WeightPusher", "check_global_steps"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 DEFAULT_BUCKET_BYTES = {"shm": 64 << 20, "cuda_ipc": 512 << 20}
 """Staging-buffer size by backend: 64 MiB saturates a CPU memcpy; on a GPU a bucket has a fixed
 cost of about half a millisecond (a round trip with Python on both ends), so buckets are larger
 (docs/benchmarks.md: 512 MiB reaches 1.5-3x the rate of 128 MiB on an H100)."""
+
+
+MAX_GLOBAL_STEPS = 2**63 - 1
+"""Versions travel as signed 64-bit integers (msgpack to the workers)."""
+
+
+def check_global_steps(global_steps: object) -> int | None:
+    """Return ``global_steps`` if it is None or a non-negative int vLLM can carry, else raise."""
+    if global_steps is None:
+        return None
+    if isinstance(global_steps, bool) or not isinstance(global_steps, int):
+        raise InvalidRequestError(
+            f"global_steps must be an int or None, not {type(global_steps).__name__} "
+            f"({global_steps!r})"
+        )
+    if not 0 <= global_steps <= MAX_GLOBAL_STEPS:
+        raise InvalidRequestError(
+            f"global_steps must be in [0, 2**63 - 1], got {global_steps}"
+        )
+    return global_steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +102,8 @@ class WeightPusher:
         timeout: float = 120.0,
         fail_on: str = "",
         load: Literal["auto", "layerwise", "direct"] = "auto",
+        check_finite: bool = True,
+        strict_dtype: bool = False,
     ) -> None:
         """Args:
             engines: Engines launched with asyncroll's weight-transfer backend (the default).
@@ -86,6 +118,10 @@ class WeightPusher:
                 only way on the CPU build) or ``direct`` (``model.load_weights`` in place, as
                 verl and slime do on GPU: unquantized models on GPU). ``auto``: direct with
                 CUDA, layerwise without.
+            check_finite: Refuse tensors holding NaN or inf before any engine pauses (one
+                reduction a tensor; ``bench/check_cost.py`` measures it).
+            strict_dtype: Refuse any tensor whose dtype is not the dtype the engines serve
+                (by default a floating tensor of another width is cast, as vLLM's loaders do).
         """
         if backend not in ("auto", "shm", "cuda_ipc"):
             raise InvalidRequestError(f"backend must be auto, shm or cuda_ipc, not {backend!r}")
@@ -98,7 +134,9 @@ class WeightPusher:
         self._timeout = timeout
         self._fail_on = fail_on
         self._load = load
-        self._backed_up = False
+        self._check_finite = check_finite
+        self._strict_dtype = strict_dtype
+        self._schemas: dict[str, Schema | None] = {}
         if load == "auto":
             self._load = "direct" if torch.cuda.is_available() else "layerwise"
         self._stack: contextlib.AsyncExitStack | None = None
@@ -126,9 +164,11 @@ class WeightPusher:
             InvalidRequestError: ``global_steps`` is lower than an engine's current one.
             WeightSyncError: the push failed; every engine keeps its previous version.
         """
+        global_steps = check_global_steps(global_steps)
         tensors = _materialize(named_tensors)
         async with self._lock:
             self._check(global_steps)
+            await self._check_tensors(tensors)
             started = time.perf_counter()
             marks = [started]
             pausable = [engine for engine in self._engines if not engine.is_asleep]
@@ -141,17 +181,10 @@ class WeightPusher:
                         raise outcome
                 marks.append(time.perf_counter())
                 push = await self._push(tensors, global_steps)
-                for engine in self._engines:
-                    engine._release_hold()
                 marks.append(time.perf_counter())
-                await asyncio.gather(*(_finish(e, global_steps) for e in self._engines))
-                for engine in self._engines:
-                    if global_steps is not None:
-                        engine._set_global_steps(global_steps)
-                    await engine._mark_version_boundary(engine.global_steps)
-                marks.append(time.perf_counter())
-                await asyncio.gather(*(_reset_prefix_cache(e) for e in self._engines))
-                marks.append(time.perf_counter())
+                # The new weights are in: label them and reset the caches even if our caller
+                # is cancelled meanwhile (new weights under the old label would be a lie).
+                await _shielded(self._commit(global_steps, marks))
             finally:
                 await asyncio.gather(*(e.resume() for e in pausable), return_exceptions=True)
             marks.append(time.perf_counter())
@@ -184,6 +217,36 @@ class WeightPusher:
 
     # -- internals -------------------------------------------------------------------------
 
+    async def _commit(self, global_steps: int | None, marks: list[float]) -> None:
+        for engine in self._engines:
+            engine._release_hold()
+        await asyncio.gather(*(_finish(e, global_steps) for e in self._engines))
+        for engine in self._engines:
+            if global_steps is not None:
+                engine._set_global_steps(global_steps)
+            await engine._mark_version_boundary(engine.global_steps)
+        marks.append(time.perf_counter())
+        await asyncio.gather(*(_reset_prefix_cache(e) for e in self._engines))
+        marks.append(time.perf_counter())
+
+    async def _check_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Names, shapes, dtypes and finite values, against every engine's checkpoint (in a
+        thread: the finite check reads every byte)."""
+        for engine in self._engines:
+            if engine.model_path not in self._schemas:
+                self._schemas[engine.model_path] = read_checkpoint_schema(engine.model_path)
+        served = {e.model_path: _served_dtype(e) for e in self._engines}
+        for index, (path, schema) in enumerate(self._schemas.items()):
+            if path in served:
+                await asyncio.to_thread(
+                    check_update,
+                    tensors,
+                    schema,
+                    served_dtype=served[path],
+                    strict_dtype=self._strict_dtype,
+                    check_finite=self._check_finite and index == 0,
+                )
+
     def _check(self, global_steps: int | None) -> None:
         for engine in self._engines:
             engine.check_weights_awake()
@@ -200,34 +263,63 @@ class WeightPusher:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         request = WeightTransferUpdateRequest(update_info={"version": version})
-        await asyncio.gather(*(self._start(e) for e in self._engines))
-        results = await asyncio.gather(
-            sender.push(tensors, version=version),
-            *(e.llm.update_weights(request) for e in self._engines),
-            return_exceptions=True,
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
+        try:
+            await asyncio.gather(*(self._start(e) for e in self._engines))
+            return await self._transfer(sender, tensors, version, request)
+        except BaseException as exc:
+            held = await _shielded(self._abort_all())
             outcome = (
-                "previous weights stay in force"
-                if self._backed_up
-                else "without a backup the engines hold partly loaded weights and take no "
-                "requests until a push succeeds"
+                "every engine serves its previous weights"
+                if not held
+                else f"{', '.join(held)} hold partly loaded weights (no backup) and take no "
+                "requests until a push succeeds; any other engine serves its previous weights"
             )
             error = WeightSyncError(
                 f"weight push (global_steps={global_steps}) failed; {outcome}: "
-                f"{_describe(failures)}"
+                f"{_describe([exc])}"
             )
-            if not self._backed_up:  # cancelled or failed, the load may have begun
-                for engine in self._engines:
+            for engine in self._engines:
+                if engine.name in held:
                     engine._hold(str(error))
-            for failure in failures:
-                if isinstance(failure, asyncio.CancelledError):
-                    raise failure
-            raise error from failures[0]
-        report = results[0]
-        assert isinstance(report, PushReport)
-        return report
+            if not isinstance(exc, Exception):
+                raise  # cancelled: every engine is whole or holding, as above
+            raise error from exc
+
+    async def _transfer(
+        self, sender: WeightSender, tensors: dict[str, torch.Tensor], version: int, request: Any
+    ) -> PushReport:
+        """The push and every engine's receive, failing as soon as any of them fails (a dead
+        worker's engine fails its call long before the sender's ack deadline)."""
+        push = asyncio.ensure_future(sender.push(tensors, version=version))
+        loads = [asyncio.ensure_future(e.llm.update_weights(request)) for e in self._engines]
+        tasks = [push, *loads]
+        try:
+            async with asyncio.timeout(self._timeout * 2):
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+                if failed:
+                    raise failed[0].exception()  # type: ignore[misc]
+            return push.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _abort_all(self) -> list[str]:
+        """End the update in every engine's workers; the names of engines left holding."""
+        async def abort(engine: VLLMEngine) -> bool:
+            if engine.is_dead:
+                return True  # nothing to serve from
+            try:
+                async with asyncio.timeout(self._timeout):
+                    whole = await engine.llm.collective_rpc("asyncroll_abort_weight_update")
+                return all(whole)
+            except Exception:
+                logger.exception("%s: could not end the failed update", engine.name)
+                return False
+
+        whole = await asyncio.gather(*(abort(e) for e in self._engines))
+        return [e.name for e, ok in zip(self._engines, whole, strict=True) if not ok]
 
     async def _connected(self, tensors: Mapping[str, torch.Tensor]) -> WeightSender:
         """The sender, attached to every engine's workers. An engine holds one receiver: if
@@ -257,7 +349,6 @@ class WeightPusher:
         try:
             config = sender.receiver_config()
             backup = (not torch.cuda.is_available()) if self._backup is None else self._backup
-            self._backed_up = backup
             await asyncio.gather(*(_bind(e) for e in self._engines))
             await asyncio.gather(
                 sender.wait_receivers(workers),
@@ -346,6 +437,24 @@ def _materialize(
     if not tensors:
         raise InvalidRequestError("no tensors to push")
     return tensors
+
+
+async def _shielded(awaitable: Awaitable[_T]) -> _T:
+    """Run ``awaitable`` to completion even if our caller is cancelled meanwhile; then let the
+    cancellation propagate."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+
+
+def _served_dtype(engine: VLLMEngine) -> torch.dtype:
+    dtype = engine.llm.model_config.dtype  # resolved to a torch.dtype once vLLM started
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"{engine.name}: vLLM reports no served dtype ({dtype!r})")
+    return dtype
 
 
 def _world_size(engine: VLLMEngine) -> int:

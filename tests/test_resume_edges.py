@@ -24,6 +24,7 @@ class ScriptedEngine:
 
     vocab_size = 100
     max_model_len = 1000
+    has_tokenizer = False
 
     def __init__(self, script: Iterable[tuple[FinishReason, int]], name: str = "s") -> None:
         self.name = name

@@ -2,8 +2,10 @@
 
 Tokens are deterministic: each one is a hash of the whole sequence before it (prompt and tokens
 generated so far) and the engine's ``seed``, so a request resumed with prompt + partial output
-continues exactly as it would have, on any FakeEngine with the same seed. Sampling arguments are
-validated as vLLM would but do not change the tokens; log probs are in ``[-10, -0.01]``.
+continues exactly as it would have, on any FakeEngine with the same seed. Request ids and sampling
+arguments pass the checks ``VLLMEngine`` makes (``asyncroll.validation``) but do not change the
+tokens, except ``max_tokens``, ``min_tokens``, ``stop_token_ids`` and ``ignore_eos``; log probs
+are in ``[-10, -0.01]``.
 
 The contract kept with ``VLLMEngine`` (tests/test_manager_fake.py runs tests/test_engine.py's
 pure checks on a FakeEngine):
@@ -36,22 +38,18 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
-from asyncroll.validation import check_prompt, resolve_sampling_params
+from asyncroll.validation import (
+    ENGINE_REQUEST_ID_LEN,
+    check_prompt,
+    check_request_id,
+    resolve_sampling_params,
+)
 from asyncroll.weights import UpdateReport
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["FakeEngine", "FakeWeightUpdater"]
-
-_SAMPLING_KEYS = frozenset({
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
-    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
-    "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
-    "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "extra_args", "bad_words",
-    "structured_outputs", "skip_reading_prefix_cache",
-})
-"""The ``vllm.SamplingParams`` arguments a caller may pass (vLLM 0.32, less the adapter's)."""
 
 _MASK = (1 << 64) - 1
 _names = itertools.count()
@@ -92,6 +90,7 @@ class FakeEngine:
         token_delay: float = 0.0,
         seed: int = 0,
         eos_token_id: int | None = None,
+        has_tokenizer: bool = False,
     ) -> None:
         """Args:
             name: A name for routing statistics and ``repr``.
@@ -101,6 +100,8 @@ class FakeEngine:
             token_delay: Seconds before each token; 0 yields to the loop once per request.
             seed: Engines with one seed serve "the same model": the same tokens for a prefix.
             eos_token_id: Ends a request with ``finish_reason="stop"`` unless ``ignore_eos``.
+            has_tokenizer: Accept arguments that need a tokenizer (``bad_words``, ignored), as a
+                ``VLLMEngine`` on a model with one does.
         """
         if token_delay < 0:
             raise InvalidRequestError(f"token_delay must be >= 0, got {token_delay!r}")
@@ -111,6 +112,7 @@ class FakeEngine:
         self._token_delay = token_delay
         self._seed = seed
         self._eos = eos_token_id
+        self.has_tokenizer = has_tokenizer
         self._live: set[str] = set()
         self._running: dict[str, _Slot] = {}
         self._gate = asyncio.Event()  # set while admitting, or dead (waiters wake to fail)
@@ -191,6 +193,7 @@ class FakeEngine:
         """
         self._check_alive()
         try:
+            check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
             params = self._sampling_params(prompt_ids, sampling_params)
             if request_id in self._live:
                 raise InvalidRequestError(f"request id {request_id!r} is already live")
@@ -306,17 +309,13 @@ class FakeEngine:
         self, prompt_ids: Sequence[int], params: Mapping[str, Any] | None
     ) -> dict[str, Any]:
         prompt = check_prompt(prompt_ids, vocab_size=self.vocab_size)
-        resolved = resolve_sampling_params(
+        return resolve_sampling_params(
             params,
             prompt_len=len(prompt),
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
+            has_tokenizer=self.has_tokenizer,
         )
-        unknown = sorted(resolved.keys() - _SAMPLING_KEYS)
-        if unknown:
-            raise InvalidRequestError(f"bad sampling_params: unknown arguments {unknown}")
-        _check_ranges(resolved)
-        return resolved
 
     async def _admitted(self) -> None:
         while True:
@@ -556,22 +555,6 @@ def _check_versions(engines: Sequence[FakeEngine], global_steps: int | None) -> 
             raise InvalidRequestError(
                 f"global_steps {global_steps} is lower than {engine.name}'s {current}"
             )
-
-
-def _check_ranges(params: Mapping[str, Any]) -> None:
-    """The range checks ``vllm.SamplingParams`` makes that asyncroll's validation does not."""
-    temperature = params.get("temperature", 1.0)
-    top_p = params.get("top_p", 1.0)
-    top_k = params.get("top_k", 0)
-    min_tokens = params.get("min_tokens", 0)
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise InvalidRequestError(f"bad sampling_params: temperature {temperature!r} < 0")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise InvalidRequestError(f"bad sampling_params: top_p {top_p!r} not in (0, 1]")
-    if not isinstance(top_k, int) or top_k < -1:
-        raise InvalidRequestError(f"bad sampling_params: top_k {top_k!r} < -1")
-    if not isinstance(min_tokens, int) or not 0 <= min_tokens <= params["max_tokens"]:
-        raise InvalidRequestError(f"bad sampling_params: min_tokens {min_tokens!r}")
 
 
 def _wake(future: asyncio.Future[None]) -> None:

@@ -485,7 +485,8 @@ async def vllm_ipc_baseline(
 # -- rollout throughput -------------------------------------------------------------------------
 
 
-async def rollout(res: Results, work: Path, interval: float) -> None:
+async def rollout(res: Results, work: Path, interval: float, policies: list[str],
+                  slow_turns: bool) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import rollout_throughput as rt
 
@@ -500,14 +501,16 @@ async def rollout(res: Results, work: Path, interval: float) -> None:
         await rt.run_policy(engine, tensors, "none", jobs[:32], interval, concurrency=256)
         gc.collect()
         gc.freeze()
-        for policy in ("none", "abort", "keep", "drain"):
+        for policy in policies:
             log(f"rollout: {policy}...")
             table[policy] = await rt.run_policy(engine, tensors, policy, jobs, interval,
-                                                concurrency=256)
-            log(f"  {table[policy]['tokens_per_s']:.0f} tokens/s")
-    for r in table.values():
-        r["vs none"] = round(r["tokens_per_s"] / table["none"]["tokens_per_s"], 3)
-        r["vs drain"] = round(r["tokens_per_s"] / table["drain"]["tokens_per_s"], 3)
+                                                concurrency=256, slow_turns=slow_turns)
+            log(f"  {table[policy]['tokens_per_s']:.0f} tokens/s, update stages ms "
+                f"{table[policy]['update_stage_ms']}")
+    for base in ("none", "drain"):
+        for r in table.values():
+            if base in table:
+                r[f"vs {base}"] = round(r["tokens_per_s"] / table[base]["tokens_per_s"], 3)
     res.record("rollout", "results", table)
 
 
@@ -518,6 +521,9 @@ async def main() -> int:
     parser.add_argument("--sizes", default="0.5b,1.5b,7b")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--policies", default="none,abort,keep,drain")
+    parser.add_argument("--no-slow-turns", action="store_true",
+                        help="run the rollout without the loop-stall sampler")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("gpu_e2e needs CUDA and CUDA vLLM; skipped (see docs/gpu.md)")
@@ -537,7 +543,9 @@ async def main() -> int:
                 steps.append((f"push {size}",
                               lambda size=size: push_benchmark(res, work, size, args.repeats)))
         if "rollout" in sections:
-            steps.append(("rollout", lambda: rollout(res, work, args.interval)))
+            steps.append(("rollout", lambda: rollout(res, work, args.interval,
+                                                     args.policies.split(","),
+                                                     not args.no_slow_turns)))
         for name, step in steps:
             started = time.perf_counter()
             log(f"== {name}")

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import random
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +76,89 @@ class LoopLag:
         return ordered[int(0.99 * (len(ordered) - 1))] * 1e3 if ordered else 0.0
 
 
+class SlowTurns:
+    """Where the event loop's long turns go: a watchdog thread samples the loop thread's stack
+    whenever a turn has run past ``threshold`` seconds (wall), and gc callbacks time every
+    collection. Sampling costs nothing on the loop; the loop only stamps a heartbeat a turn."""
+
+    def __init__(
+        self, threshold: float = 0.02, period: float = 0.005, *, enabled: bool = True
+    ) -> None:
+        self.enabled = enabled
+        self.threshold = threshold
+        self.period = period
+        self.stacks: collections.Counter[str] = collections.Counter()
+        self.stalls = 0
+        self.gc_ms: list[tuple[int, float]] = []
+        self._beat = time.perf_counter()
+        self._stop = threading.Event()
+        self._gc_started = 0.0
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self._beat = time.perf_counter()
+            await asyncio.sleep(0)
+
+    def _sample(self, loop_thread: int) -> None:
+        sampled_beat = None
+        while not self._stop.wait(self.period):
+            beat = self._beat
+            if time.perf_counter() - beat < self.threshold or beat == sampled_beat:
+                continue
+            sampled_beat = beat  # one sample a stall, taken once it is already long
+            frame = sys._current_frames().get(loop_thread)
+            if frame is not None:
+                self.stalls += 1
+                self.stacks[_summary(frame)] += 1
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc_ms.append((info["generation"], (time.perf_counter() - self._gc_started) * 1e3))
+
+    def __enter__(self) -> SlowTurns:
+        if not self.enabled:
+            return self
+        self._task = asyncio.get_running_loop().create_task(self._heartbeat())
+        self._thread = threading.Thread(
+            target=self._sample, args=(threading.get_ident(),), daemon=True
+        )
+        self._thread.start()
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        gc.callbacks.remove(self._on_gc)
+        self._stop.set()
+        self._thread.join()
+        self._task.cancel()
+
+    def report(self, top: int = 5) -> dict[str, Any]:
+        worst_gc = max((ms for _, ms in self.gc_ms), default=0.0)
+        return {
+            "stalls_over_ms": self.threshold * 1e3,
+            "stalls": self.stalls,
+            "gc_collections": len(self.gc_ms),
+            "gc_worst_ms": round(worst_gc, 2),
+            "gc_gen2": sum(1 for gen, _ in self.gc_ms if gen == 2),
+            "top_stacks": self.stacks.most_common(top),
+        }
+
+
+def _summary(frame: Any, depth: int = 8) -> str:
+    """The innermost ``depth`` frames as ``file:function:line`` (paths shortened)."""
+    parts = []
+    while frame is not None and len(parts) < depth:
+        code = frame.f_code
+        where = code.co_filename.rsplit("site-packages/", 1)[-1].rsplit("/work/", 1)[-1]
+        parts.append(f"{where}:{code.co_name}:{frame.f_lineno}")
+        frame = frame.f_back
+    return " <- ".join(parts)
+
+
 class Admission:
     """The drain baseline's gate: closed while the trainer waits for in-flight requests."""
 
@@ -86,8 +172,8 @@ class Admission:
 
 async def run_policy(
     engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
-    interval: float, *, concurrency: int = CONCURRENCY,
-) -> dict[str, float]:
+    interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = True,
+) -> dict[str, Any]:
     mode: ResumeMode = "keep" if policy == "keep" else "abort"
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
@@ -123,7 +209,8 @@ async def run_policy(
         updates = 0
         update_seconds = 0.0
         pending = set(workers)
-        with LoopLag() as lag:
+        stages = dict.fromkeys(("pause", "push", "finish", "cache_reset", "resume"), 0.0)
+        with LoopLag() as lag, SlowTurns(enabled=slow_turns) as slow:
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=interval)
                 if pending and policy != "none":
@@ -133,6 +220,8 @@ async def run_policy(
                     step = (manager.global_steps or 0) + 1
                     report = await manager.update_weights(weights, global_steps=step)
                     update_seconds += report.seconds
+                    for stage in stages:
+                        stages[stage] += getattr(report, f"{stage}_seconds")
                     admission.open.set()
                     updates += 1
         elapsed = time.perf_counter() - started
@@ -147,6 +236,9 @@ async def run_policy(
         "reprefill_per_update": reprefill / updates if updates else 0.0,
         "loop_worst_ms": lag.worst_ms(),
         "loop_p99_ms": lag.p99_ms(),
+        "slow_turns": slow.report(),
+        "update_stage_ms": {k: round(v / updates * 1e3, 1) for k, v in stages.items()}
+        if updates else {},
     }
 
 
@@ -183,6 +275,8 @@ async def main() -> None:
             f" | {r['reprefill_per_update']:.0f}"
             f" | {r['loop_p99_ms']:.2f} / {r['loop_worst_ms']:.1f} |"
         )
+    for policy, r in results.items():
+        print(f"{policy}: slow turns {r['slow_turns']}")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """A push failed without a backup: the served weights are partly loaded."""
         self._pending: dict[str, torch.Tensor] = {}
         self._active = False
+        self._touched = False
+        """The update in progress has handed tensors to the model's loader."""
         self.test_hooks: dict[str, Any] = {}
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
@@ -159,6 +161,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
             _fail_if_asked(self._info, batch)
+            self._touched = True  # from here on a failure may leave the batch partly loaded
             try:
                 load_batch(batch)
             except Exception as exc:  # name the tensors: vLLM's loaders often say nothing
@@ -195,7 +198,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if not self._active:
             return not self._mixed
         self._active = False
-        touched = bool(self._pending)
+        touched, self._touched = self._touched, False
         self._pending = {}
         if not self.direct:
             _end_layerwise_reload(self.model, self.model_config)
@@ -228,6 +231,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Start an update: take what a rollback needs (see ``_shadow``)."""
         assert self._info is not None
         self._active = True
+        self._touched = False
         self._pending = {}
         self._backup = None
         if not self._info.backup:

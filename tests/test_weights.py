@@ -171,10 +171,30 @@ async def test_failed_push_without_backup_holds_requests_until_a_push_succeeds(
     loaded weights: the engine takes no request until a push succeeds, and serves none from
     the mixed weights."""
     before = engine_b.global_steps or 0
+    served = await greedy(engine_b, "before-hold")
     pusher = WeightPusher([engine_b], backup=False, fail_on="model.layers.1.mlp.down_proj.weight")
     try:
-        with pytest.raises(WeightSyncError, match="no requests until a push succeeds"):
+        # A failure before the worker loaded anything leaves the served weights whole: the
+        # error says so, and the engine serves on.
+        with pytest.raises(WeightSyncError, match="every engine serves its previous weights"):
             await pusher.update(load_weights(tiny_model_a), global_steps=before + 1)
+        assert not engine_b.statistics().holding
+        assert await greedy(engine_b, "not-held") == served
+    finally:
+        await pusher.aclose()
+    # A failure once every tensor was loaded leaves a mix: the engine holds.
+    pusher = WeightPusher([engine_b], backup=False)
+    try:
+        await engine_b.llm.collective_rpc(
+            "asyncroll_set_test_hook", kwargs={"name": "after_load", "action": "fail"}
+        )
+        try:
+            with pytest.raises(WeightSyncError, match="no requests until a push succeeds"):
+                await pusher.update(load_weights(tiny_model_a), global_steps=before + 1)
+        finally:
+            await engine_b.llm.collective_rpc(
+                "asyncroll_set_test_hook", kwargs={"name": "after_load", "action": ""}
+            )
     finally:
         await pusher.aclose()
     assert engine_b.statistics().holding and engine_b.global_steps == before

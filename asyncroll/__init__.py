@@ -20,7 +20,6 @@ from asyncroll.agent_loop import (
     register_agent_loop,
     run_agent_loops,
 )
-from asyncroll.engine import VLLMEngine
 from asyncroll.errors import (
     AsyncrollError,
     EngineDeadError,
@@ -38,7 +37,16 @@ from asyncroll.errors import (
     TransportTimeoutError,
     WeightSyncError,
 )
-from asyncroll.manager import AsyncServerManager, Engine, ResumeMode, WeightUpdater
+from asyncroll.interfaces import (
+    Engine,
+    ReceivingEngine,
+    ResumeMode,
+    UpdatableEngine,
+    UpdateReport,
+    WeightChannel,
+    WeightUpdater,
+)
+from asyncroll.manager import AsyncServerManager
 from asyncroll.transport import (
     PushReport,
     WeightReceiver,
@@ -54,7 +62,8 @@ from asyncroll.types import (
     Segment,
     TokenOutput,
 )
-from asyncroll.weights import UpdateReport, WeightPusher
+from asyncroll.vllm import VLLMEngine
+from asyncroll.weights import SenderChannel, VersionedUpdater, WeightPusher
 
 __all__ = [
     "AgentLoop",
@@ -79,10 +88,12 @@ __all__ = [
     "NoEngineAvailableError",
     "PauseMode",
     "PushReport",
+    "ReceivingEngine",
     "ResponseBuilder",
     "ResumeMode",
     "Sample",
     "Segment",
+    "SenderChannel",
     "SingleTurnAgentLoop",
     "StopReason",
     "TokenOutput",
@@ -97,8 +108,11 @@ __all__ = [
     "TransportClosedError",
     "TransportError",
     "TransportTimeoutError",
+    "UpdatableEngine",
     "UpdateReport",
     "VLLMEngine",
+    "VersionedUpdater",
+    "WeightChannel",
     "WeightPusher",
     "WeightReceiver",
     "WeightSender",

@@ -18,7 +18,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 
@@ -28,71 +28,26 @@ from asyncroll.errors import (
     ManagerClosedError,
     WeightSyncError,
 )
+from asyncroll.interfaces import (
+    Engine,
+    ReceivingEngine,
+    ResumeMode,
+    UpdateReport,
+    WeightUpdater,
+)
 from asyncroll.routing import EngineLoad, StickyTable, choose_engine
 from asyncroll.types import (
-    EngineStatistics,
     FinishReason,
     ManagerStatistics,
     Segment,
     TokenOutput,
 )
 from asyncroll.validation import check_prompt, check_request_id, resolve_sampling_params
-from asyncroll.weights import UpdateReport, WeightPusher, check_global_steps
+from asyncroll.weights import WeightPusher, check_global_steps
 
 __all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
 logger = logging.getLogger(__name__)
-
-ResumeMode = Literal["abort", "keep"]
-
-
-class Engine(Protocol):
-    """What the manager needs of an engine; ``VLLMEngine`` and ``testing.FakeEngine`` are two."""
-
-    name: str
-    vocab_size: int
-    max_model_len: int
-
-    @property
-    def is_dead(self) -> bool: ...
-
-    @property
-    def global_steps(self) -> int | None: ...
-
-    @property
-    def has_tokenizer(self) -> bool: ...
-
-    async def generate(
-        self,
-        request_id: str,
-        *,
-        prompt_ids: Sequence[int],
-        sampling_params: Mapping[str, Any] | None = None,
-    ) -> Segment: ...
-
-    async def abort(self, request_ids: str | Iterable[str]) -> None: ...
-
-    async def pause(self, mode: Literal["abort", "wait", "keep"] = "abort", *,
-                    clear_cache: bool = True) -> None: ...
-
-    async def resume(self) -> None: ...
-
-    def statistics(self) -> EngineStatistics: ...
-
-
-class WeightUpdater(Protocol):
-    """Pauses, pushes, labels and resumes a set of engines (``WeightPusher`` for vLLM)."""
-
-    async def update(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        *,
-        global_steps: int | None,
-        mode: ResumeMode = "abort",
-    ) -> UpdateReport: ...
-
-    async def aclose(self) -> None: ...
-
 
 class _Trajectory:
     """The accumulating state of one generate call (owned by its caller's task)."""
@@ -345,7 +300,7 @@ class AsyncServerManager:
             while self._retired:
                 await self._retired.pop().aclose()
             if self._weights is None:
-                self._weights = WeightPusher(engines)  # type: ignore[arg-type]
+                self._weights = WeightPusher(_receiving(engines))
                 self._weights_for = names
             self._gate.clear()
             try:
@@ -451,3 +406,15 @@ class AsyncServerManager:
 def _can_serve(engine: Engine, floor: int | None) -> bool:
     steps = engine.global_steps
     return not engine.is_dead and (floor is None or steps is None or steps >= floor)
+
+
+def _receiving(engines: Sequence[Engine]) -> list[ReceivingEngine]:
+    """The engines, if every one can take a push from asyncroll's sender."""
+    receiving = [engine for engine in engines if isinstance(engine, ReceivingEngine)]
+    if len(receiving) != len(engines):
+        others = [engine.name for engine in engines if not isinstance(engine, ReceivingEngine)]
+        raise WeightSyncError(
+            f"engines {others} cannot take a push from asyncroll's sender: "
+            "give the manager a WeightUpdater for them (weights=...)"
+        )
+    return receiving

@@ -13,7 +13,7 @@ import importlib.machinery
 import sys
 import types
 
-from asyncroll.vllm_ext import AsyncrollWorkerExtension
+from asyncroll.vllm.worker import AsyncrollWorkerExtension
 
 
 def install_ray_stub() -> None:

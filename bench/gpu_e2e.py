@@ -61,6 +61,7 @@ from asyncroll import (
     WeightSyncError,
 )
 from asyncroll.testing import make_tiny_model
+from asyncroll.testing.faults import FAULTS_EXTENSION, inject_fault
 
 GiB = 1 << 30
 SMALL = {  # GPU-friendly tiny model: head size 64, bf16
@@ -90,7 +91,8 @@ def engine_args(**extra: Any) -> dict[str, Any]:
     """What every engine here starts with: no CUDA graphs (fast start), no async scheduling
     (docs/gpu.md: it stalled vLLM 0.24's start-up there), a modest share of the GPU."""
     return {"enforce_eager": True, "async_scheduling": False, "gpu_memory_utilization": 0.25,
-            "max_model_len": 4096, "dtype": "bfloat16", **extra}
+            "max_model_len": 4096, "dtype": "bfloat16",
+            "worker_extension_cls": FAULTS_EXTENSION, **extra}
 
 
 def log(msg: str) -> None:
@@ -206,9 +208,10 @@ async def _correctness(
         res.record(s, "keep switch position", switch)
     # a receiver-side failure (with backup) leaves the served weights untouched
     served = await greedy(engine, "before-fail")
-    pusher = WeightPusher([engine], backup=True, fail_on="model.layers.1.mlp.down_proj.weight")
+    pusher = WeightPusher([engine], backup=True)
     try:
-        await pusher.update(weights_b, global_steps=9)
+        async with inject_fault(engine, "load", tensor="model.layers.1.mlp.down_proj.weight"):
+            await pusher.update(weights_b, global_steps=9)
         failed = False
     except WeightSyncError as exc:
         failed = "down_proj" in str(exc)
@@ -442,8 +445,8 @@ async def vllm_ipc_baseline(
     async with VLLMEngine.launch(
         folder, name="vllm-ipc", load_format="dummy",
         weight_transfer_config=WeightTransferConfig(backend="ipc"),
-        worker_extension_cls="_baseline_ext.BaselineWorkerExtension",
-        **engine_args(gpu_memory_utilization=util),
+        **engine_args(gpu_memory_utilization=util,
+                      worker_extension_cls="_baseline_ext.BaselineWorkerExtension"),
     ) as engine:
         llm = engine.llm
         await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
@@ -522,8 +525,9 @@ async def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--policies", default="none,abort,keep,drain")
-    parser.add_argument("--no-slow-turns", action="store_true",
-                        help="run the rollout without the loop-stall sampler")
+    parser.add_argument("--slow-turns", action="store_true",
+                        help="sample the loop thread's stack on long turns (perturbs the run)")
+    parser.add_argument("--no-slow-turns", action="store_true", help="the default; kept")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         log("gpu_e2e needs CUDA and CUDA vLLM; skipped (see docs/gpu.md)")
@@ -545,7 +549,7 @@ async def main() -> int:
         if "rollout" in sections:
             steps.append(("rollout", lambda: rollout(res, work, args.interval,
                                                      args.policies.split(","),
-                                                     not args.no_slow_turns)))
+                                                     args.slow_turns)))
         for name, step in steps:
             started = time.perf_counter()
             log(f"== {name}")

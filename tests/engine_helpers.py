@@ -10,15 +10,21 @@ import torch
 from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, VLLMEngine
-from asyncroll.manager import Engine
+from asyncroll.interfaces import Engine
+from asyncroll.testing.faults import FAULTS_EXTENSION
 
 PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
 """Prompts whose greedy continuations identify the weights an engine serves."""
 
 PROMPT_PARAMS: dict[str, Any] = {"max_tokens": 8, "ignore_eos": True}
 
-ENGINE_ARGS: dict[str, Any] = {"max_model_len": 512, "dtype": "float32"}
-"""How every test engine starts. float32, not the adapter's bf16 default: tests compare greedy
+ENGINE_ARGS: dict[str, Any] = {
+    "max_model_len": 512,
+    "dtype": "float32",
+    "worker_extension_cls": FAULTS_EXTENSION,
+}
+"""How every test engine starts (with the fault-injection extension of asyncroll.testing.faults,
+for the tests that inject failures). float32, not the adapter's bf16 default: tests compare greedy
 outputs token for token across batches, resumes (a re-prefill computes the KV with other kernels
 than decoding did) and engines, and a random tiny model's logits have near-ties that bf16 rounding
 flips; float32 keeps the comparisons about our code, not about rounding."""

@@ -21,7 +21,7 @@ from asyncroll import (
     ManagerClosedError,
     VLLMEngine,
 )
-from asyncroll.manager import Engine
+from asyncroll.interfaces import Engine
 from asyncroll.testing.fake_engine import FakeEngine, FakeWeightUpdater
 
 PROMPT = [5, 6, 7, 8]

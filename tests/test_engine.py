@@ -11,13 +11,10 @@ from typing import Any
 
 import psutil
 import pytest
-from engine_helpers import until_decoding
 
 from asyncroll import (
     EngineDeadError,
     EngineStartError,
-    InvalidRequestError,
-    Segment,
     VLLMEngine,
 )
 
@@ -30,171 +27,8 @@ def _params(max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, **extra}
 
 
-def _assert_consistent(segment: Segment) -> None:
-    assert len(segment.token_ids) == len(segment.log_probs) == len(segment.global_steps)
-    assert all(lp <= 0.0 for lp in segment.log_probs)
-
-
-async def test_concurrent_generate_all_complete(engine: VLLMEngine) -> None:
-    segments = await asyncio.gather(
-        *(
-            engine.generate(f"c{i}", prompt_ids=[i + 2, 3, 4], sampling_params=_params(24))
-            for i in range(32)
-        )
-    )
-    for segment in segments:
-        _assert_consistent(segment)
-        assert len(segment.token_ids) == 24
-        assert segment.finish_reason == "length"
-        assert set(segment.global_steps) == {engine.global_steps}
-    assert engine.statistics().in_flight == 0
-
-
-async def test_same_seed_same_tokens(engine: VLLMEngine) -> None:
-    greedy = _params(16, temperature=0.0)
-    first = await engine.generate("g1", prompt_ids=PROMPT, sampling_params=greedy)
-    second = await engine.generate("g2", prompt_ids=PROMPT, sampling_params=greedy)
-    assert first.token_ids == second.token_ids
-    seeded = _params(16, seed=1234)
-    third = await engine.generate("s1", prompt_ids=PROMPT, sampling_params=seeded)
-    fourth = await engine.generate("s2", prompt_ids=PROMPT, sampling_params=seeded)
-    assert third.token_ids == fourth.token_ids
-
-
-async def test_abort_returns_partial_output(engine: VLLMEngine) -> None:
-    task = asyncio.create_task(
-        engine.generate("long", prompt_ids=PROMPT, sampling_params=_params(400))
-    )
-    await until_decoding(engine, 1)
-    await engine.abort("long")
-    segment = await task
-    assert segment.finish_reason == "abort"
-    assert 0 < len(segment.token_ids) < 400
-    _assert_consistent(segment)
-    assert engine.statistics().in_flight == 0
-
-
-async def test_pause_abort_ends_requests_with_partial_output(engine: VLLMEngine) -> None:
-    tasks = [
-        asyncio.create_task(
-            engine.generate(f"pa{i}", prompt_ids=PROMPT, sampling_params=_params(400))
-        )
-        for i in range(3)
-    ]
-    await until_decoding(engine, 3)
-    await engine.pause("abort")
-    try:
-        late = asyncio.create_task(
-            engine.generate("pa-late", prompt_ids=PROMPT, sampling_params=_params(5))
-        )
-        segments = await asyncio.gather(*tasks)
-        for segment in segments:
-            assert segment.finish_reason == "abort"
-            assert 0 < len(segment.token_ids) < 400
-            _assert_consistent(segment)
-        assert not late.done()  # admission is gated while paused
-    finally:
-        await engine.resume()
-    assert len((await late).token_ids) == 5
-
-
-async def test_pause_keep_resumes_to_completion(engine: VLLMEngine) -> None:
-    tasks = [
-        asyncio.create_task(
-            engine.generate(f"pk{i}", prompt_ids=PROMPT, sampling_params=_params(300))
-        )
-        for i in range(3)
-    ]
-    await until_decoding(engine, 3)
-    await engine.pause("keep")
-    try:
-        assert engine.statistics().paused
-        assert not any(task.done() for task in tasks)
-    finally:
-        await engine.resume()
-    for segment in await asyncio.gather(*tasks):
-        assert segment.finish_reason == "length"
-        assert len(segment.token_ids) == 300
-        _assert_consistent(segment)
-
-
-BAD_INPUTS: list[tuple[str, Any, Any]] = [
-    ("empty prompt", [], _params(4)),
-    ("token id past the vocabulary", [5, 512], _params(4)),
-    ("negative token id", [-1, 5], _params(4)),
-    ("text instead of ids", "hello", _params(4)),
-    ("prompt + max_tokens over the context", [5] * 400, _params(200)),
-    ("zero max_tokens", PROMPT, _params(0)),
-    ("negative max_tokens", PROMPT, _params(-3)),
-    ("n > 1", PROMPT, _params(4, n=2)),
-    ("unknown sampling key", PROMPT, _params(4, no_such_key=1)),
-    ("negative temperature", PROMPT, _params(4, temperature=-1.0)),
-    ("stop token past the vocabulary", PROMPT, _params(4, stop_token_ids=[10_000])),
-]
-
-
-@pytest.mark.parametrize(("what", "prompt", "params"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-async def test_bad_input_is_rejected_and_others_complete(
-    engine: VLLMEngine, what: str, prompt: Any, params: Any
-) -> None:
-    good = asyncio.create_task(
-        engine.generate(f"good-{what}", prompt_ids=PROMPT, sampling_params=_params(32))
-    )
-    rejected_before = engine.statistics().num_rejected
-    with pytest.raises(InvalidRequestError):
-        await engine.generate(f"bad-{what}", prompt_ids=prompt, sampling_params=params)
-    assert isinstance(InvalidRequestError("x"), ValueError)
-    assert len((await good).token_ids) == 32
-    assert engine.statistics().num_rejected == rejected_before + 1
-    assert not engine.is_dead
-
-
-async def test_duplicate_live_request_id_is_rejected(engine: VLLMEngine) -> None:
-    first = asyncio.create_task(
-        engine.generate("dup", prompt_ids=PROMPT, sampling_params=_params(64))
-    )
-    await asyncio.sleep(0)  # let the first call register its id
-    with pytest.raises(InvalidRequestError, match="already live"):
-        await engine.generate("dup", prompt_ids=PROMPT, sampling_params=_params(4))
-    assert len((await first).token_ids) == 64
-
-
-async def test_sampling_params_are_not_mutated(engine: VLLMEngine) -> None:
-    params = _params(4)
-    snapshot = dict(params)
-    await engine.generate("nm", prompt_ids=PROMPT, sampling_params=params)
-    assert params == snapshot
-
-
-async def test_cancel_aborts_the_request_in_the_engine(engine: VLLMEngine) -> None:
-    task = asyncio.create_task(
-        engine.generate("cancel-me", prompt_ids=PROMPT, sampling_params=_params(400))
-    )
-    await until_decoding(engine, 1)
-    assert engine.statistics().in_flight == 1
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert engine.statistics().in_flight == 0
-    assert engine.num_unfinished_in_vllm() == 0
-    # The id is free again and the engine still serves.
-    again = await engine.generate("cancel-me", prompt_ids=PROMPT, sampling_params=_params(4))
-    assert len(again.token_ids) == 4
-
-
-async def test_sleep_gates_admission_until_wake_up(engine: VLLMEngine) -> None:
-    await engine.sleep(1)
-    try:
-        assert engine.statistics().asleep
-        waiting = asyncio.create_task(
-            engine.generate("sleepy", prompt_ids=PROMPT, sampling_params=_params(4))
-        )
-        await asyncio.sleep(0.2)
-        assert not waiting.done()
-    finally:
-        await engine.wake_up()
-    assert len((await waiting).token_ids) == 4
-    assert not engine.statistics().asleep
+# The generation contract (concurrency, seeds, abort, pause, bad input, duplicate ids,
+# cancellation) is asyncroll.testing.contract, run on this engine in tests/test_contract.py.
 
 
 def _engine_cores() -> set[int]:

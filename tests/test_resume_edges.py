@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from asyncroll import AsyncServerManager, InvalidRequestError
-from asyncroll.engine import _segment
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
+from asyncroll.vllm.engine import _segment
 
 
 class ScriptedEngine:

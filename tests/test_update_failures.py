@@ -23,6 +23,8 @@ from asyncroll import (
     WeightPusher,
     WeightSyncError,
 )
+from asyncroll.testing.faults import inject_fault
+from asyncroll.weights import SenderChannel
 
 pytestmark = pytest.mark.engine
 
@@ -108,15 +110,10 @@ async def test_a_failure_after_every_tensor_loaded_restores_the_previous_weights
         await pusher.update(load_weights(tiny_model_b), global_steps=None)  # attach
         assert await greedy(serving_a, "b-then") == FRESH_GREEDY["b"]
         await pusher.update(_served_a(serving_a), global_steps=None)
-        await serving_a.llm.collective_rpc(
-            "asyncroll_set_test_hook", kwargs={"name": "after_load", "action": "fail"}
-        )
-        with pytest.raises(WeightSyncError, match="every engine serves its previous weights"):
-            await pusher.update(load_weights(tiny_model_b), global_steps=(before or 0) + 1)
+        async with inject_fault(serving_a, "after_load"):
+            with pytest.raises(WeightSyncError, match="every engine serves its previous weights"):
+                await pusher.update(load_weights(tiny_model_b), global_steps=(before or 0) + 1)
     finally:
-        await serving_a.llm.collective_rpc(
-            "asyncroll_set_test_hook", kwargs={"name": "after_load", "action": ""}
-        )
         await pusher.aclose()
     assert serving_a.global_steps == before
     assert not serving_a.statistics().holding
@@ -198,13 +195,13 @@ async def test_a_cancelled_update_leaves_the_engine_whole(
     engine serves the old weights under the old label, or the new ones under the new label."""
     before = serving_a.global_steps
     entered = asyncio.Event()
-    transfer = WeightPusher._transfer
+    transfer = SenderChannel._transfer
 
-    async def signalling(self: WeightPusher, *args: Any) -> Any:
+    async def signalling(self: SenderChannel, *args: Any) -> Any:
         entered.set()
         return await transfer(self, *args)
 
-    monkeypatch.setattr(WeightPusher, "_transfer", signalling)
+    monkeypatch.setattr(SenderChannel, "_transfer", signalling)
     pusher = WeightPusher([serving_a], bucket_bytes=64 << 10)
     try:
         update = asyncio.create_task(
@@ -253,14 +250,14 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
         (core,) = _engine_cores() - before
         victims = _workers_of(core)
         assert victims, "the CPU build runs its worker in a process of its own"
-        transfer = WeightPusher._transfer
+        transfer = SenderChannel._transfer
 
-        async def kill_then_transfer(self: WeightPusher, *args: Any) -> Any:
+        async def kill_then_transfer(self: SenderChannel, *args: Any) -> Any:
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
             return await transfer(self, *args)
 
-        monkeypatch.setattr(WeightPusher, "_transfer", kill_then_transfer)
+        monkeypatch.setattr(SenderChannel, "_transfer", kill_then_transfer)
         pusher = WeightPusher([serving_a, doomed], timeout=20.0)
         async with AsyncServerManager([serving_a, doomed], weights=pusher) as manager:
             steps = (manager.global_steps or 0) + 1

@@ -18,6 +18,7 @@ from engine_helpers import (
 )
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll.testing.faults import inject_fault
 from asyncroll.weights import WeightPusher
 
 pytestmark = pytest.mark.engine
@@ -131,12 +132,13 @@ async def test_receiver_failure_keeps_old_weights_and_version(
 ) -> None:
     before = engine_b.global_steps
     served_before = await greedy(engine_b, "before-failure")  # whatever it serves now
-    pusher = WeightPusher([engine_b], fail_on="model.layers.1.mlp.down_proj.weight")
+    pusher = WeightPusher([engine_b])
     try:
-        with pytest.raises(WeightSyncError, match="down_proj"):
-            # push the model it does not serve, so a partial load would change its outputs
-            other = tiny_model_a if served_before == FRESH_GREEDY["b"] else tiny_model_b
-            await pusher.update(load_weights(other), global_steps=(before or 0) + 5)
+        async with inject_fault(engine_b, "load", tensor="model.layers.1.mlp.down_proj.weight"):
+            with pytest.raises(WeightSyncError, match="down_proj"):
+                # push the model it does not serve, so a partial load would change its outputs
+                other = tiny_model_a if served_before == FRESH_GREEDY["b"] else tiny_model_b
+                await pusher.update(load_weights(other), global_steps=(before or 0) + 5)
     finally:
         await pusher.aclose()
     assert engine_b.global_steps == before
@@ -172,12 +174,13 @@ async def test_failed_push_without_backup_holds_requests_until_a_push_succeeds(
     the mixed weights."""
     before = engine_b.global_steps or 0
     served = await greedy(engine_b, "before-hold")
-    pusher = WeightPusher([engine_b], backup=False, fail_on="model.layers.1.mlp.down_proj.weight")
+    pusher = WeightPusher([engine_b], backup=False)
     try:
         # A failure before the worker loaded anything leaves the served weights whole: the
         # error says so, and the engine serves on.
-        with pytest.raises(WeightSyncError, match="every engine serves its previous weights"):
-            await pusher.update(load_weights(tiny_model_a), global_steps=before + 1)
+        async with inject_fault(engine_b, "load", tensor="model.layers.1.mlp.down_proj.weight"):
+            with pytest.raises(WeightSyncError, match="every engine serves its previous weights"):
+                await pusher.update(load_weights(tiny_model_a), global_steps=before + 1)
         assert not engine_b.statistics().holding
         assert await greedy(engine_b, "not-held") == served
     finally:
@@ -185,16 +188,9 @@ async def test_failed_push_without_backup_holds_requests_until_a_push_succeeds(
     # A failure once every tensor was loaded leaves a mix: the engine holds.
     pusher = WeightPusher([engine_b], backup=False)
     try:
-        await engine_b.llm.collective_rpc(
-            "asyncroll_set_test_hook", kwargs={"name": "after_load", "action": "fail"}
-        )
-        try:
+        async with inject_fault(engine_b, "after_load"):
             with pytest.raises(WeightSyncError, match="no requests until a push succeeds"):
                 await pusher.update(load_weights(tiny_model_a), global_steps=before + 1)
-        finally:
-            await engine_b.llm.collective_rpc(
-                "asyncroll_set_test_hook", kwargs={"name": "after_load", "action": ""}
-            )
     finally:
         await pusher.aclose()
     assert engine_b.statistics().holding and engine_b.global_steps == before

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from asyncroll.errors import (
     EngineDeadError,
@@ -37,6 +36,7 @@ from asyncroll.errors import (
     InvalidRequestError,
     WeightSyncError,
 )
+from asyncroll.interfaces import ResumeMode, UpdateReport
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
 from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
@@ -44,12 +44,12 @@ from asyncroll.validation import (
     check_request_id,
     resolve_sampling_params,
 )
-from asyncroll.weights import UpdateReport
+from asyncroll.weights import VersionedUpdater
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FakeEngine", "FakeWeightUpdater"]
+__all__ = ["FakeChannel", "FakeEngine", "FakeWeightUpdater"]
 
 _MASK = (1 << 64) - 1
 _names = itertools.count()
@@ -120,6 +120,7 @@ class FakeEngine:
         self._idle = asyncio.Event()  # set while nothing runs
         self._idle.set()
         self._paused = False
+        self._holding: str | None = None  # admit nothing: a push failed without a backup
         self._frozen = False  # running requests make no progress
         self._sleeping_tags: set[str] = set()
         self._dead = False
@@ -172,6 +173,7 @@ class FakeEngine:
             num_requests=self._num_requests,
             num_aborted=self._num_aborted,
             num_rejected=self._num_rejected,
+            holding=self._holding is not None,
         )
 
     def num_unfinished_in_vllm(self) -> int:
@@ -260,6 +262,25 @@ class FakeEngine:
         """Relabel the weights in force, as a finished weight update does."""
         self._global_steps = global_steps
 
+    def hold(self, reason: str) -> None:
+        """Admit nothing until ``release_hold`` (``UpdatableEngine``)."""
+        self._holding = reason
+        self._sync_gate()
+
+    def release_hold(self) -> None:
+        self._holding = None
+        self._sync_gate()
+
+    async def commit_version(self, global_steps: int | None) -> None:
+        """Label the weights ``global_steps`` (None keeps the label)."""
+        self._check_alive()
+        if global_steps is not None:
+            self._global_steps = global_steps
+
+    async def reset_prefix_cache(self) -> None:
+        """There is no cache; the engine must be alive."""
+        self._check_alive()
+
     async def wait_generated(self, count: int) -> None:
         """Wait until the engine has produced ``count`` tokens in all (``num_generated``).
 
@@ -320,7 +341,7 @@ class FakeEngine:
     async def _admitted(self) -> None:
         while True:
             self._check_alive()
-            if not self._paused and not self._sleeping_tags:
+            if not self._paused and not self._sleeping_tags and self._holding is None:
                 return
             await self._gate.wait()
 
@@ -421,7 +442,7 @@ class FakeEngine:
         self._sync_gate()
 
     def _sync_gate(self) -> None:
-        if self.is_dead or not (self._paused or self._sleeping_tags):
+        if self.is_dead or not (self._paused or self._sleeping_tags or self._holding):
             self._gate.set()
         else:
             self._gate.clear()
@@ -446,12 +467,50 @@ class FakeEngine:
         self._next_progress = min(pending, default=_MASK)
 
 
-class FakeWeightUpdater:
-    """The manager's ``WeightUpdater`` over FakeEngines: pause, relabel, resume; no tensors move.
+class FakeChannel:
+    """A ``WeightChannel`` that moves nothing: it can wait mid-push and fail on request."""
 
-    Like ``WeightPusher``, it pauses the live engines in ``mode``, labels them ``global_steps``
-    only if the "push" succeeded, and resumes whatever happens.
-    """
+    def __init__(
+        self,
+        *,
+        hold: asyncio.Event | None = None,
+        failures: int = 0,
+        leave_holding: Sequence[str] = (),
+    ) -> None:
+        self.hold = hold
+        self.failures = failures
+        self.leave_holding = list(leave_holding)
+        self.is_holding = False
+        self.closed = False
+
+    async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        if self.closed:
+            raise WeightSyncError("the FakeWeightUpdater is closed")
+
+    async def push(
+        self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
+    ) -> None:
+        if self.hold is not None:
+            self.is_holding = True
+            try:
+                await self.hold.wait()
+            finally:
+                self.is_holding = False
+        if self.failures > 0:
+            self.failures -= 1
+            raise WeightSyncError(f"planned failure (version {version})")
+
+    async def abort(self, engines: Sequence[Any]) -> list[str]:
+        return [e.name for e in engines if e.name in self.leave_holding]
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeWeightUpdater(VersionedUpdater):
+    """The manager's ``WeightUpdater`` over FakeEngines: ``WeightPusher``'s update sequence
+    (checks, pause, label, resume; holds after a failed push) with a channel that moves no
+    tensors."""
 
     def __init__(
         self,
@@ -459,102 +518,44 @@ class FakeWeightUpdater:
         *,
         hold: asyncio.Event | None = None,
         failures: int = 0,
+        leave_holding: Sequence[str] = (),
     ) -> None:
         """Args:
             engines: The engines to update (dead ones are skipped at each update).
             hold: If given, each update waits for it while the engines are paused (a push in
                 progress), so tests can act mid-update.
             failures: How many of the next updates fail with ``WeightSyncError`` after pausing.
+            leave_holding: Names of engines a failed push leaves holding (as a push without a
+                backup does), the others serving their previous weights.
         """
-        self.engines = list(engines)
-        self.hold = hold
-        self.failures = failures
+        self.channel = FakeChannel(hold=hold, failures=failures, leave_holding=leave_holding)
+        super().__init__(engines, self.channel)
         self.num_updates = 0
-        self._holding = False
-        self._closed = False
-
-    def __repr__(self) -> str:
-        return f"<FakeWeightUpdater engines={[e.name for e in self.engines]} closed={self._closed}>"
 
     async def update(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
         *,
         global_steps: int | None,
-        mode: Literal["abort", "keep"] = "abort",
+        mode: ResumeMode = "abort",
     ) -> UpdateReport:
-        """Pause the live engines, label them ``global_steps``, resume. Tensors are ignored.
-
-        Raises:
-            InvalidRequestError: ``global_steps`` is lower than an engine's.
-            EngineSleepingError: an engine's weights are asleep; nothing changed.
-            WeightSyncError: a planned failure (``failures``); every label stays as it was.
-        """
-        if self._closed:
-            raise RuntimeError("the FakeWeightUpdater is closed")
-        engines = [engine for engine in self.engines if not engine.is_dead]
-        _check_versions(engines, global_steps)
-        pausable = [engine for engine in engines if not engine.is_asleep]
-        marks = [time.perf_counter()]
-        try:
-            # Every pause settles before any resume runs, so none lands after its resume.
-            paused = await asyncio.gather(
-                *(engine.pause(mode) for engine in pausable), return_exceptions=True
-            )
-            for outcome in paused:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            marks.append(time.perf_counter())
-            await self._push(engines, global_steps)
-            marks.append(time.perf_counter())
-        finally:
-            await asyncio.gather(*(engine.resume() for engine in pausable), return_exceptions=True)
-        marks.append(time.perf_counter())
+        report = await super().update(named_tensors, global_steps=global_steps, mode=mode)
         self.num_updates += 1
-        return UpdateReport(
-            global_steps=global_steps,
-            engines=len(engines),
-            seconds=marks[3] - marks[0],
-            pause_seconds=marks[1] - marks[0],
-            push_seconds=marks[2] - marks[1],
-            finish_seconds=0.0,
-            cache_reset_seconds=0.0,
-            resume_seconds=marks[3] - marks[2],
-            push=None,
-        )
+        return report
 
     @property
     def is_holding(self) -> bool:
         """Whether an update waits on ``hold`` (the engines are paused)."""
-        return self._holding
+        return self.channel.is_holding
 
-    async def aclose(self) -> None:
-        """Idempotent; a closed updater refuses updates."""
-        self._closed = True
+    @property
+    def failures(self) -> int:
+        """How many of the next updates fail after pausing."""
+        return self.channel.failures
 
-    async def _push(self, engines: Sequence[FakeEngine], global_steps: int | None) -> None:
-        if self.hold is not None:
-            self._holding = True
-            try:
-                await self.hold.wait()
-            finally:
-                self._holding = False
-        if self.failures > 0:
-            self.failures -= 1
-            raise WeightSyncError(f"planned failure (global_steps={global_steps})")
-        if global_steps is not None:
-            for engine in engines:
-                engine.set_global_steps(global_steps)
-
-
-def _check_versions(engines: Sequence[FakeEngine], global_steps: int | None) -> None:
-    for engine in engines:
-        engine.check_weights_awake()
-        current = engine.global_steps
-        if global_steps is not None and current is not None and global_steps < current:
-            raise InvalidRequestError(
-                f"global_steps {global_steps} is lower than {engine.name}'s {current}"
-            )
+    @failures.setter
+    def failures(self, count: int) -> None:
+        self.channel.failures = count
 
 
 def _wake(future: asyncio.Future[None]) -> None:
@@ -582,8 +583,10 @@ def _draw(state: int) -> int:
 
 
 if TYPE_CHECKING:
-    from asyncroll.manager import Engine, WeightUpdater
+    from asyncroll.interfaces import UpdatableEngine, WeightChannel, WeightUpdater
 
-    def _conforms(engine: FakeEngine, updater: FakeWeightUpdater) -> tuple[Engine, WeightUpdater]:
-        """mypy checks here that the fakes satisfy the manager's Protocols."""
-        return engine, updater
+    def _conforms(
+        engine: FakeEngine, updater: FakeWeightUpdater, channel: FakeChannel
+    ) -> tuple[UpdatableEngine, WeightUpdater, WeightChannel]:
+        """mypy checks here that the fakes satisfy the Protocols."""
+        return engine, updater, channel

@@ -1,0 +1,185 @@
+"""The protocols the upper floors speak to engines and updaters through, and their value types.
+
+Three floors, each typed against the one below only through this module:
+- ``AsyncServerManager`` routes over any ``Engine`` and updates through any ``WeightUpdater``.
+- ``WeightPusher`` and ``FakeWeightUpdater`` run one update sequence (``asyncroll.weights``)
+  over any ``UpdatableEngine``; what moves the bytes is a ``WeightChannel``.
+- ``SenderChannel`` (``asyncroll.weights``) pushes through asyncroll's transport into any
+  ``ReceivingEngine``: an engine whose workers attach to a ``WeightSender``.
+
+``VLLMEngine`` (``asyncroll.vllm``) is a ``ReceivingEngine``; ``testing.FakeEngine`` is an
+``UpdatableEngine``. Both pass ``asyncroll.testing.contract``; so must any new engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from asyncroll.types import EngineStatistics, PauseMode, Segment
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncroll.transport import PushReport
+
+__all__ = [
+    "Engine",
+    "ReceivingEngine",
+    "ResumeMode",
+    "UpdatableEngine",
+    "UpdateReport",
+    "WeightChannel",
+    "WeightUpdater",
+]
+
+ResumeMode = Literal["abort", "keep"]
+"""How an update treats requests in flight: ``abort`` ends them with their partial output (the
+manager resubmits prompt + output), ``keep`` freezes them in their engine until the resume."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateReport:
+    """Where the time of one weight update went (seconds), pause to resume."""
+
+    global_steps: int | None
+    engines: int
+    seconds: float
+    pause_seconds: float
+    push_seconds: float
+    finish_seconds: float
+    cache_reset_seconds: float
+    resume_seconds: float
+    push: PushReport | None
+
+
+class Engine(Protocol):
+    """What the manager needs of an engine: generation, pause and resume, statistics."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    @property
+    def global_steps(self) -> int | None: ...
+
+    @property
+    def has_tokenizer(self) -> bool: ...
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+    ) -> Segment: ...
+
+    async def abort(self, request_ids: str | Iterable[str]) -> None: ...
+
+    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def statistics(self) -> EngineStatistics: ...
+
+    async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class UpdatableEngine(Engine, Protocol):
+    """An engine whose weights change under a versioned update (``asyncroll.weights``), and
+    that sleeps and wakes around a colocated trainer's steps."""
+
+    @property
+    def is_asleep(self) -> bool: ...
+
+    def check_weights_awake(self) -> None:
+        """Raise ``EngineSleepingError`` if the weights are asleep, ``EngineDeadError`` if the
+        engine is gone."""
+
+    async def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None: ...
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+
+    def hold(self, reason: str) -> None:
+        """Admit no request until ``release_hold`` (the weights in force are not whole)."""
+
+    def release_hold(self) -> None: ...
+
+    async def commit_version(self, global_steps: int | None) -> None:
+        """Label the weights just loaded ``global_steps`` (None keeps the label); called while
+        paused, after a successful push, before the resume."""
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV of the old weights; raise ``WeightSyncError`` if it was not dropped."""
+
+
+@runtime_checkable
+class ReceivingEngine(UpdatableEngine, Protocol):
+    """An engine whose workers take pushes from a ``WeightSender`` (shared memory or CUDA IPC).
+
+    Per push: ``begin_update``, then ``receive`` while the sender pushes; on any failure
+    ``end_failed_update``; on success ``commit_version``.
+    """
+
+    model_path: str
+
+    @property
+    def num_workers(self) -> int:
+        """How many receivers the engine's workers open (one per worker)."""
+
+    @property
+    def served_dtype(self) -> torch.dtype: ...
+
+    @property
+    def attached_to(self) -> object | None:
+        """The owner of the sender the workers are attached to (one at a time), or None."""
+
+    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
+        """Connect every worker to the sender ``config`` describes (``receiver_config()``
+        plus ``backup`` and ``load``)."""
+
+    async def detach(self) -> None: ...
+
+    async def begin_update(self, *, load: str) -> None: ...
+
+    async def receive(self, version: int) -> None:
+        """Take one whole push (returns when every worker loaded its last bucket)."""
+
+    async def end_failed_update(self) -> bool:
+        """End a failed push in every worker; True if the previous weights are whole again."""
+
+
+class WeightChannel(Protocol):
+    """What moves the bytes of an update (the update sequence does everything else)."""
+
+    async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse a bad update before anything pauses (``InvalidRequestError``)."""
+
+    async def push(
+        self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
+    ) -> PushReport | None:
+        """Move ``tensors`` into the paused ``engines``."""
+
+    async def abort(self, engines: Sequence[Any]) -> list[str]:
+        """End a failed push; the names of engines left without whole weights."""
+
+    async def aclose(self) -> None: ...
+
+
+class WeightUpdater(Protocol):
+    """Pauses, pushes, labels and resumes a set of engines (``WeightPusher`` for vLLM)."""
+
+    async def update(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        global_steps: int | None,
+        mode: ResumeMode = "abort",
+    ) -> UpdateReport: ...
+
+    async def aclose(self) -> None: ...

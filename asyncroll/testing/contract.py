@@ -1,0 +1,393 @@
+"""The engine contract, as checks any engine must pass (as trio ships ``check_one_way_stream``).
+
+``check_engine(engine)`` runs the generation contract (``asyncroll.interfaces.Engine``);
+``check_updatable_engine(engine, updater, weights)`` the update contract (``UpdatableEngine``
+under a ``WeightUpdater``). ``VLLMEngine`` and ``FakeEngine`` pass both (tests/test_contract.py);
+so must any new engine (a Ray engine, an HTTP engine). Each check is also in ``ENGINE_CHECKS`` /
+``UPDATE_CHECKS`` by name, for a test suite that wants one test per check.
+
+The checks leave the engine as they found it (idle, running, same weights) except for its
+version label, which only rises. They wait on events (requests inside the engine, a clock
+request finishing after them), never on time: a slow machine makes them slower, not flaky.
+``weights`` must be the weights the engine serves, so outputs stay unchanged across updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import torch
+
+from asyncroll.errors import EngineSleepingError, InvalidRequestError
+from asyncroll.interfaces import Engine, UpdatableEngine, WeightUpdater
+from asyncroll.types import Segment
+
+__all__ = [
+    "ENGINE_CHECKS",
+    "UPDATE_CHECKS",
+    "bad_inputs",
+    "check_engine",
+    "check_updatable_engine",
+    "until_decoding",
+]
+
+PROMPT = [5, 6, 7, 8]
+_ids = itertools.count()
+
+
+def _params(max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, **extra}
+
+
+def _rid(what: str) -> str:
+    return f"contract-{what}-{next(_ids)}"
+
+
+async def until_decoding(engine: Engine, num_requests: int) -> None:
+    """Return once ``num_requests`` requests are inside ``engine`` and have each decoded.
+
+    A clock request sent once they are inside finishes only after they were all scheduled (an
+    engine schedules running requests first, in arrival order), so each has tokens by then.
+    """
+    inside = getattr(engine, "num_unfinished_in_vllm", None)
+    while (inside() if inside is not None else engine.statistics().in_flight) < num_requests:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)  # vLLM offers no event for it: the time only spaces polls
+    await engine.generate(_rid("clock"), prompt_ids=[9], sampling_params=_params(8))
+
+
+def bad_inputs(engine: Engine) -> list[tuple[str, Any, Any]]:
+    """(what, prompt_ids, sampling_params) every engine refuses with ``InvalidRequestError``."""
+    vocab, context = engine.vocab_size, engine.max_model_len
+    return [
+        ("empty prompt", [], _params(4)),
+        ("token id past the vocabulary", [5, vocab], _params(4)),
+        ("negative token id", [-1, 5], _params(4)),
+        ("text instead of ids", "hello", _params(4)),
+        ("prompt + max_tokens over the context", [5] * (context - 100), _params(200)),
+        ("zero max_tokens", PROMPT, _params(0)),
+        ("negative max_tokens", PROMPT, _params(-3)),
+        ("n > 1", PROMPT, _params(4, n=2)),
+        ("unknown sampling key", PROMPT, _params(4, no_such_key=1)),
+        ("negative temperature", PROMPT, _params(4, temperature=-1.0)),
+        ("stop token past the vocabulary", PROMPT, _params(4, stop_token_ids=[vocab + 10])),
+        ("request id not a str", PROMPT, _params(4)),
+    ]
+
+
+def _assert_consistent(segment: Segment) -> None:
+    assert len(segment.token_ids) == len(segment.log_probs) == len(segment.global_steps), segment
+    assert all(lp <= 0.0 for lp in segment.log_probs), segment.log_probs
+
+
+def _assert_idle(engine: Engine) -> None:
+    stats = engine.statistics()
+    assert stats.in_flight == 0, stats
+    assert not stats.paused and not stats.holding, stats
+
+
+# -- the generation contract ------------------------------------------------------------------
+
+
+async def concurrent_requests_all_complete(engine: Engine) -> None:
+    segments = await asyncio.gather(
+        *(
+            engine.generate(_rid("c"), prompt_ids=[i + 2, 3, 4], sampling_params=_params(24))
+            for i in range(32)
+        )
+    )
+    for segment in segments:
+        _assert_consistent(segment)
+        assert len(segment.token_ids) == 24 and segment.finish_reason == "length"
+        assert set(segment.global_steps) == {engine.global_steps}
+    _assert_idle(engine)
+
+
+async def same_seed_same_tokens(engine: Engine) -> None:
+    for params in (_params(16, temperature=0.0), _params(16, seed=1234)):
+        first = await engine.generate(_rid("s"), prompt_ids=PROMPT, sampling_params=params)
+        second = await engine.generate(_rid("s"), prompt_ids=PROMPT, sampling_params=params)
+        assert first.token_ids == second.token_ids
+
+
+async def abort_returns_partial_output(engine: Engine) -> None:
+    rid = _rid("abort")
+    task = asyncio.ensure_future(
+        engine.generate(rid, prompt_ids=PROMPT, sampling_params=_params(400))
+    )
+    await until_decoding(engine, 1)
+    await engine.abort(rid)
+    segment = await task
+    assert segment.finish_reason == "abort" and 0 < len(segment.token_ids) < 400, segment
+    _assert_consistent(segment)
+    _assert_idle(engine)
+
+
+async def pause_abort_ends_requests_and_gates_admission(engine: Engine) -> None:
+    tasks = [
+        asyncio.ensure_future(
+            engine.generate(_rid("pa"), prompt_ids=PROMPT, sampling_params=_params(400))
+        )
+        for _ in range(3)
+    ]
+    await until_decoding(engine, 3)
+    await engine.pause("abort")
+    try:
+        late = asyncio.ensure_future(
+            engine.generate(_rid("late"), prompt_ids=PROMPT, sampling_params=_params(5))
+        )
+        for segment in await asyncio.gather(*tasks):
+            assert segment.finish_reason == "abort" and 0 < len(segment.token_ids) < 400
+            _assert_consistent(segment)
+        assert not late.done()  # admission is gated while paused
+    finally:
+        await engine.resume()
+    assert len((await late).token_ids) == 5
+    _assert_idle(engine)
+
+
+async def pause_keep_freezes_and_resumes_to_completion(engine: Engine) -> None:
+    tasks = [
+        asyncio.ensure_future(
+            engine.generate(_rid("pk"), prompt_ids=PROMPT, sampling_params=_params(300))
+        )
+        for _ in range(3)
+    ]
+    await until_decoding(engine, 3)
+    await engine.pause("keep")
+    try:
+        assert engine.statistics().paused
+        assert not any(task.done() for task in tasks)
+    finally:
+        await engine.resume()
+    for segment in await asyncio.gather(*tasks):
+        assert segment.finish_reason == "length" and len(segment.token_ids) == 300
+        _assert_consistent(segment)
+    _assert_idle(engine)
+
+
+async def bad_input_is_refused_and_others_complete(engine: Engine) -> None:
+    for what, prompt, params in bad_inputs(engine):
+        good = asyncio.ensure_future(
+            engine.generate(_rid("good"), prompt_ids=PROMPT, sampling_params=_params(16))
+        )
+        rejected = engine.statistics().num_rejected
+        rid: Any = 7 if what == "request id not a str" else _rid("bad")
+        try:
+            await engine.generate(rid, prompt_ids=prompt, sampling_params=params)
+        except InvalidRequestError:
+            pass
+        else:
+            raise AssertionError(f"{what}: accepted")
+        assert len((await good).token_ids) == 16, what
+        assert engine.statistics().num_rejected == rejected + 1, what
+        assert not engine.is_dead, what
+    _assert_idle(engine)
+
+
+async def duplicate_live_request_id_is_refused(engine: Engine) -> None:
+    rid = _rid("dup")
+    first = asyncio.ensure_future(
+        engine.generate(rid, prompt_ids=PROMPT, sampling_params=_params(64))
+    )
+    await asyncio.sleep(0)  # one turn: the first call registers its id
+    try:
+        await engine.generate(rid, prompt_ids=PROMPT, sampling_params=_params(4))
+    except InvalidRequestError as exc:
+        assert "already live" in str(exc)
+    else:
+        raise AssertionError("a live request id was accepted twice")
+    assert len((await first).token_ids) == 64
+
+
+async def sampling_params_are_not_mutated(engine: Engine) -> None:
+    params = _params(4)
+    snapshot = dict(params)
+    await engine.generate(_rid("nm"), prompt_ids=PROMPT, sampling_params=params)
+    assert params == snapshot
+
+
+async def cancelling_the_caller_aborts_the_request(engine: Engine) -> None:
+    rid = _rid("cancel")
+    task = asyncio.ensure_future(
+        engine.generate(rid, prompt_ids=PROMPT, sampling_params=_params(400))
+    )
+    await until_decoding(engine, 1)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    else:
+        raise AssertionError("the cancelled request completed")
+    _assert_idle(engine)
+    inside = getattr(engine, "num_unfinished_in_vllm", None)
+    assert inside is None or inside() == 0
+    again = await engine.generate(rid, prompt_ids=PROMPT, sampling_params=_params(4))
+    assert len(again.token_ids) == 4  # the id is free again and the engine serves
+
+
+ENGINE_CHECKS: dict[str, Callable[[Engine], Awaitable[None]]] = {
+    check.__name__: check
+    for check in (
+        concurrent_requests_all_complete,
+        same_seed_same_tokens,
+        abort_returns_partial_output,
+        pause_abort_ends_requests_and_gates_admission,
+        pause_keep_freezes_and_resumes_to_completion,
+        bad_input_is_refused_and_others_complete,
+        duplicate_live_request_id_is_refused,
+        sampling_params_are_not_mutated,
+        cancelling_the_caller_aborts_the_request,
+    )
+}
+
+
+async def check_engine(engine: Engine) -> None:
+    """Run every generation check on ``engine`` (raises ``AssertionError`` on a breach)."""
+    for check in ENGINE_CHECKS.values():
+        await check(engine)
+
+
+# -- the update contract ----------------------------------------------------------------------
+
+UpdateCheck = Callable[
+    [UpdatableEngine, WeightUpdater, Mapping[str, torch.Tensor]], Awaitable[None]
+]
+
+
+async def update_labels_new_tokens(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    steps = (engine.global_steps or 0) + 1
+    report = await updater.update(weights, global_steps=steps)
+    assert report.global_steps == steps and engine.global_steps == steps
+    segment = await engine.generate(_rid("new"), prompt_ids=PROMPT, sampling_params=_params(8))
+    assert set(segment.global_steps) == {steps}
+    await updater.update(weights, global_steps=None)  # None keeps the label
+    assert engine.global_steps == steps
+    _assert_idle(engine)
+
+
+async def versions_never_go_backwards(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    steps = (engine.global_steps or 0) + 2
+    await updater.update(weights, global_steps=steps)
+    for bad in (steps - 1, -1, "3", 18.5, True, 2**70):
+        try:
+            await updater.update(weights, global_steps=bad)  # type: ignore[arg-type]
+        except InvalidRequestError:
+            pass
+        else:
+            raise AssertionError(f"global_steps={bad!r} accepted after {steps}")
+        assert engine.global_steps == steps
+        _assert_idle(engine)
+    await updater.update(weights, global_steps=steps)  # equal is fine
+
+
+async def an_update_keeps_requests_in_keep_mode(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    before = engine.global_steps
+    steps = (before or 0) + 1
+    tasks = [
+        asyncio.ensure_future(
+            engine.generate(_rid("uk"), prompt_ids=PROMPT, sampling_params=_params(300))
+        )
+        for _ in range(2)
+    ]
+    await until_decoding(engine, 2)
+    await updater.update(weights, global_steps=steps, mode="keep")
+    for segment in await asyncio.gather(*tasks):
+        assert segment.finish_reason == "length" and len(segment.token_ids) == 300
+        _assert_consistent(segment)
+        versions = list(segment.global_steps)  # old weights' tokens, then the new ones'
+        assert versions[0] == before and set(versions) <= {before, steps}, versions
+        assert versions == sorted(versions, key=lambda v: v != before), versions
+    _assert_idle(engine)
+
+
+async def an_update_ends_requests_in_abort_mode(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    before = engine.global_steps
+    task = asyncio.ensure_future(
+        engine.generate(_rid("ua"), prompt_ids=PROMPT, sampling_params=_params(400))
+    )
+    await until_decoding(engine, 1)
+    await updater.update(weights, global_steps=(before or 0) + 1, mode="abort")
+    segment = await task
+    assert segment.finish_reason == "abort" and 0 < len(segment.token_ids) < 400
+    assert set(segment.global_steps) == {before}
+    _assert_idle(engine)
+
+
+async def an_update_refuses_sleeping_weights(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    before = engine.global_steps
+    await engine.sleep(1)
+    try:
+        assert engine.statistics().asleep
+        waiting = asyncio.ensure_future(
+            engine.generate(_rid("sleepy"), prompt_ids=PROMPT, sampling_params=_params(4))
+        )
+        try:
+            await updater.update(weights, global_steps=(before or 0) + 1)
+        except EngineSleepingError:
+            pass
+        else:
+            raise AssertionError("an update reached sleeping weights")
+        assert engine.global_steps == before
+        assert not waiting.done()  # admission stays gated while asleep
+    finally:
+        await engine.wake_up()
+    assert len((await waiting).token_ids) == 4
+    _assert_idle(engine)
+
+
+async def hold_gates_admission_until_a_push_succeeds(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    engine.hold("contract check")
+    try:
+        assert engine.statistics().holding
+        waiting = asyncio.ensure_future(
+            engine.generate(_rid("held"), prompt_ids=PROMPT, sampling_params=_params(4))
+        )
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not waiting.done() and engine.statistics().in_flight == 0
+    except BaseException:
+        engine.release_hold()
+        raise
+    await updater.update(weights, global_steps=None)  # a successful push releases the hold
+    assert not engine.statistics().holding
+    assert len((await waiting).token_ids) == 4
+    _assert_idle(engine)
+
+
+UPDATE_CHECKS: dict[str, UpdateCheck] = {
+    check.__name__: check
+    for check in (
+        update_labels_new_tokens,
+        versions_never_go_backwards,
+        an_update_keeps_requests_in_keep_mode,
+        an_update_ends_requests_in_abort_mode,
+        an_update_refuses_sleeping_weights,
+        hold_gates_admission_until_a_push_succeeds,
+    )
+}
+
+
+async def check_updatable_engine(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    """Run every update check; ``updater`` updates ``engine`` (alone or with others) and
+    ``weights`` are the weights it serves."""
+    await check_engine(engine)
+    for check in UPDATE_CHECKS.values():
+        await check(engine, updater, weights)

@@ -1,0 +1,75 @@
+"""Failures injected into a real vLLM engine's workers, for tests and benchmarks only.
+
+Launch the engine with this module's worker extension, then inject around the code under test::
+
+    engine = await VLLMEngine.start(path, worker_extension_cls=FAULTS_EXTENSION)
+    async with inject_fault(engine, "load", tensor="model.layers.1.mlp.down_proj.weight"):
+        with pytest.raises(WeightSyncError):
+            await engine.update_weights(...)
+
+Points: ``load`` (the worker raises before handing the batch holding ``tensor`` to the model's
+loader: a receiver-side failure), ``after_load`` (it raises once every tensor is loaded, before
+the push is acknowledged: the weights are new, the update failed). Production code carries no
+hook of its own; this extension overrides the transfer engine's ``before_load`` and
+``after_load`` extension points on the live instance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import torch
+
+from asyncroll.vllm.worker import AsyncrollWorkerExtension
+
+__all__ = ["FAULTS_EXTENSION", "FaultInjectingExtension", "FaultPoint", "inject_fault"]
+
+FAULTS_EXTENSION = "asyncroll.testing.faults.FaultInjectingExtension"
+"""Pass as ``worker_extension_cls`` when launching an engine that tests inject faults into."""
+
+FaultPoint = Literal["load", "after_load"]
+
+
+class FaultInjectingExtension(AsyncrollWorkerExtension):
+    """asyncroll's worker extension plus one RPC that arms or clears a fault."""
+
+    def asyncroll_inject_fault(self, point: str, tensor: str = "") -> None:
+        """Arm ``point`` (``load`` with a tensor name, or ``after_load``); an empty ``point``
+        clears every fault."""
+        engine: Any = self.weight_transfer_engine  # type: ignore[attr-defined]
+        engine.__dict__.pop("before_load", None)
+        engine.__dict__.pop("after_load", None)
+        if point == "load":
+            if not tensor:
+                raise ValueError("a load fault needs the tensor name to fail on")
+            engine.before_load = _fail_loading(tensor)
+        elif point == "after_load":
+            engine.after_load = _fail_after_load
+        elif point:
+            raise ValueError(f"unknown fault point {point!r}")
+
+
+@contextlib.asynccontextmanager
+async def inject_fault(engine: Any, point: FaultPoint, *, tensor: str = "") -> AsyncIterator[None]:
+    """Arm a fault in every worker of ``engine`` (a ``VLLMEngine`` launched with
+    ``FAULTS_EXTENSION``) for the body of the ``async with``; cleared on exit."""
+    await engine.llm.collective_rpc("asyncroll_inject_fault", args=(point, tensor))
+    try:
+        yield
+    finally:
+        if not engine.is_dead:
+            await engine.llm.collective_rpc("asyncroll_inject_fault", args=("", ""))
+
+
+def _fail_loading(tensor: str) -> Any:
+    def before_load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        if any(name == tensor for name, _ in batch):
+            raise RuntimeError(f"injected failure loading {tensor}")
+
+    return before_load
+
+
+def _fail_after_load() -> None:
+    raise RuntimeError("injected failure after every tensor was loaded")

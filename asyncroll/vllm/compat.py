@@ -1,0 +1,50 @@
+"""Every difference between the vLLM versions asyncroll runs on (0.24 on the GPU machine, the
+0.32 CPU build, 0.33), detected by feature, never by version number, in one place."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+__all__ = [
+    "labels_versions",
+    "num_unfinished_requests",
+    "shutdown_weight_transfer",
+    "start_weight_update",
+    "worker_runs_the_session",
+]
+
+
+def labels_versions(llm: Any) -> bool:
+    """vLLM labels weight versions itself and reports per-token version spans (0.32+)."""
+    return hasattr(llm, "update_weight_version")
+
+
+@functools.cache
+def worker_runs_the_session() -> bool:
+    """vLLM 0.24: the worker starts and finishes updates; 0.32+ leave it to the engine."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    return not hasattr(WeightTransferEngine, "start_weight_update")
+
+
+async def start_weight_update(llm: Any, *, layerwise: bool) -> None:
+    if not worker_runs_the_session():  # the weight-transfer engine runs the session (0.32+)
+        await llm.start_weight_update()
+    else:  # vLLM 0.24's worker starts the layerwise reload itself unless told otherwise
+        await llm.start_weight_update(is_checkpoint_format=layerwise)
+
+
+async def shutdown_weight_transfer(llm: Any) -> None:
+    shutdown = getattr(llm, "shutdown_weight_transfer_engine", None)
+    if shutdown is not None:
+        await shutdown()
+    else:  # vLLM 0.24 has no such call: our worker extension does it
+        await llm.collective_rpc("asyncroll_shutdown_weight_transfer_engine")
+
+
+def num_unfinished_requests(llm: Any) -> int:
+    count = getattr(llm, "get_num_unfinished_requests", None)
+    if count is None:  # vLLM 0.24
+        count = llm.output_processor.get_num_unfinished_requests
+    return int(count())

@@ -1,0 +1,734 @@
+"""The vLLM engine adapter: one ``AsyncLLM`` client, spoken to in asyncroll's terms.
+
+The EngineCore and its workers run in their own processes; this object lives in ours and owns
+the client. Invariants:
+- Every request is validated before vLLM sees it (a bad token id kills a vLLM EngineCore).
+- Admission is gated: while paused or asleep, new requests wait at the gate instead of reaching
+  the engine, on every vLLM version (0.32 queues them, 0.33 raises).
+- Every admitted request resolves exactly once, and leaves ``statistics().in_flight`` when it
+  does, whether it finished, was aborted, failed or its caller was cancelled.
+- vLLM's errors are mapped onto asyncroll's tree here, and nowhere else.
+- Every token is labelled with the ``global_steps`` of the weights that produced it: from vLLM's
+  own version spans where it reports them (0.32+), else (0.24) from the boundaries this adapter
+  records while the engine is paused for an update (nothing is sampled during a pause, so the
+  token count of each live request at that moment is exact).
+
+Run on vLLM 0.24 (GPU) and 0.32 (CPU build); written for 0.33's differences too. Version
+differences are detected by feature, never by version number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from asyncroll.errors import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineSleepingError,
+    EngineStartError,
+    InvalidRequestError,
+    WeightSyncError,
+)
+from asyncroll.interfaces import UpdateReport
+from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
+from asyncroll.validation import (
+    ENGINE_REQUEST_ID_LEN,
+    check_prompt,
+    check_request_id,
+    resolve_sampling_params,
+)
+from asyncroll.vllm import compat
+from asyncroll.weights import WeightPusher
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = ["VLLMEngine", "parse_version", "version_label"]
+
+logger = logging.getLogger(__name__)
+
+_CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""Environment the CPU build needs (GiB of KV cache; no core pinning on shared machines)."""
+
+_CPU_MEMORY_UTILIZATION = 0.2
+"""On CPU vLLM reserves this fraction of the NUMA node's memory; its default of 0.92 fails on
+any machine that runs anything else (a trainer, a second engine)."""
+
+_SETTLE_TURNS = 10_000
+"""Loop turns vLLM 0.24's output handler gets to drain its queue before a version boundary."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_names = itertools.count()
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """Stands in for ``AsyncLLM.shutdown`` after the adapter shut the engine down."""
+
+
+def version_label(global_steps: int | None) -> str | None:
+    """vLLM's weight version string for a trainer step."""
+    return None if global_steps is None else str(global_steps)
+
+
+def parse_version(label: str | None) -> int | None:
+    """The trainer step a vLLM weight version string names, or None if it names none."""
+    if label is None:
+        return None
+    try:
+        return int(label)
+    except ValueError:
+        return None
+
+
+class VLLMEngine:
+    """One vLLM engine (``AsyncLLM``), with validation, an admission gate and typed errors.
+
+    Start one with ``async with VLLMEngine.launch(model_path, **engine_args) as engine:``.
+    """
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        *,
+        name: str | None = None,
+        global_steps: int | None = None,
+    ) -> None:
+        self._llm = llm
+        self.name = name or f"engine-{next(_names)}"
+        self.model_path = str(llm.model_config.model)
+        self.vocab_size: int = llm.model_config.get_vocab_size()
+        self.max_model_len: int = llm.model_config.max_model_len
+        self._global_steps = global_steps
+        self._live: set[str] = set()
+        self._in_flight = 0
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._paused = False
+        self._sleeping_tags: set[str] = set()
+        self._closed = False
+        self._dead: BaseException | None = None
+        self._num_requests = 0
+        self._num_aborted = 0
+        self._num_rejected = 0
+        self._pusher: WeightPusher | None = None
+        self._holding: str | None = None
+        self._attached_to: object | None = None
+        """Whose sender this engine's workers are attached to (one at a time; not necessarily
+        ``_pusher``'s, the one ``update_weights`` uses)."""
+        self.native_versions = compat.labels_versions(llm)
+        """vLLM labels weight versions itself (0.32+); else this adapter does (see module doc)."""
+        self._version_marks: dict[str, list[tuple[int | None, int]]] = {}
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def launch(
+        cls,
+        model_path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        global_steps: int | None = 0,
+        **engine_args: Any,
+    ) -> AsyncIterator[VLLMEngine]:
+        """Start a vLLM engine on ``model_path`` and close it on exit.
+
+        Args:
+            model_path: A local model folder.
+            name: A name for logs and ``repr``.
+            global_steps: The trainer step the starting weights belong to (labels their tokens).
+            **engine_args: vLLM ``AsyncEngineArgs``; asyncroll's defaults fill the gaps.
+        """
+        engine = await cls.start(model_path, name=name, global_steps=global_steps, **engine_args)
+        try:
+            yield engine
+        finally:
+            await engine.aclose()
+
+    @classmethod
+    async def start(
+        cls,
+        model_path: str | os.PathLike[str],
+        *,
+        name: str | None = None,
+        global_steps: int | None = 0,
+        **engine_args: Any,
+    ) -> VLLMEngine:
+        """Start an engine without a context manager; the caller must ``aclose()`` it.
+
+        Raises:
+            EngineStartError: no such model folder (a path that does not exist never reaches
+                vLLM, which would look it up on the Hugging Face hub), bad engine arguments, or
+                vLLM failed to start (its error is the cause).
+        """
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        path = _check_model_path(model_path)
+        try:
+            args = AsyncEngineArgs(**_engine_args_with_defaults(path, engine_args))
+        except Exception as exc:  # an unknown keyword, a value vLLM refuses
+            raise EngineStartError(f"bad engine arguments: {exc}") from exc
+        try:
+            # Start-up blocks for tens of seconds; keep the event loop free for other engines.
+            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        except Exception as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:2000]
+            raise EngineStartError(f"vLLM could not start on {str(path)!r}: {reason}") from exc
+        engine = cls(llm, name=name, global_steps=global_steps)
+        try:
+            label = version_label(global_steps)
+            if label is not None and engine.native_versions:
+                await llm.update_weight_version(label)
+        except BaseException:
+            await engine.aclose()
+            raise
+        logger.info("started %r", engine)
+        return engine
+
+    def __repr__(self) -> str:
+        state = "dead" if self.is_dead else "asleep" if self.is_asleep else (
+            "paused" if self._paused else "holding" if self._holding else "running"
+        )
+        return (
+            f"<VLLMEngine {self.name} {state} in_flight={self._in_flight} "
+            f"global_steps={self._global_steps} model={self.model_path!r}>"
+        )
+
+    @property
+    def global_steps(self) -> int | None:
+        """The trainer step of the weights in force."""
+        return self._global_steps
+
+    @property
+    def is_dead(self) -> bool:
+        return self._closed or self._dead is not None or bool(self._llm.errored)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    @property
+    def is_asleep(self) -> bool:
+        return bool(self._sleeping_tags)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether vLLM loaded a tokenizer (not with ``skip_tokenizer_init``, asyncroll's default
+        for a model folder without tokenizer files); sampling by text needs one."""
+        if self._llm.model_config.skip_tokenizer_init:
+            return False
+        return getattr(self._llm, "tokenizer", None) is not None
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            in_flight=self._in_flight,
+            paused=self._paused,
+            asleep=self.is_asleep,
+            dead=self.is_dead,
+            global_steps=self._global_steps,
+            num_requests=self._num_requests,
+            num_aborted=self._num_aborted,
+            num_rejected=self._num_rejected,
+            holding=self._holding is not None,
+        )
+
+    def num_unfinished_in_vllm(self) -> int:
+        """Requests vLLM's own front end still tracks (0 once aborts have landed)."""
+        return compat.num_unfinished_requests(self._llm)
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+    ) -> Segment:
+        """Generate one segment for one request.
+
+        Waits while the engine is paused or asleep. Cancelling the caller aborts the request in
+        the engine.
+
+        Args:
+            request_id: A non-empty printable str, unique among this engine's live requests.
+            prompt_ids: Token ids of the prompt.
+            sampling_params: vLLM sampling arguments (``max_tokens``, ``temperature``...; see
+                ``asyncroll.validation.SAMPLING_KEYS``); never mutated. ``max_tokens`` defaults
+                to the rest of the context.
+
+        Returns:
+            The tokens, their log probs and per-token ``global_steps``; ``finish_reason`` is
+            ``"abort"`` when the request was aborted or paused away, with the partial output.
+
+        Raises:
+            InvalidRequestError: bad input; nothing reached the engine.
+            EngineDeadError: the engine is gone.
+            EngineGenerateError: vLLM failed this request; the engine still serves.
+        """
+        self._check_alive()
+        try:
+            check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
+            params = self._sampling_params(prompt_ids, sampling_params)
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already live")
+        except InvalidRequestError:
+            self._num_rejected += 1
+            raise
+        prompt = list(prompt_ids)
+        self._live.add(request_id)
+        try:
+            await self._gate.wait()
+            self._check_alive()
+            self._in_flight += 1
+            self._num_requests += 1
+            try:
+                return await self._run(request_id, prompt, params, self._global_steps)
+            finally:
+                self._in_flight -= 1
+        finally:
+            self._live.discard(request_id)
+
+    async def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort live requests; each ends with ``finish_reason="abort"`` and its partial output."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        live = [request_id for request_id in ids if request_id in self._live]
+        if not live or self.is_dead:
+            return
+        await self._call(self._llm.abort(live))
+
+    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
+        """Stop scheduling: ``abort`` ends in-flight requests, ``wait`` drains them, ``keep``
+        freezes them until ``resume()``. New requests wait at the gate until then."""
+        if mode not in ("abort", "wait", "keep"):
+            raise InvalidRequestError(f"pause mode must be abort, wait or keep, not {mode!r}")
+        self._check_alive()
+        self._paused = True
+        self._gate.clear()
+        await self._call(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
+
+    async def resume(self) -> None:
+        """Resume scheduling after ``pause()``; kept requests continue, waiters are admitted."""
+        self._check_alive()
+        await self._call(self._llm.resume_generation())
+        self._paused = False
+        self._open_gate_if_ready()
+
+    async def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None:
+        """Release the engine's memory (on GPU; on CPU only scheduling stops).
+
+        Level 1 offloads the weights and drops the KV cache; level 2 drops the weights too.
+        """
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, not {level!r}")
+        self._check_alive()
+        self._gate.clear()
+        self._sleeping_tags = {"weights", "kv_cache", "scheduling"}
+        await self._call(self._llm.sleep(level, mode))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake what ``tags`` name (``weights``, ``kv_cache``, ``scheduling``; None: all)."""
+        self._check_alive()
+        woken = set(tags) if tags is not None else set(self._sleeping_tags)
+        unknown = woken - {"weights", "kv_cache", "scheduling"}
+        if unknown:
+            raise InvalidRequestError(f"unknown wake_up tags {sorted(unknown)}")
+        fully_awake = await self._call(
+            self._llm.wake_up(list(tags) if tags is not None else None)
+        )
+        if fully_awake is None:  # vLLM 0.24 does not say; scheduling resumes with the memory
+            fully_awake = not (self._sleeping_tags - woken) & {"weights", "kv_cache"}
+        self._sleeping_tags -= woken
+        if fully_awake:
+            self._sleeping_tags.clear()
+        self._open_gate_if_ready()
+
+    def check_weights_awake(self) -> None:
+        """Raise if the engine's weights are asleep (a push then would crash vLLM)."""
+        self._check_alive()
+        if "weights" in self._sleeping_tags:
+            raise EngineSleepingError(
+                f"{self.name} is asleep: wake_up(['weights']) before pushing weights"
+            )
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        global_steps: int | None,
+        mode: Literal["abort", "keep"] = "abort",
+    ) -> UpdateReport:
+        """Load new weights through vLLM's weight-update protocol and label them.
+
+        Pauses (``abort``: in-flight requests end with their partial output; ``keep``: they
+        freeze and continue with the new weights), pushes, labels the weights ``global_steps``
+        (None keeps the previous label), resets and checks the prefix cache, resumes.
+
+        Raises:
+            EngineSleepingError: the weights are asleep; nothing was pushed.
+            InvalidRequestError: bad input, found before the engine paused (see
+                ``WeightPusher.update``).
+            WeightSyncError: the push failed; the previous label stays, and the engine serves
+                its previous weights or holds (the error says which).
+        """
+        self._check_alive()
+        if self._pusher is None:
+            self._pusher = WeightPusher([self])
+        return await self._pusher.update(named_tensors, global_steps=global_steps, mode=mode)
+
+    async def aclose(self) -> None:
+        """Shut the engine's processes down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._gate.set()  # waiters wake and find the engine closed
+        if self._pusher is not None:
+            with contextlib.suppress(Exception):
+                await self._pusher.aclose()
+        # vLLM's output handler would log the EngineCore's exit as a crash: stop it first.
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+        await asyncio.to_thread(self._llm.shutdown)
+        # AsyncLLM.__del__ shuts down again, which fails at interpreter exit; once is enough.
+        self._llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+        logger.info("closed %s", self.name)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The vLLM client (for benchmarks and tests; asyncroll itself speaks through the
+        verbs below)."""
+        return self._llm
+
+    # -- the update verbs (``asyncroll.interfaces.ReceivingEngine``) ------------------------
+
+    @property
+    def num_workers(self) -> int:
+        parallel: Any = self._llm.vllm_config.parallel_config
+        return int(parallel.world_size)
+
+    @property
+    def served_dtype(self) -> torch.dtype:
+        dtype = self._llm.model_config.dtype  # resolved to a torch.dtype once vLLM started
+        if not isinstance(dtype, torch.dtype):
+            raise WeightSyncError(f"{self.name}: vLLM reports no served dtype ({dtype!r})")
+        return dtype
+
+    @property
+    def attached_to(self) -> object | None:
+        return self._attached_to
+
+    def hold(self, reason: str) -> None:
+        """Admit nothing until ``release_hold`` (the weights in force are not whole)."""
+        self._holding = reason
+        self._gate.clear()
+
+    def release_hold(self) -> None:
+        self._holding = None
+        self._open_gate_if_ready()
+
+    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
+        """Connect every worker's receiver to the sender ``config`` describes."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        # vLLM 0.24 builds weight-transfer engines without the configs a rollback needs; the
+        # RPC supplies them where they are missing (the worker checks).
+        await self._llm.collective_rpc("asyncroll_bind_weight_transfer_engine")
+        request = WeightTransferInitRequest(init_info={**config, "name": self.name})
+        await self._llm.init_weight_transfer_engine(request)
+        self._attached_to = owner
+
+    async def detach(self) -> None:
+        """Close the workers' receivers (they release their mappings)."""
+        self._attached_to = None
+        await compat.shutdown_weight_transfer(self._llm)
+
+    async def begin_update(self, *, load: str) -> None:
+        await compat.start_weight_update(self._llm, layerwise=load == "layerwise")
+
+    async def receive(self, version: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        request = WeightTransferUpdateRequest(update_info={"version": version})
+        await self._llm.update_weights(request)
+
+    async def end_failed_update(self) -> bool:
+        """End the update in every worker; True if each restored its previous weights."""
+        whole = await self._llm.collective_rpc("asyncroll_abort_weight_update")
+        return all(whole)
+
+    async def commit_version(self, global_steps: int | None) -> None:
+        """End the update in vLLM and label the weights ``global_steps`` (None keeps the
+        label). Call while paused, after a successful push."""
+        if self.native_versions:
+            await self._llm.finish_weight_update(weight_version=version_label(global_steps))
+        else:  # vLLM 0.24 labels nothing; this adapter does (see the module doc)
+            await self._llm.finish_weight_update()
+        if global_steps is not None:
+            self._global_steps = global_steps
+        await self._mark_version_boundary(self._global_steps)
+
+    async def reset_prefix_cache(self) -> None:
+        if not await self._llm.reset_prefix_cache():
+            raise WeightSyncError(
+                f"{self.name}: the prefix cache could not be reset after the weight update; "
+                "cached KV of the old weights could be served"
+            )
+
+    # -- internals -------------------------------------------------------------------------
+
+    async def _mark_version_boundary(self, global_steps: int | None) -> None:
+        """Record where each live request's tokens switch to ``global_steps`` (vLLM without
+        version spans). Call while paused, after the push and before resuming."""
+        if self.native_versions or not self._version_marks:
+            return
+        # Outputs produced before the pause are in the client's queue once pause returned;
+        # let vLLM's output handler take them all before counting. The queue has no event to
+        # wait on: give the handler loop turns, a bounded number (it takes one item a turn).
+        queue = getattr(self._llm.engine_core, "outputs_queue", None)
+        for _ in range(_SETTLE_TURNS):
+            if not (isinstance(queue, asyncio.Queue) and queue.qsize()):
+                break
+            await asyncio.sleep(0)
+        else:
+            logger.warning("%s: vLLM's output queue did not drain; version labels may be off",
+                           self.name)
+        for _ in range(3):  # the handler processes its last item in chunks, a turn each
+            await asyncio.sleep(0)
+        states = self._llm.output_processor
+        for request_id, marks in self._version_marks.items():
+            detokenizers = [
+                states.request_states[internal].detokenizer
+                for internal in states.external_req_ids.get(request_id, ())
+                if internal in states.request_states
+            ]
+            produced = max(
+                (d.num_output_tokens() for d in detokenizers if d is not None), default=0
+            )
+            if marks[-1][0] != global_steps:
+                marks.append((global_steps, produced))
+
+    def _open_gate_if_ready(self) -> None:
+        if not self._paused and not self._sleeping_tags and self._holding is None:
+            self._gate.set()
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError(f"{self.name} is closed")
+        if self._dead is not None or self._llm.errored:
+            raise EngineDeadError(f"{self.name} is dead") from self._dead
+
+    def _sampling_params(
+        self, prompt_ids: Sequence[int], params: Mapping[str, Any] | None
+    ) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt = check_prompt(prompt_ids, vocab_size=self.vocab_size)
+        resolved = resolve_sampling_params(
+            params,
+            prompt_len=len(prompt),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            has_tokenizer=self.has_tokenizer,
+        )
+        try:
+            return SamplingParams(
+                **resolved,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                detokenize=False,
+                # Log probs in plain lists, not a dict and a Logprob object per token: at 256
+                # requests of 1500 tokens those were ~800k objects for every full gc pass to walk.
+                flat_logprobs=True,
+            )
+        # ValueError, TypeError, and vLLM's VLLMValidationError (not a ValueError in 0.32):
+        # whatever the shared checks let through is still the caller's input.
+        except Exception as exc:
+            raise InvalidRequestError(f"vLLM rejected sampling_params: {exc}") from exc
+
+    async def _run(
+        self, request_id: str, prompt: list[int], params: Any, dispatched_at: int | None
+    ) -> Segment:
+        from vllm.inputs import TokensPrompt
+
+        last: RequestOutput | None = None
+        marks = [(dispatched_at, 0)]
+        if not self.native_versions:
+            self._version_marks[request_id] = marks
+        stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id)
+        try:
+            async with contextlib.aclosing(stream):
+                async for output in stream:
+                    last = output
+        except Exception as exc:
+            error = self._map_error(exc, request_id)
+            if not isinstance(error, EngineDeadError):  # leave nothing behind inside vLLM
+                with contextlib.suppress(Exception):
+                    await self._llm.abort(request_id)
+            raise error from exc
+        finally:
+            self._version_marks.pop(request_id, None)
+        segment = _segment(request_id, last, len(prompt), marks, self.native_versions)
+        if segment.finish_reason == "abort":
+            self._num_aborted += 1
+        return segment
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except Exception as exc:
+            raise self._map_error(exc, None) from exc
+
+    def _map_error(self, exc: Exception, request_id: str | None) -> Exception:
+        from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
+
+        what = f"request {request_id!r} on {self.name}" if request_id else self.name
+        if isinstance(exc, VLLMEngineDeadError) or self._llm.errored:
+            self._dead = exc
+            self._gate.set()  # requests waiting for admission wake and find the engine dead
+            return EngineDeadError(f"{what}: the engine died ({exc!r})")
+        if isinstance(exc, ValueError) or _is_input_error(exc):
+            return InvalidRequestError(f"{what}: vLLM rejected the request: {exc}")
+        return EngineGenerateError(f"{what} failed: {exc!r}")
+
+
+def _is_input_error(exc: Exception) -> bool:
+    """vLLM's own input-validation errors (not ``ValueError`` subclasses in every version)."""
+    return any(cls.__name__ == "VLLMClientError" for cls in type(exc).__mro__)
+
+
+def _segment(
+    request_id: str,
+    output: RequestOutput | None,
+    num_prompt_tokens: int,
+    marks: Sequence[tuple[int | None, int]],
+    use_spans: bool,
+) -> Segment:
+    """Turn vLLM's final output into a Segment (an abort may carry no output at all)."""
+    if output is None or not output.outputs:
+        return Segment(
+            request_id=request_id,
+            token_ids=(),
+            log_probs=(),
+            global_steps=(),
+            finish_reason="abort",
+            num_prompt_tokens=num_prompt_tokens,
+        )
+    completion = output.outputs[0]
+    token_ids = tuple(completion.token_ids)
+    log_probs = _sampled_log_probs(completion.logprobs, token_ids)
+    if len(log_probs) != len(token_ids):
+        raise EngineGenerateError(
+            f"request {request_id!r}: vLLM returned {len(token_ids)} tokens but "
+            f"{len(log_probs)} log probs"
+        )
+    return Segment(
+        request_id=request_id,
+        token_ids=token_ids,
+        log_probs=log_probs,
+        global_steps=_per_token_versions(
+            completion if use_spans else None, len(token_ids), marks
+        ),
+        finish_reason=_finish_reason(completion.finish_reason),
+        num_prompt_tokens=num_prompt_tokens,
+        num_cached_tokens=int(output.num_cached_tokens or 0),
+    )
+
+
+def _sampled_log_probs(entries: Any, token_ids: Sequence[int]) -> tuple[float, ...]:
+    """The sampled token's log prob at each position, from vLLM's ``FlatLogprobs`` (plain lists,
+    ``start_indices``/``end_indices`` bounding each position) or a list of per-position dicts."""
+    if entries is None:
+        return ()
+    if not hasattr(entries, "start_indices"):
+        return tuple(
+            entry[token].logprob
+            for entry, token in zip(entries, token_ids, strict=False)
+            if entry is not None
+        )
+    ids, values = entries.token_ids, entries.logprobs
+    found = []
+    bounds = zip(entries.start_indices, entries.end_indices, token_ids, strict=False)
+    for start, end, token in bounds:
+        found += [values[i] for i in range(start, end) if ids[i] == token][:1]
+    return tuple(found)
+
+
+def _per_token_versions(
+    completion: Any, num_tokens: int, marks: Sequence[tuple[int | None, int]]
+) -> tuple[int | None, ...]:
+    """One label a token: vLLM's version spans where it reports them (0.32+), else the
+    boundaries recorded during updates (``marks``: (global_steps, first token) in order, the
+    first being the version in force at dispatch)."""
+    spans = getattr(completion, "weight_versions", None)
+    if not spans:
+        return _expand_marks(marks, num_tokens)
+    versions: list[int | None] = [marks[0][0]] * num_tokens
+    for span in spans:
+        label = parse_version(span.version)
+        for position in range(max(span.start, 0), min(span.end, num_tokens)):
+            versions[position] = label
+    return tuple(versions)
+
+
+def _expand_marks(
+    marks: Sequence[tuple[int | None, int]], num_tokens: int
+) -> tuple[int | None, ...]:
+    versions: list[int | None] = []
+    for (steps, start), (_, end) in itertools.pairwise([*marks, (None, num_tokens)]):
+        versions += [steps] * (min(end, num_tokens) - min(start, num_tokens))
+    return tuple(versions)
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    if reason in ("stop", "length"):
+        return reason  # type: ignore[return-value]
+    return "abort"
+
+
+def _check_model_path(model_path: str | os.PathLike[str]) -> Path:
+    """The model's path; a local-looking path that does not exist is an error here, before vLLM
+    would take it for a Hugging Face hub id (and fail, after a network timeout, on that)."""
+    path = Path(model_path)
+    if not path.exists() and (path.is_absolute() or str(model_path).startswith(".")):
+        raise EngineStartError(f"model folder {str(model_path)!r} does not exist")
+    return path
+
+
+def _engine_args_with_defaults(model_path: Path, engine_args: Mapping[str, Any]) -> dict[str, Any]:
+    from vllm.platforms import current_platform
+
+    args: dict[str, Any] = {
+        "model": str(model_path),
+        "enable_prefix_caching": True,
+        "logprobs_mode": "processed_logprobs",
+        "skip_tokenizer_init": not any((model_path / f).exists() for f in _TOKENIZER_FILES),
+        "disable_log_stats": True,
+        "worker_extension_cls": "asyncroll.vllm.worker.AsyncrollWorkerExtension",
+    }
+    if "weight_transfer_config" not in engine_args:
+        from vllm.config import WeightTransferConfig
+
+        args["weight_transfer_config"] = WeightTransferConfig(backend="asyncroll")
+    if current_platform.is_cpu():
+        for key, value in _CPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        args["gpu_memory_utilization"] = _CPU_MEMORY_UTILIZATION
+        args["dtype"] = "bfloat16"
+    args.update(engine_args)
+    return args
+
+
+if TYPE_CHECKING:
+    from asyncroll.interfaces import ReceivingEngine
+
+    def _conforms(engine: VLLMEngine) -> ReceivingEngine:
+        """mypy checks here that the adapter satisfies the Protocol."""
+        return engine

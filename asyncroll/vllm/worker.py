@@ -1,0 +1,420 @@
+"""Inside each vLLM worker: asyncroll's transport as a backend of vLLM's weight-update protocol.
+
+vLLM imports this module in every worker process (it is the ``worker_extension_cls`` module)
+before the model loads, so the ``asyncroll`` backend is registered by the time the worker asks
+``WeightTransferEngineFactory`` for it. The protocol runs as vLLM defines it:
+``init_weight_transfer_engine`` (connect a ``WeightReceiver``), then per update
+``start_weight_update`` (layerwise reload, which also works on the CPU build where a plain
+``load_weights`` after start-up fails), ``update_weights`` (one whole double-buffered push),
+``finish_weight_update``.
+
+vLLM 0.24 runs the same protocol with the lifecycle in the worker: it starts and finishes the
+layerwise reload itself and calls ``receive_weights(info, load_weights=...)``; it builds the
+engine without its configs (``asyncroll_bind_weight_transfer_engine`` supplies them) and has no
+call to shut the engine down (``asyncroll_shutdown_weight_transfer_engine``). Both are detected
+by feature, not by version number.
+
+Invariants:
+- A staging-buffer view never outlives the bucket it came in: tensors that vLLM's layerwise
+  loader buffers across a bucket boundary are copied first.
+- A push that fails leaves the previous weights in force when a backup was taken (the default
+  on CPU), and the model in a consistent state otherwise (the adapter then admits no request
+  until a push succeeds: see ``asyncroll.weights``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import layerwise
+
+from asyncroll.transport import WeightReceiver
+from asyncroll.transport.receiver import ReceiveReport
+
+__all__ = ["BACKEND_NAME", "AsyncrollWeightTransferEngine", "AsyncrollWorkerExtension"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "asyncroll"
+
+
+@dataclass
+class InitInfo(WeightTransferInitInfo):
+    address: str
+    nonce: str
+    secret: str
+    timeout_ms: int
+    name: str = "engine"
+    backup: bool = True
+    load: str = "layerwise"
+    """``layerwise``: vLLM's layerwise reload (portable; the CPU build needs it, since it repacks
+    weights for its kernels). ``direct``: ``model.load_weights`` into the served parameters in
+    place, as verl and slime do on GPU; several times faster, for unquantized models on GPU."""
+
+
+@dataclass
+class UpdateInfo(WeightTransferUpdateInfo):
+    version: int = 0
+
+
+class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+    """Receives asyncroll pushes and loads them with vLLM's layerwise reload."""
+
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM 0.24 passes (config, parallel_config, model) only; the worker binds the rest.
+        self.model_config: Any = getattr(self, "model_config", None)
+        self.device: Any = getattr(self, "device", None)
+        self._receiver: WeightReceiver | None = None
+        self.last_report: ReceiveReport | None = None
+        self._info: InitInfo | None = None
+        self._backup: dict[str, torch.Tensor] | None = None
+        self._shadow: dict[str, torch.Tensor] | None = None
+        """Checkpoint-format copy of the served weights (layerwise load with a backup): what a
+        rollback reloads, and what completes a layer a partial update touched but did not fill.
+        A kernel-format copy cannot do either: the CPU build keeps repacked weights outside the
+        parameters (oneDNN handles), so copying parameters back does not restore them."""
+        self._unknown = False
+        """A push landed without updating a shadow: the checkpoint no longer describes the
+        served weights (until a push of every checkpoint tensor seeds the shadow again)."""
+        self._mixed = False
+        """A push failed without a backup: the served weights are partly loaded."""
+        self._pending: dict[str, torch.Tensor] = {}
+        self._active = False
+        self._touched = False
+        """The update in progress has handed tensors to the model's loader."""
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        self.shutdown()
+        rank = self.parallel_config.rank
+        self._info = init_info
+        self._receiver = WeightReceiver.from_config(
+            {
+                "address": init_info.address,
+                "secret": init_info.secret,
+                "nonce": init_info.nonce,
+                "timeout_ms": init_info.timeout_ms,
+            },
+            name=f"{init_info.name}-rank{rank}",
+        )
+        self._receiver.connect()
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        """Abstract in vLLM 0.24; asyncroll's trainer side is ``asyncroll.WeightPusher``."""
+        raise NotImplementedError("asyncroll pushes with asyncroll.weights.WeightPusher")
+
+    @property
+    def direct(self) -> bool:
+        return self._info is not None and self._info.load == "direct"
+
+    def start_weight_update(self) -> None:
+        assert self._info is not None, "init_weight_transfer_engine first"
+        self._begin()
+        if not self.direct:
+            layerwise.initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # vLLM's version synchronises torch.accelerator, which the CPU build lacks.
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(
+        self,
+        update_info: UpdateInfo,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
+    ) -> None:
+        """Receive one push. ``load_weights`` is given by vLLM 0.24, whose worker has already
+        started the layerwise reload (and will finish it) around this call, or, for a
+        ``direct`` load (``start_weight_update(is_checkpoint_format=False)``), started nothing:
+        its loader copies kernel-format names, so the model's own loader is used instead."""
+        assert self._receiver is not None and self._info is not None
+        worker_driven = load_weights is not None
+        direct = self.direct
+        load_batch: Callable[[list[tuple[str, torch.Tensor]]], Any] = (
+            self.model.load_weights  # type: ignore[assignment]
+            if direct or load_weights is None
+            else load_weights
+        )
+        if worker_driven:
+            self._begin()
+        keep = self._keeps_copies()
+
+        def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+            self.before_load(batch)
+            self._touched = True  # from here on a failure may leave the batch partly loaded
+            try:
+                load_batch(batch)
+            except Exception as exc:  # name the tensors: vLLM's loaders often say nothing
+                names = ", ".join(name for name, _ in batch[:4])
+                raise RuntimeError(f"loading [{names}]: {type(exc).__name__}: {exc}") from exc
+            for name, tensor in batch:
+                self._pending[name] = tensor.detach().clone() if keep else tensor[:0]
+            if not direct:
+                _detach_pending_views()
+
+        try:
+            self.last_report = self._receiver.receive(load)
+            if not direct:
+                self._complete_partial_layers(load_batch)
+            self.after_load()
+        except BaseException:
+            self.abort_update()
+            raise
+        if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
+            self._commit()
+
+    def before_load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Called before each batch goes to the model's loader (an extension point:
+        ``asyncroll.testing.faults`` injects failures here)."""
+
+    def after_load(self) -> None:
+        """Called once every tensor of a push is loaded, before the push is acknowledged (an
+        extension point, as ``before_load``)."""
+
+    def finish_weight_update(self) -> None:
+        if not self.direct:
+            layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
+                self.model, self.model_config
+            )
+        self._commit()
+
+    def abort_update(self) -> bool:
+        """End an update in progress, if any: restore the previous weights where a backup
+        exists. Returns whether the weights served now are whole (previous, or untouched)."""
+        if not self._active:
+            return not self._mixed
+        self._active = False
+        touched, self._touched = self._touched, False
+        self._pending = {}
+        if not self.direct:
+            _end_layerwise_reload(self.model, self.model_config)
+        if self._shadow is not None and not self.direct:
+            _reload(self.model, self.model_config, self._shadow.items())
+            logger.warning("weight push failed: previous weights reloaded from the backup")
+            return True
+        if self._backup is not None:
+            state = _state(self.model)
+            with torch.no_grad():
+                for name, saved in self._backup.items():
+                    if name in state:  # aliases (tied weights) appear once in the state
+                        state[name].copy_(saved)
+            self._backup = None
+            logger.warning("weight push failed: previous weights restored")
+            return True
+        if touched:
+            self._unknown = self._mixed = True
+            logger.error("weight push failed without a backup: the model holds mixed weights")
+        return not self._mixed
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        """Start an update: take what a rollback needs (see ``_shadow``)."""
+        assert self._info is not None
+        self._active = True
+        self._touched = False
+        self._pending = {}
+        self._backup = None
+        if not self._info.backup:
+            self._shadow = None  # it would go stale: this push does not keep copies
+        elif self.direct:
+            self._backup = _clone_state(self.model)
+        elif self._shadow is None and not self._unknown:
+            self._shadow = _read_checkpoint(self.model_config)
+
+    def _keeps_copies(self) -> bool:
+        return self._info is not None and self._info.backup and not self.direct
+
+    def _commit(self) -> None:
+        self._active = self._mixed = False
+        self._backup = None
+        if self._shadow is not None:
+            self._shadow.update(self._pending)
+        elif self._keeps_copies() and _covers_checkpoint(self.model_config, self._pending):
+            self._shadow, self._unknown = dict(self._pending), False  # a whole model arrived
+        elif self._pending:
+            self._unknown = True
+        self._pending = {}
+
+    def _complete_partial_layers(
+        self, load_batch: Callable[[list[tuple[str, torch.Tensor]]], Any]
+    ) -> None:
+        """A layer the push touched but did not fill (one member of a fused q/k/v, say) would
+        be processed with undefined values: fill it from the shadow, or fail."""
+        partial = _partially_loaded_layers(self.model)
+        if not partial:
+            return
+        if self._shadow is None:
+            names = _checkpoint_names(self.model_config)
+            if not names or names <= self._pending.keys():
+                return  # padding (vLLM finishes such layers itself), or nothing to tell by
+            raise RuntimeError(
+                f"a partial update touched {partial[:3]} without filling them; on the layerwise "
+                "load path that needs a backup (WeightPusher(backup=True)) to fill in the rest"
+            )
+        rest = [(n, t) for n, t in self._shadow.items() if n not in self._pending]
+        load_batch(rest)  # completed or untouched layers reload unchanged values
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in _state(model).items()}
+
+
+def _read_checkpoint(model_config: Any) -> dict[str, torch.Tensor] | None:
+    """The checkpoint the engine loaded at start-up, or None (no safetensors files: e.g. an
+    engine started with ``load_format="dummy"`` serves weights no file holds)."""
+    from safetensors.torch import load_file
+
+    if model_config is None or getattr(model_config, "load_format", "auto") == "dummy":
+        return None
+    files = sorted(Path(str(model_config.model)).glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors or None
+
+
+def _checkpoint_names(model_config: Any) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(Path(str(model_config.model)).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def _covers_checkpoint(model_config: Any, tensors: Mapping[str, torch.Tensor]) -> bool:
+    names = _checkpoint_names(model_config)
+    return bool(names) and names <= tensors.keys()
+
+
+def _partially_loaded_layers(model: torch.nn.Module) -> list[str]:
+    partial = []
+    for name, module in model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is not None and info.can_load() and 0 < info.load_numel < (
+            info.load_numel_total or 0
+        ):
+            partial.append(name)
+    return partial
+
+
+def _end_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
+    """Close a layerwise reload that failed part-way, whatever state its layers are in."""
+    try:
+        layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
+            model, model_config
+        )
+    except Exception:  # a layer buffered a bad load: put every pending layer's tensors back
+        logger.exception("finalizing a failed reload failed; restoring the kernel tensors")
+        place = getattr(layerwise, "_place_kernel_tensors", None)
+        for module in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(module)
+            if info is None or not info.can_load():
+                continue
+            if place is not None and info.kernel_tensors is not None:
+                place(module, info)
+            info.reset()  # type: ignore[no-untyped-call]
+
+
+def _reload(
+    model: torch.nn.Module, model_config: Any, tensors: Iterable[tuple[str, torch.Tensor]]
+) -> None:
+    """Load checkpoint-format tensors through vLLM's layerwise reload (any model, any build)."""
+    layerwise.initialize_layerwise_reload(model)
+    model.load_weights(list(tensors))  # type: ignore[operator]
+    layerwise.finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call]
+
+
+def _detach_pending_views() -> None:
+    """Copy tensors the layerwise loader still holds: they view a staging buffer."""
+    for info in list(layerwise.LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor):
+                    bound.arguments[key] = value.clone()
+
+
+class AsyncrollWorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); reachable by ``collective_rpc``."""
+
+    def asyncroll_load_serialized(self, payload: bytes) -> int:
+        """Baseline for benchmarks: weights as safetensors bytes through vLLM's own RPC."""
+        from safetensors.torch import load
+
+        tensors = load(payload)
+        _reload(self.model_runner.model, self.model_config, tensors.items())  # type: ignore[attr-defined]
+        return len(tensors)
+
+    def asyncroll_bind_weight_transfer_engine(self) -> None:
+        """Give the weight-transfer engine the configs vLLM 0.24 builds it without."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and getattr(engine, "model_config", None) is None:
+            engine.model_config = self.model_config  # type: ignore[attr-defined]
+            engine.device = self.device  # type: ignore[attr-defined]
+
+    def asyncroll_abort_weight_update(self) -> bool:
+        """End a weight update that did not finish (the trainer failed or was cancelled after
+        ``start_weight_update``): roll back, close vLLM's session so the next update can
+        start. Idempotent. Returns whether the served weights are whole."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        whole = engine.abort_update() if isinstance(engine, AsyncrollWeightTransferEngine) else True
+        if getattr(self, "_weight_update_active", False):
+            self._weight_update_active = False
+            reset = getattr(engine, "reset_weight_update_target", None)
+            if reset is not None:
+                reset()
+        return bool(whole)
+
+    def asyncroll_shutdown_weight_transfer_engine(self) -> None:
+        """Release the receiver's mappings (vLLM 0.24 has no call for it)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def asyncroll_last_receive_report(self) -> dict[str, float] | None:
+        """The worker's view of the last push: seconds in all, seconds loading (benchmarks)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        report = getattr(engine, "last_report", None)
+        if report is None:
+            return None
+        return {"seconds": report.seconds, "load_seconds": report.load_seconds}
+
+    def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
+        """Per-parameter sums of the served model (tests compare them across engines)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
+
+
+def _register() -> None:
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, AsyncrollWeightTransferEngine)
+
+
+_register()

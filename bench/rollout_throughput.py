@@ -93,11 +93,21 @@ class SlowTurns:
         self._beat = time.perf_counter()
         self._stop = threading.Event()
         self._gc_started = 0.0
+        self.census: dict[str, Any] = {}
+
+    def _take_census(self) -> None:
+        objects = gc.get_objects()  # every generation but the frozen one
+        kinds = collections.Counter(type(o).__qualname__ for o in objects)
+        self.census = {"tracked": len(objects), "top_types": kinds.most_common(12)}
+        del objects
 
     async def _heartbeat(self) -> None:
+        # Not sleep(0): a loop that never idles keeps its thread runnable, and every other
+        # thread of the process (the sender's packing thread) then waits out the GIL's switch
+        # interval at each release: on the H100 that made the push 12x slower (docs).
         while True:
             self._beat = time.perf_counter()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.002)
 
     def _sample(self, loop_thread: int) -> None:
         sampled_beat = None
@@ -112,6 +122,8 @@ class SlowTurns:
                 self.stacks[_summary(frame)] += 1
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2 and not self.census:
+            self._take_census()  # what the first full pass of the run has to walk
         if phase == "start":
             self._gc_started = time.perf_counter()
         else:
@@ -145,6 +157,7 @@ class SlowTurns:
             "gc_worst_ms": round(worst_gc, 2),
             "gc_gen2": sum(1 for gen, _ in self.gc_ms if gen == 2),
             "top_stacks": self.stacks.most_common(top),
+            "gen2_census": self.census,
         }
 
 
@@ -172,7 +185,7 @@ class Admission:
 
 async def run_policy(
     engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
-    interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = True,
+    interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = False,
 ) -> dict[str, Any]:
     mode: ResumeMode = "keep" if policy == "keep" else "abort"
     admission = Admission()
@@ -210,6 +223,7 @@ async def run_policy(
         update_seconds = 0.0
         pending = set(workers)
         stages = dict.fromkeys(("pause", "push", "finish", "cache_reset", "resume"), 0.0)
+        inside: collections.Counter[str] = collections.Counter()  # the push stage, split
         with LoopLag() as lag, SlowTurns(enabled=slow_turns) as slow:
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=interval)
@@ -222,6 +236,10 @@ async def run_policy(
                     update_seconds += report.seconds
                     for stage in stages:
                         stages[stage] += getattr(report, f"{stage}_seconds")
+                    if report.push is not None:
+                        for key, value in vars_of(report.push).items():
+                            if isinstance(value, float):
+                                inside[key] += value
                     admission.open.set()
                     updates += 1
         elapsed = time.perf_counter() - started
@@ -239,7 +257,14 @@ async def run_policy(
         "slow_turns": slow.report(),
         "update_stage_ms": {k: round(v / updates * 1e3, 1) for k, v in stages.items()}
         if updates else {},
+        "push_report_ms": {k: round(v / updates * 1e3, 1) for k, v in inside.items()}
+        if updates else {},
     }
+
+
+def vars_of(report: Any) -> dict[str, Any]:
+    fields = getattr(report, "__dataclass_fields__", None) or {}
+    return {name: getattr(report, name) for name in fields}
 
 
 async def main() -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import uvloop
 from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy
 
 from asyncroll import VLLMEngine
@@ -46,11 +44,3 @@ async def engine_b(tiny_model_b: Path) -> AsyncIterator[VLLMEngine]:
         FRESH_GREEDY["b"] = await greedy(started, "fresh-b")
         yield started
 
-
-def pytest_asyncio_loop_factories(
-    config: pytest.Config, item: pytest.Item
-) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]] | None:
-    """Tests marked ``both_loops`` run once on asyncio's loop and once on uvloop's."""
-    if item.get_closest_marker("both_loops") is None:
-        return None
-    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}

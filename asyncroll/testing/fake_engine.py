@@ -7,8 +7,8 @@ arguments pass the checks ``VLLMEngine`` makes (``asyncroll.validation``) but do
 tokens, except ``max_tokens``, ``min_tokens``, ``stop_token_ids`` and ``ignore_eos``; log probs
 are in ``[-10, -0.01]``.
 
-The contract kept with ``VLLMEngine`` (tests/test_manager_fake.py runs tests/test_engine.py's
-pure checks on a FakeEngine):
+The contract kept with ``VLLMEngine`` (``asyncroll.testing.contract``; tests/test_contract.py
+runs it on both):
 - Bad input raises ``InvalidRequestError`` before admission and counts in ``num_rejected``; a
   request id may not be live twice.
 - Admission is gated: while paused or asleep, new requests wait.
@@ -17,6 +17,7 @@ pure checks on a FakeEngine):
 - Each token carries the ``global_steps`` in force when it was produced.
 - Every admitted request leaves ``in_flight`` exactly once, also when its caller is cancelled.
 - A killed or closed engine fails running, waiting and future calls with ``EngineDeadError``.
+- ``hold()`` admits nothing until ``release_hold()``; ``commit_version`` labels the weights.
 
 Time: with ``token_delay=0`` a request yields to the loop once, then produces all its tokens;
 with ``token_delay > 0`` it waits that long before each token on a timer that abort, pause,

@@ -1,8 +1,8 @@
 """The fake engine's own behaviour, and AsyncServerManager over FakeEngines.
 
 No vLLM here (the fake's engine contract is tests/test_contract.py). pytest-asyncio gives each
-test a fresh event loop, once asyncio's and once uvloop's (the ``both_loops`` marker and the
-loop-factory hook in conftest.py), under a deadline. Progress is
+test a fresh event loop, once asyncio's and once uvloop's (the loop-factory hook in this folder's
+conftest.py), under a deadline. Progress is
 gated on events (``FakeEngine.wait_generated``, a "clock" request), never on sleeps; the fake's
 tokens are a function of the sequence before them, so every output can be compared token for
 token with an uninterrupted run.
@@ -28,7 +28,6 @@ from asyncroll import (
 from asyncroll.testing.fake_engine import FakeEngine, FakeWeightUpdater
 
 pytestmark = [
-    pytest.mark.both_loops,  # asyncio and uvloop (tests/conftest.py)
     pytest.mark.asyncio(loop_scope="function"),  # a fresh loop a test
     pytest.mark.timeout(120),  # the scenarios take milliseconds: longer is a hang
 ]

@@ -11,7 +11,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from asyncroll import AsyncServerManager, VLLMEngine
-from asyncroll.recipes import BandTask, StepRecord, format_table, plot
+from asyncroll.recipes import (
+    BandTask,
+    BandTaskSource,
+    RolloutSource,
+    StepRecord,
+    format_table,
+    plot,
+)
 from asyncroll.testing import make_tiny_model
 from asyncroll.trainer import ReferenceTrainer
 
@@ -19,10 +26,20 @@ Recipe = Callable[..., Awaitable[list[StepRecord]]]
 
 
 async def run_recipe(
-    recipe: Recipe, name: str, *, steps: int, plot_path: str | None = None, **options: object
+    recipe: Recipe,
+    name: str,
+    *,
+    steps: int,
+    source: RolloutSource | None = None,
+    plot_path: str | None = None,
+    **options: object,
 ) -> tuple[list[StepRecord], float]:
-    """Run ``recipe`` on CPU with a progress bar; print the per-step table; plot if asked."""
+    """Run ``recipe`` on CPU with a progress bar; print the per-step table; plot if asked.
+
+    ``source`` makes the rollouts; by default the toy ``BandTask``, one sampled turn each."""
     task = BandTask()
+    baseline = f"random policy {task.random_policy_reward:.3f}, " if source is None else ""
+    source = source or BandTaskSource(task)
     with tempfile.TemporaryDirectory() as folder:
         model = make_tiny_model(Path(folder) / "policy", seed=0)
         trainer = ReferenceTrainer(model)
@@ -39,16 +56,15 @@ async def run_recipe(
                     bar.update()
 
                 records = await recipe(
-                    manager, trainer, task, steps=steps, on_step=on_step, **options
+                    manager, trainer, source, steps=steps, on_step=on_step, **options
                 )
             elapsed = time.perf_counter() - started
     print(format_table(records))
     last = records[-5:]
     final = sum(r.reward for r in last) / len(last)
     print(
-        f"reward: random policy {task.random_policy_reward:.3f}, first step "
-        f"{records[0].reward:.3f}, last {len(last)} steps {final:.3f}; {steps} steps in"
-        f" {elapsed:.0f} s"
+        f"reward: {baseline}first step {records[0].reward:.3f}, last {len(last)} steps "
+        f"{final:.3f}; {steps} steps in {elapsed:.0f} s"
     )
     if plot_path:
         print("wrote", plot(records, plot_path, title=f"asyncroll {name} on a tiny Qwen2 (CPU)"))

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from asyncroll import AsyncServerManager, UpdateReport, VLLMEngine
 from asyncroll.recipes import BandTask, run_fully_async, run_one_step_off, run_synchronous
-from asyncroll.trainer import ReferenceTrainer, TrainMetrics
+from asyncroll.trainer import ReferenceTrainer, TrainMetrics, TrainSample
 
 pytestmark = pytest.mark.engine
 
@@ -52,15 +52,19 @@ class CheckingManager(AsyncServerManager):
 
 
 class RecordingTrainer(ReferenceTrainer):
-    """Remembers which groups each step trained on (no sample lost or counted twice)."""
+    """Remembers what each step trained on (no sample lost or counted twice) and its metrics."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups: list[list[int]] = []
+        self.batches: list[list[TrainSample]] = []
+        self.metrics: list[TrainMetrics] = []
 
     def step(self, samples: Any) -> TrainMetrics:
         self.groups.append([s.group for s in samples])
-        return super().step(samples)
+        self.batches.append(list(samples))
+        self.metrics.append(super().step(samples))
+        return self.metrics[-1]
 
 
 @pytest.fixture

@@ -6,38 +6,54 @@ update are resumed by the manager. The loop is the algorithm; mechanism lives in
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from asyncroll.manager import AsyncServerManager
+from asyncroll.recipes.protocols import RolloutSource, Trainer, train_step
 from asyncroll.recipes.report import StepRecord
 from asyncroll.recipes.rollout import open_rollouter
 from asyncroll.recipes.task import BandTask
-from asyncroll.trainer import ReferenceTrainer
 
 __all__ = ["run_fully_async"]
 
 
 async def run_fully_async(
     manager: AsyncServerManager,
-    trainer: ReferenceTrainer,
-    task: BandTask,
+    trainer: Trainer,
+    source: RolloutSource | BandTask,
     *,
     steps: int,
     batch_groups: int = 4,
     group_size: int = 8,
     max_staleness: int = 2,
+    seed: int = 0,
     on_step: Callable[[StepRecord], None] = lambda record: None,
 ) -> list[StepRecord]:
+    """Train for ``steps`` steps while rollouts run ahead, at most ``max_staleness`` versions.
+
+    Args:
+        manager: Routes the rollouts; every step's weights are pushed through it.
+        trainer: Trains on each batch (``ReferenceTrainer``, or any ``Trainer``).
+        source: Makes the scored groups (``AgentLoopSource``, ``BandTaskSource``, a ``BandTask``).
+        steps: Trainer steps, one weight push each.
+        batch_groups: Groups (prompts) per batch.
+        group_size: Rollouts per group.
+        max_staleness: Most trainer versions a batch's oldest token may lag behind.
+        seed: Seeds the prompts (group ``g`` draws from ``seed * 1_000_003 + g``).
+        on_step: Called with each step's record.
+
+    Raises:
+        ExceptionGroup: a rollout, the trainer or a push failed; the rollouts are cancelled.
+    """
     base = manager.global_steps or 0  # versions continue from the engines' current one
     records = []
     async with open_rollouter(
-        manager, task, batch_groups=batch_groups, group_size=group_size,
-        max_staleness=max_staleness, concurrency=batch_groups * 2,
+        manager, source, batch_groups=batch_groups, group_size=group_size,
+        max_staleness=max_staleness, concurrency=batch_groups * 2, seed=seed,
     ) as rollouter:
         for step in range(steps):
             batch = await rollouter.next_batch()
-            metrics = await asyncio.to_thread(trainer.step, batch.samples)
+            metrics = await train_step(trainer, batch.samples)
             weights = trainer.named_parameters()
             report = await manager.update_weights(weights, global_steps=base + step + 1)
             await rollouter.set_trainer_version(step + 1)

@@ -1,4 +1,9 @@
-"""One-step-off-policy recipe: the rollout of batch k+1 overlaps training on batch k."""
+"""One-step-off-policy recipe: the rollout of batch k+1 overlaps training on batch k.
+
+The overlapping rollout is a task of a ``TaskGroup`` owned by the recipe: if the trainer, a push
+or a rollout fails, or the caller cancels, the rollout in flight is cancelled (the manager
+aborts its requests) before the recipe returns; nothing is left running.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,19 @@ import random
 from collections.abc import Callable
 
 from asyncroll.manager import AsyncServerManager
+from asyncroll.recipes.protocols import RolloutSource, Trainer, train_step
 from asyncroll.recipes.report import StepRecord
 from asyncroll.recipes.rollout import Batch, generate_batch
+from asyncroll.recipes.sources import as_rollout_source
 from asyncroll.recipes.task import BandTask
-from asyncroll.trainer import ReferenceTrainer
 
 __all__ = ["run_one_step_off"]
 
 
 async def run_one_step_off(
     manager: AsyncServerManager,
-    trainer: ReferenceTrainer,
-    task: BandTask,
+    trainer: Trainer,
+    source: RolloutSource | BandTask,
     *,
     steps: int,
     batch_groups: int = 4,
@@ -26,29 +32,34 @@ async def run_one_step_off(
     seed: int = 0,
     on_step: Callable[[StepRecord], None] = lambda record: None,
 ) -> list[StepRecord]:
-    rng = random.Random(seed)
+    """Train for ``steps`` steps; each batch was rolled out by the weights one step old.
 
-    def rollout(k: int) -> asyncio.Future[Batch]:
-        return asyncio.ensure_future(generate_batch(
-            manager, task, rng, first_group=k * batch_groups, groups=batch_groups,
+    Args: as ``run_fully_async``'s (``seed`` seeds one ``random.Random`` for every prompt).
+
+    Raises:
+        ExceptionGroup: a rollout, the trainer or a push failed (the ``TaskGroup``'s errors).
+    """
+    rng = random.Random(seed)
+    source = as_rollout_source(source)
+
+    async def rollout(k: int) -> Batch:
+        return await generate_batch(
+            manager, source, rng, first_group=k * batch_groups, groups=batch_groups,
             group_size=group_size,
-        ))
+        )
 
     base = manager.global_steps or 0  # versions continue from the engines' current one
     records = []
-    pending = rollout(0)
-    for step in range(steps):
-        batch = await pending
-        pending = rollout(step + 1)  # start the next rollout before training on this one
-        try:
-            metrics = await asyncio.to_thread(trainer.step, batch.samples)
+    async with asyncio.TaskGroup() as tasks:
+        pending = tasks.create_task(rollout(0))
+        for step in range(steps):
+            batch = await pending
+            if step + 1 < steps:  # start the next rollout before training on this one
+                pending = tasks.create_task(rollout(step + 1))
+            metrics = await train_step(trainer, batch.samples)
             weights = trainer.named_parameters()
             report = await manager.update_weights(weights, global_steps=base + step + 1)
-        except BaseException:
-            pending.cancel()
-            raise
-        record = StepRecord.of(step, batch, metrics, report, trainer_version=base + step)
-        records.append(record)
-        on_step(record)
-    pending.cancel()
+            record = StepRecord.of(step, batch, metrics, report, trainer_version=base + step)
+            records.append(record)
+            on_step(record)
     return records

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncroll.interfaces import UpdateReport
 from asyncroll.recipes.rollout import Batch
 from asyncroll.trainer import TrainMetrics
-from asyncroll.weights import UpdateReport
 
 __all__ = ["StepRecord", "format_table", "plot"]
 
@@ -25,6 +25,8 @@ class StepRecord:
     resumed: int
     samples: int
     ratio: float
+    failed: int = 0
+    """Rollouts that failed and were left out of the step's batch (agent loops)."""
 
     @classmethod
     def of(
@@ -47,16 +49,20 @@ class StepRecord:
             resumed=batch.resumed,
             samples=len(batch.samples),
             ratio=metrics.mean_ratio,
+            failed=batch.failed,
         )
 
 
 def format_table(records: Sequence[StepRecord]) -> str:
-    lines = ["step  reward  stale p50/max  push ms  update ms  resumed  ratio"]
+    """One line a step; a ``failed`` column only if some rollout failed."""
+    failures = any(r.failed for r in records)
+    lines = ["step  reward  stale p50/max  push ms  update ms  resumed  ratio"
+             + ("  failed" if failures else "")]
     for r in records:
         lines.append(
             f"{r.step:>4}  {r.reward:6.3f}  {r.staleness_p50:>5.1f}/{r.staleness_max:<3}"
             f"      {r.push_seconds * 1e3:7.1f}  {r.update_seconds * 1e3:9.1f}  {r.resumed:>7}"
-            f"  {r.ratio:5.3f}"
+            f"  {r.ratio:5.3f}" + (f"  {r.failed:>6}" if failures else "")
         )
     return "\n".join(lines)
 

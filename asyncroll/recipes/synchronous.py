@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from asyncroll.engine import VLLMEngine
+from asyncroll.errors import InvalidRequestError
+from asyncroll.interfaces import UpdatableEngine
 from asyncroll.manager import AsyncServerManager
+from asyncroll.recipes.protocols import RolloutSource, Trainer, train_step
 from asyncroll.recipes.report import StepRecord
 from asyncroll.recipes.rollout import generate_batch
+from asyncroll.recipes.sources import as_rollout_source
 from asyncroll.recipes.task import BandTask
-from asyncroll.trainer import ReferenceTrainer
 
 __all__ = ["run_synchronous"]
 
 
 async def run_synchronous(
     manager: AsyncServerManager,
-    trainer: ReferenceTrainer,
-    task: BandTask,
+    trainer: Trainer,
+    source: RolloutSource | BandTask,
     *,
     steps: int,
     batch_groups: int = 4,
@@ -32,18 +34,31 @@ async def run_synchronous(
     hybrid: bool = False,
     on_step: Callable[[StepRecord], None] = lambda record: None,
 ) -> list[StepRecord]:
+    """Rollout, then train, then push, ``steps`` times: every batch is on-policy.
+
+    Args: as ``run_fully_async``'s (``seed`` seeds one ``random.Random`` for every prompt);
+        ``hybrid`` sleeps every engine while the trainer runs.
+
+    Raises:
+        InvalidRequestError: ``hybrid`` with an engine that cannot sleep.
+        ExceptionGroup: a rollout failed (the ``TaskGroup``'s errors).
+    """
     rng = random.Random(seed)
-    engines: Sequence[VLLMEngine] = [e for e in manager.engines if isinstance(e, VLLMEngine)]
+    source = as_rollout_source(source)
+    engines = [e for e in manager.engines if isinstance(e, UpdatableEngine)]
+    if hybrid and len(engines) != len(manager.engines):
+        raise InvalidRequestError("hybrid mode sleeps and wakes engines: every engine must "
+                                  "be an UpdatableEngine")
     base = manager.global_steps or 0  # versions continue from the engines' current one
     records = []
     for step in range(steps):
         batch = await generate_batch(
-            manager, task, rng, first_group=step * batch_groups, groups=batch_groups,
+            manager, source, rng, first_group=step * batch_groups, groups=batch_groups,
             group_size=group_size,
         )
         if hybrid:
             await asyncio.gather(*(e.sleep(1) for e in engines))
-        metrics = await asyncio.to_thread(trainer.step, batch.samples)
+        metrics = await train_step(trainer, batch.samples)
         if hybrid:
             await asyncio.gather(*(e.wake_up(["weights"]) for e in engines))
         weights = trainer.named_parameters()

@@ -1,0 +1,72 @@
+"""The two seams of every recipe: what it needs of a trainer, and of a rollout source.
+
+A recipe drives any ``Trainer`` (``asyncroll.trainer.ReferenceTrainer`` is one) and any
+``RolloutSource`` (``asyncroll.recipes.sources`` has two: a single-turn toy task, and any agent
+loop). Invariants:
+- A source draws a group's prompt synchronously (``prompt``), so the recipe fixes the order in
+  which prompts come off its seeded ``random.Random`` before any rollout runs, however the
+  rollouts interleave.
+- ``Trainer.step`` blocks; recipes call it through ``train_step``, in a worker thread, and never
+  return while it runs: a cancelled ``train_step`` lets the step finish (a thread cannot be
+  stopped), then re-raises, so no step mutates the model behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from asyncroll.agent_loop import Sample, ServerManager
+from asyncroll.trainer import TrainMetrics, TrainSample
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RolloutSource", "Trainer", "train_step"]
+
+
+class Trainer(Protocol):
+    """What a recipe needs of a trainer."""
+
+    def step(self, samples: Sequence[TrainSample]) -> TrainMetrics:
+        """One optimiser step on a batch (blocking; recipes run it in a thread). Train only on
+        tokens with ``loss_mask`` 1; the others are context."""
+        ...
+
+    def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The weights to push, as ``manager.update_weights`` takes them."""
+        ...
+
+
+class RolloutSource(Protocol):
+    """Where a recipe's scored groups come from: one prompt, several rollouts of it."""
+
+    def prompt(self, rng: random.Random) -> Sample:
+        """A group's prompt, drawn from ``rng`` (seeded by the recipe)."""
+        ...
+
+    async def rollout(
+        self, manager: ServerManager, prompt: Sample, *, group: int, size: int
+    ) -> list[TrainSample]:
+        """``size`` rollouts of ``prompt``, scored, each a ``TrainSample`` of ``group``.
+
+        Returns fewer than ``size`` only where rollouts failed; the recipe counts each missing
+        one as failed (``Batch.failed``). Raises if none could be made.
+        """
+        ...
+
+
+async def train_step(trainer: Trainer, samples: Sequence[TrainSample]) -> TrainMetrics:
+    """``trainer.step(samples)`` in a worker thread, so rollouts go on while it trains.
+
+    Raises:
+        CancelledError: once the step has finished (see the module invariants).
+    """
+    step = asyncio.create_task(asyncio.to_thread(trainer.step, samples))
+    try:
+        return await asyncio.shield(step)
+    except asyncio.CancelledError:
+        await asyncio.wait([step])  # shield marks the step's own error as retrieved
+        raise

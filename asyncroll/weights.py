@@ -136,8 +136,10 @@ class VersionedUpdater:
             marks = [started]
             pausable = [engine for engine in engines if not engine.is_asleep]
             try:
+                # No cache clear here: the prefix cache is reset once, after the push (a clear
+                # now would be a second reset, and keeps nothing the later one does not).
                 paused = await asyncio.gather(
-                    *(e.pause(mode, clear_cache=True) for e in pausable), return_exceptions=True
+                    *(e.pause(mode, clear_cache=False) for e in pausable), return_exceptions=True
                 )
                 for outcome in paused:
                     if isinstance(outcome, BaseException):
@@ -215,6 +217,7 @@ class SenderChannel:
         backup: bool | None = None,
         timeout: float = 120.0,
         load: Literal["auto", "layerwise", "direct"] = "auto",
+        load_plan: bool = True,
         check_finite: bool = True,
         strict_dtype: bool = False,
     ) -> None:
@@ -230,6 +233,7 @@ class SenderChannel:
         self._load: str = load
         if load == "auto":
             self._load = "direct" if torch.cuda.is_available() else "layerwise"
+        self._load_plan = load_plan
         self._check_finite = check_finite
         self._strict_dtype = strict_dtype
         self._schemas: dict[str, Schema | None] = {}
@@ -351,7 +355,12 @@ class SenderChannel:
         )
         try:
             backup = (not torch.cuda.is_available()) if self._backup is None else self._backup
-            config = {**sender.receiver_config(), "backup": backup, "load": self._load}
+            config = {
+                **sender.receiver_config(),
+                "backup": backup,
+                "load": self._load,
+                "plan": self._load_plan,
+            }
             await asyncio.gather(
                 sender.wait_receivers(workers),
                 *(e.attach(config, owner=self) for e in engines),
@@ -378,6 +387,7 @@ class WeightPusher(VersionedUpdater):
         backup: bool | None = None,
         timeout: float = 120.0,
         load: Literal["auto", "layerwise", "direct"] = "auto",
+        load_plan: bool = True,
         check_finite: bool = True,
         strict_dtype: bool = False,
     ) -> None:
@@ -393,6 +403,10 @@ class WeightPusher(VersionedUpdater):
                 only way on the CPU build) or ``direct`` (``model.load_weights`` in place, as
                 verl and slime do on GPU: unquantized models on GPU). ``auto``: direct with
                 CUDA, layerwise without.
+            load_plan: With ``direct``, replay a compiled load plan: the model's loaders run
+                once per tensor name, watched, and later pushes copy straight from the staging
+                buffer into the parameters (``asyncroll.load_plan``). False: the loaders run
+                on every push.
             check_finite: Refuse tensors holding NaN or inf before any engine pauses (one
                 reduction a tensor; ``bench/check_cost.py`` measures it).
             strict_dtype: Refuse any tensor whose dtype is not the dtype the engines serve
@@ -405,6 +419,7 @@ class WeightPusher(VersionedUpdater):
             backup=backup,
             timeout=timeout,
             load=load,
+            load_plan=load_plan,
             check_finite=check_finite,
             strict_dtype=strict_dtype,
         )

@@ -71,6 +71,14 @@ class ReceiveReport:
     seconds: float
     load_seconds: float = 0.0
     """Time spent in the load callback and waiting for its device work to finish."""
+    wait_seconds: float = 0.0
+    """Time blocked waiting for the sender's next message (a bucket, or the end)."""
+    record_seconds: float = 0.0
+    """Time marking each bucket's reads done (recording its load event, or synchronising)."""
+    ack_seconds: float = 0.0
+    """Time sealing and sending acks."""
+    sync_seconds: float = 0.0
+    """Time, at the end, waiting for the device to finish every load (part of load_seconds)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +140,7 @@ class WeightReceiver:
         self._imports = self._pushes = self._failed = self._buckets = self._bytes = 0
         self._auth_failures = self._stale = 0
         self._load_seconds = 0.0
+        self._stage = {"wait": 0.0, "record": 0.0, "ack": 0.0, "sync": 0.0}
         self._load_events = 0
         self._auth_log = RateLimitedLog(log)
 
@@ -243,14 +252,18 @@ class WeightReceiver:
         timeout = self._timeout if timeout is None else timeout
         self._spans.clear()
         self._load_seconds = 0.0
+        stage = self._stage = dict.fromkeys(self._stage, 0.0)
+        clock = time.perf_counter
         started = time.perf_counter()
         push, buckets, tensors, nbytes = 0, 0, 0, 0
         failure: tuple[str, str] | None = None
         try:
             while True:
+                waiting = clock()
                 message = self._recv(
                     timeout, f"the sender sent nothing for push {push or '(next)'}"
                 )
+                stage["wait"] += clock() - waiting
                 if (
                     isinstance(message, wire.Bucket | wire.End)
                     and message.push <= self._finished_push
@@ -268,7 +281,9 @@ class WeightReceiver:
                     tensors += loaded
                     nbytes += sum(e.nbytes for e in message.entries)
                     buckets += 1
+                acking = clock()
                 self._send(self._ack(message, failure))
+                stage["ack"] += clock() - acking
         except BaseException:
             self._finished_push = max(self._finished_push, push)
             self._failed += 1
@@ -276,9 +291,10 @@ class WeightReceiver:
             raise
         self._finished_push = push
         if self._backend is not None:  # acks may have preceded the loads on the device
-            syncing = time.perf_counter()
+            syncing = clock()
             self._backend.finish_loads()
-            self._load_seconds += time.perf_counter() - syncing
+            stage["sync"] = clock() - syncing
+            self._load_seconds += stage["sync"]
         return self._finish(end, failure, buckets, tensors, nbytes, started)
 
     def _finish(
@@ -307,6 +323,10 @@ class WeightReceiver:
             bytes=nbytes,
             seconds=time.perf_counter() - started,
             load_seconds=self._load_seconds,
+            wait_seconds=self._stage["wait"],
+            record_seconds=self._stage["record"],
+            ack_seconds=self._stage["ack"],
+            sync_seconds=self._stage["sync"],
         )
 
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:
@@ -334,9 +354,12 @@ class WeightReceiver:
                     with contextlib.suppress(Exception):
                         self._backend.loads_issued(bucket.buffer)
                 raise
+            recording = time.perf_counter()
             if self._backend is not None:
                 self._backend.loads_issued(bucket.buffer)
-            self._load_seconds += time.perf_counter() - loading
+            done = time.perf_counter()
+            self._load_seconds += recording - loading
+            self._stage["record"] += done - recording
         except Exception as exc:
             names = batch.current or ", ".join(name for name, _ in batch)[:500]
             log.warning("%r: loading %s failed: %r", self, names, exc)

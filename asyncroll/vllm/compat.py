@@ -8,6 +8,7 @@ from typing import Any
 
 __all__ = [
     "labels_versions",
+    "pause_generation",
     "num_unfinished_requests",
     "shutdown_weight_transfer",
     "start_weight_update",
@@ -48,3 +49,17 @@ def num_unfinished_requests(llm: Any) -> int:
     if count is None:  # vLLM 0.24
         count = llm.output_processor.get_num_unfinished_requests
     return int(count())
+
+
+async def pause_generation(llm: Any, *, mode: str, clear_cache: bool) -> None:
+    """vLLM's pause. Without a cache clear, the scheduler is paused directly: AsyncLLM's
+    ``pause_generation`` then only adds a fixed 20 ms sleep that orders outputs for its caller
+    (the adapter settles vLLM's output queue itself before it counts tokens)."""
+    pause = getattr(getattr(llm, "engine_core", None), "pause_scheduler_async", None)
+    if clear_cache or pause is None:
+        await llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        return
+    try:
+        await pause(mode=mode, clear_cache=False)
+    except TypeError:  # another signature than 0.32's: take the public path
+        await llm.pause_generation(mode=mode, clear_cache=False)

@@ -312,7 +312,9 @@ class VLLMEngine:
         self._check_alive()
         self._paused = True
         self._gate.clear()
-        await self._call(self._llm.pause_generation(mode=mode, clear_cache=clear_cache))
+        await self._call(
+            compat.pause_generation(self._llm, mode=mode, clear_cache=clear_cache)
+        )
 
     async def resume(self) -> None:
         """Resume scheduling after ``pause()``; kept requests continue, waiters are admitted."""

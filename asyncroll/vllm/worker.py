@@ -39,6 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
+from asyncroll.load_plan import LoadPlan, PlanStatistics
 from asyncroll.transport import WeightReceiver
 from asyncroll.transport.receiver import ReceiveReport
 
@@ -61,6 +62,9 @@ class InitInfo(WeightTransferInitInfo):
     """``layerwise``: vLLM's layerwise reload (portable; the CPU build needs it, since it repacks
     weights for its kernels). ``direct``: ``model.load_weights`` into the served parameters in
     place, as verl and slime do on GPU; several times faster, for unquantized models on GPU."""
+    plan: bool = True
+    """With ``direct``: replay a compiled load plan (``asyncroll.load_plan``) instead of running
+    the model's loaders on every push (they run once per name, watched, to learn the plan)."""
 
 
 @dataclass
@@ -98,6 +102,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._active = False
         self._touched = False
         """The update in progress has handed tensors to the model's loader."""
+        self._plan: LoadPlan | None = None
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         self.shutdown()
@@ -152,6 +157,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if direct or load_weights is None
             else load_weights
         )
+        if direct and self._info.plan:
+            if self._plan is None:
+                self._plan = LoadPlan(self.model, self.model.load_weights)  # type: ignore[arg-type]
+            self._plan.begin_push()
+            load_batch = self._plan.load
         if worker_driven:
             self._begin()
         keep = self._keeps_copies()
@@ -179,6 +189,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             raise
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
+
+    @property
+    def plan_statistics(self) -> PlanStatistics | None:
+        """What the load plan did in the last push (None: no plan, e.g. a layerwise load)."""
+        return self._plan.statistics() if self._plan is not None else None
 
     def before_load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """Called before each batch goes to the model's loader (an extension point:
@@ -398,18 +413,52 @@ class AsyncrollWorkerExtension:
         if engine is not None:
             engine.shutdown()
 
-    def asyncroll_last_receive_report(self) -> dict[str, float] | None:
-        """The worker's view of the last push: seconds in all, seconds loading (benchmarks)."""
+    def asyncroll_last_receive_report(self) -> dict[str, Any] | None:
+        """The worker's view of the last push: seconds in all and by stage (waiting for the
+        sender, loading, marking reads done, acking, the final device sync), and what the load
+        plan did (benchmarks)."""
         engine = getattr(self, "weight_transfer_engine", None)
         report = getattr(engine, "last_report", None)
         if report is None:
             return None
-        return {"seconds": report.seconds, "load_seconds": report.load_seconds}
+        out: dict[str, Any] = {
+            "seconds": report.seconds,
+            "load_seconds": report.load_seconds,
+            "wait_seconds": report.wait_seconds,
+            "record_seconds": report.record_seconds,
+            "ack_seconds": report.ack_seconds,
+            "sync_seconds": report.sync_seconds,
+        }
+        stats = (
+            engine.plan_statistics
+            if isinstance(engine, AsyncrollWeightTransferEngine)
+            else None
+        )
+        if stats is not None:
+            out |= {
+                "planned": stats.planned,
+                "learned": stats.learned,
+                "fallback": stats.fallback,
+                "copies": stats.copies,
+                "unplannable": dict(list(stats.unplannable.items())[:8]),
+            }
+        return out
 
     def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
         """Per-parameter sums of the served model (tests compare them across engines)."""
         model = self.model_runner.model  # type: ignore[attr-defined]
         return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
+
+    def asyncroll_weight_hash(self) -> str:
+        """One hash of every parameter's bytes, in name order (bitwise comparisons in tests)."""
+        import hashlib
+
+        digest = hashlib.blake2b(digest_size=16)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        for name, p in sorted(model.named_parameters()):
+            digest.update(name.encode())
+            digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
+        return digest.hexdigest()
 
 
 def _register() -> None:

@@ -1,0 +1,317 @@
+"""A compiled load plan: where each pushed tensor's bytes land in a model, learned once.
+
+vLLM loads weights through ``model.load_weights``: a Python loop over per-parameter loaders that
+fuse q/k/v and gate/up, cut tensor-parallel shards and copy. On a GPU that loop, not the memory
+system, is what a push costs. The plan runs the model's own loaders once, on the first push of a
+name, and records every copy they make into a parameter (``Tensor.copy_`` seen through a
+``TorchFunctionMode``): the destination view and the source's offset, sizes and strides within
+the pushed tensor. Later pushes of that name replay the copies straight from the staging buffer,
+with no loader in between. Nothing is derived from a table of model names.
+
+A name is *not planned*, and keeps going through ``load_weights``, when its load did anything the
+replay could not reproduce exactly:
+
+* a copy into a parameter from a tensor that is not a view of the pushed one (the loader
+  converted, transposed into a temporary, or computed something: quantized or post-processed
+  weights);
+* any other in-place write to a parameter (``fill_``, ``__setitem__``, an ``out=``): such a
+  write cannot be attributed to one name, so the names of that batch are learned again one at a
+  time on their next push, and the one whose load writes that way stays unplanned;
+* a copy of the pushed bytes into storage that is not a parameter or buffer of the model.
+
+Invariants:
+
+* the first load of a name is the model's own ``load_weights`` (the plan only watches it), so a
+  push is exactly what ``load_weights`` would do on every path;
+* a recorded copy is replayed only for a tensor of the recorded dtype, shape and strides, and
+  only while every parameter still lives at the address it had when recorded (checked once a
+  push; a moved parameter drops the plan, and it is learned again);
+* copies are replayed in the order the loaders made them.
+
+Limits: a loader that writes a parameter from C++ or a custom kernel is invisible to the mode
+(its copy would be missing from the plan). vLLM's dense loaders copy from Python; the GPU check
+(``bench/gpu_e2e.py --sections push``) compares a planned push bitwise with ``load_weights``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["LoadPlan", "PlanStatistics"]
+
+logger = logging.getLogger(__name__)
+
+Batch = Sequence[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    dst: torch.Tensor
+    """A view of a parameter (or buffer): kept alive with the plan."""
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    """Source offset in elements from the pushed tensor's first element."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    copies: tuple[_Copy, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanStatistics:
+    planned: int
+    """Tensors the last push loaded by replaying the plan."""
+    learned: int
+    """Tensors the last push loaded with ``load_weights`` while the plan watched (first sight)."""
+    fallback: int
+    """Tensors the last push loaded with ``load_weights`` because the plan cannot map them."""
+    copies: int
+    """Copies the last push replayed."""
+    unplannable: dict[str, str] = field(default_factory=dict)
+    """Name -> why it is not planned (every name seen so far, a few at most per reason)."""
+    invalidations: int = 0
+    """Times the plan was dropped because a parameter moved."""
+
+
+class LoadPlan:
+    """Loads batches of (name, tensor) into ``model``: replayed copies where the plan knows
+    the name, the model's ``load_weights`` (watched, to learn it) where not."""
+
+    def __init__(self, model: torch.nn.Module, load_weights: Callable[[Batch], Any]) -> None:
+        self._model = model
+        self._load_weights = load_weights
+        self._entries: dict[str, _Entry] = {}
+        self._unplannable: dict[str, str] = {}
+        self._solo: set[str] = set()
+        """Names of a batch whose load could not be attributed: learned one at a time."""
+        self._addresses: list[int] = []
+        self._invalidations = 0
+        self._counts: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return (
+            f"<LoadPlan planned names={len(self._entries)}"
+            f" unplannable={len(self._unplannable)}>"
+        )
+
+    def statistics(self) -> PlanStatistics:
+        return PlanStatistics(
+            planned=self._counts["planned"],
+            learned=self._counts["learned"],
+            fallback=self._counts["fallback"],
+            copies=self._counts["copies"],
+            unplannable=dict(self._unplannable),
+            invalidations=self._invalidations,
+        )
+
+    def begin_push(self) -> None:
+        """Reset the per-push counters; drop the plan if any parameter moved since."""
+        self._counts.clear()
+        addresses = [t.data_ptr() for t in _state(self._model)]
+        if self._entries and addresses != self._addresses:
+            logger.info("model parameters moved since the load plan was made: learning it again")
+            self._entries.clear()
+            self._invalidations += 1
+        self._addresses = addresses
+
+    def load(self, batch: Batch) -> None:
+        """Load ``batch`` (the tensors may be views of a staging buffer: nothing keeps them)."""
+        planned: list[tuple[_Entry, torch.Tensor]] = []
+        learn: list[tuple[str, torch.Tensor]] = []
+        fallback: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in batch:
+            entry = self._entries.get(name)
+            if entry is not None and _matches(entry, tensor):
+                planned.append((entry, tensor))
+            elif name in self._unplannable:
+                fallback.append((name, tensor))
+            else:
+                learn.append((name, tensor))
+        copies = 0
+        with torch.no_grad():
+            for entry, tensor in planned:
+                base = tensor.storage_offset()
+                for copy in entry.copies:
+                    copy.dst.copy_(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
+                copies += len(entry.copies)
+        if learn:
+            self._learn(learn)
+        if fallback:
+            self._load_weights(fallback)
+        self._counts.update(
+            planned=len(planned), learned=len(learn), fallback=len(fallback), copies=copies
+        )
+
+    def _learn(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        together = [item for item in batch if item[0] not in self._solo]
+        alone = [[item] for item in batch if item[0] in self._solo]
+        for part in ([together] if together else []) + alone:
+            self._learn_part(part, alone=len(part) == 1 and part[0][0] in self._solo)
+
+    def _learn_part(self, batch: list[tuple[str, torch.Tensor]], *, alone: bool) -> None:
+        state = _state(self._model)
+        recorder = _Recorder(state, batch)
+        with recorder:
+            self._load_weights(batch)
+        if recorder.batch_unplannable is not None and not alone:
+            self._solo.update(name for name, _ in batch)  # isolate the culprit next time
+            logger.info(
+                "load plan: a load in a batch of %d wrote the model unattributably (%s); its"
+                " names are learned one at a time next push", len(batch),
+                recorder.batch_unplannable,
+            )
+            return
+        for name, tensor in batch:
+            reason = recorder.unplannable.get(name) or recorder.batch_unplannable
+            if reason is None and not recorder.copies.get(name):
+                reason = "its load copied nothing into the model"
+            if reason is not None:
+                if len(self._unplannable) < 10_000:
+                    self._unplannable[name] = reason
+                logger.info("load plan: %s stays with load_weights (%s)", name, reason)
+                continue
+            self._entries[name] = _Entry(
+                dtype=tensor.dtype,
+                shape=tuple(tensor.shape),
+                stride=tuple(tensor.stride()),
+                copies=tuple(recorder.copies[name]),
+            )
+
+
+def _matches(entry: _Entry, tensor: torch.Tensor) -> bool:
+    return (
+        tensor.dtype == entry.dtype
+        and tuple(tensor.shape) == entry.shape
+        and tuple(tensor.stride()) == entry.stride
+    )
+
+
+def _state(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+
+
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """[first byte, last byte + 1) of the memory a strided tensor reads."""
+    start = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return start, start
+    if any(s < 0 for s in tensor.stride()):
+        return start, -1  # never inside a pushed tensor's extent
+    span = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True)) + 1
+    return start, start + span * tensor.element_size()
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    storage = tensor.untyped_storage()
+    return str(tensor.device), storage.data_ptr()
+
+
+def _in_place(func: Callable[..., Any]) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or name.startswith("__i") or (
+        name.endswith("_") and not name.startswith("__")
+    )
+
+
+class _Recorder(TorchFunctionMode):
+    """Watches one ``load_weights`` call: records copies into the model's tensors."""
+
+    def __init__(self, state: Iterable[torch.Tensor], batch: Sequence[tuple[str, torch.Tensor]]):
+        super().__init__()
+        self._model_storages = {_storage_key(t) for t in state}
+        ranges = sorted(
+            (_extent(tensor), name, tensor) for name, tensor in batch if tensor.numel()
+        )
+        self._starts = [start for (start, _end), _, _ in ranges]
+        self._ranges = ranges
+        self.copies: dict[str, list[_Copy]] = {}
+        self.unplannable: dict[str, str] = {}
+        self.batch_unplannable: str | None = None
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        try:
+            self._watch(func, args, kwargs)
+        except Exception as exc:  # never break the load itself: just do not plan this batch
+            self.batch_unplannable = f"the load plan could not follow it ({exc!r})"
+        return result
+
+    def _watch(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor) and self._is_model(out):
+            self.batch_unplannable = f"{getattr(func, '__name__', func)}(out=) into the model"
+            return
+        if not args or not isinstance(args[0], torch.Tensor) or not _in_place(func):
+            return
+        target = args[0]
+        if target.numel() == 0:
+            return  # e.g. a loader zeroing vocabulary padding there is none of
+        if getattr(func, "__name__", "") == "copy_" and len(args) > 1:
+            source = args[1]
+            if isinstance(source, torch.Tensor):
+                self._on_copy(target, source)
+                return
+        if self._is_model(target):
+            self.batch_unplannable = f"{getattr(func, '__name__', func)} on a model tensor"
+
+    def _on_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        owner = self._owner(src)
+        into_model = self._is_model(dst)
+        if owner is None:
+            if into_model:  # from a temporary: the loader computed something
+                self.batch_unplannable = "a copy into the model from a tensor not pushed"
+            return
+        name, pushed = owner
+        if not into_model:
+            self.unplannable[name] = "its bytes were copied outside the model's tensors"
+        elif src.dtype != pushed.dtype:
+            self.unplannable[name] = f"its loader viewed it as {src.dtype}"
+        elif dst.device != src.device:
+            self.unplannable[name] = "its loader copies across devices"
+        else:
+            delta = src.data_ptr() - pushed.data_ptr()
+            if delta % src.element_size():
+                self.unplannable[name] = "its loader read it at an unaligned offset"
+                return
+            self.copies.setdefault(name, []).append(
+                _Copy(
+                    dst=dst.detach(),
+                    size=tuple(src.shape),
+                    stride=tuple(src.stride()),
+                    offset=delta // src.element_size(),
+                )
+            )
+
+    def _is_model(self, tensor: torch.Tensor) -> bool:
+        return _storage_key(tensor) in self._model_storages
+
+    def _owner(self, src: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """The pushed tensor ``src`` is a view of (its whole extent inside that tensor's)."""
+        start, end = _extent(src)
+        index = bisect.bisect_right(self._starts, start) - 1
+        if index < 0 or end < 0:
+            return None
+        (lo, hi), name, tensor = self._ranges[index]
+        if lo <= start and end <= hi and src.device == tensor.device:
+            return name, tensor
+        return None

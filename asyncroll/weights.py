@@ -136,10 +136,10 @@ class VersionedUpdater:
             marks = [started]
             pausable = [engine for engine in engines if not engine.is_asleep]
             try:
-                # No cache clear here: the prefix cache is reset once, after the push (a clear
-                # now would be a second reset, and keeps nothing the later one does not).
+                # The clear here frees the blocks of kept requests (``keep``), without which
+                # the reset after the push fails; that later reset is the one that counts.
                 paused = await asyncio.gather(
-                    *(e.pause(mode, clear_cache=False) for e in pausable), return_exceptions=True
+                    *(e.pause(mode, clear_cache=True) for e in pausable), return_exceptions=True
                 )
                 for outcome in paused:
                     if isinstance(outcome, BaseException):
@@ -218,6 +218,7 @@ class SenderChannel:
         timeout: float = 120.0,
         load: Literal["auto", "layerwise", "direct"] = "auto",
         load_plan: bool = True,
+        one_copy: bool = False,
         check_finite: bool = True,
         strict_dtype: bool = False,
     ) -> None:
@@ -234,6 +235,7 @@ class SenderChannel:
         if load == "auto":
             self._load = "direct" if torch.cuda.is_available() else "layerwise"
         self._load_plan = load_plan
+        self._one_copy = one_copy
         self._check_finite = check_finite
         self._strict_dtype = strict_dtype
         self._schemas: dict[str, Schema | None] = {}
@@ -253,6 +255,13 @@ class SenderChannel:
         thread: the finite check reads every byte)."""
         if not tensors:
             raise InvalidRequestError("no tensors to push")
+        if self._one_copy:
+            for name, tensor in tensors.items():
+                if not tensor.is_cuda or not tensor.is_contiguous():
+                    raise InvalidRequestError(
+                        f"one_copy=True reads the trainer's tensors in place: {name!r} must be"
+                        " a contiguous CUDA tensor (push it staged otherwise)"
+                    )
         engines = [engine for engine in self._engines if not engine.is_dead]
         for engine in engines:
             if engine.model_path not in self._schemas:
@@ -314,7 +323,9 @@ class SenderChannel:
     ) -> PushReport:
         """The push and every engine's receive, failing as soon as any of them fails (a dead
         worker's engine fails its call long before the sender's ack deadline)."""
-        push = asyncio.ensure_future(sender.push(tensors, version=version))
+        push = asyncio.ensure_future(
+            sender.push(tensors, version=version, one_copy=self._one_copy)
+        )
         loads = [asyncio.ensure_future(e.receive(version)) for e in engines]
         tasks = [push, *loads]
         try:
@@ -388,6 +399,7 @@ class WeightPusher(VersionedUpdater):
         timeout: float = 120.0,
         load: Literal["auto", "layerwise", "direct"] = "auto",
         load_plan: bool = True,
+        one_copy: bool = False,
         check_finite: bool = True,
         strict_dtype: bool = False,
     ) -> None:
@@ -407,6 +419,12 @@ class WeightPusher(VersionedUpdater):
                 once per tensor name, watched, and later pushes copy straight from the staging
                 buffer into the parameters (``asyncroll.load_plan``). False: the loaders run
                 on every push.
+            one_copy: No staging buffers: the workers copy straight from the trainer's tensors
+                (CUDA IPC handles of their storages, exported once and kept while the tensors
+                keep their storage). For a colocated trainer holding full, persistent
+                parameters; the tensors must be contiguous CUDA tensors and must not change
+                until ``update`` returns. Staged (the default) suits tensors made per push
+                (gathered shards, converted dtypes).
             check_finite: Refuse tensors holding NaN or inf before any engine pauses (one
                 reduction a tensor; ``bench/check_cost.py`` measures it).
             strict_dtype: Refuse any tensor whose dtype is not the dtype the engines serve
@@ -420,6 +438,7 @@ class WeightPusher(VersionedUpdater):
             timeout=timeout,
             load=load,
             load_plan=load_plan,
+            one_copy=one_copy,
             check_finite=check_finite,
             strict_dtype=strict_dtype,
         )

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import gc
 import random
+import statistics
 import sys
 import tempfile
 import threading
@@ -195,6 +196,8 @@ async def run_policy(
     tokens = 0
     resumed = 0
     async with AsyncServerManager([engine], resume_mode=mode) as manager:
+        if policy != "none":  # the first update attaches the pusher and learns the load plan
+            await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
         stats_before = manager.statistics()
 
         async def worker() -> None:
@@ -222,8 +225,10 @@ async def run_policy(
         updates = 0
         update_seconds = 0.0
         pending = set(workers)
-        stages = dict.fromkeys(("pause", "push", "finish", "cache_reset", "resume"), 0.0)
-        inside: collections.Counter[str] = collections.Counter()  # the push stage, split
+        stages: dict[str, list[float]] = {
+            k: [] for k in ("pause", "push", "finish", "cache_reset", "resume", "")
+        }
+        inside: dict[str, list[float]] = collections.defaultdict(list)  # the push, split
         with LoopLag() as lag, SlowTurns(enabled=slow_turns) as slow:
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=interval)
@@ -235,11 +240,12 @@ async def run_policy(
                     report = await manager.update_weights(weights, global_steps=step)
                     update_seconds += report.seconds
                     for stage in stages:
-                        stages[stage] += getattr(report, f"{stage}_seconds")
+                        stages[stage].append(getattr(report, f"{stage}_seconds" if stage
+                                                     else "seconds"))
                     if report.push is not None:
                         for key, value in vars_of(report.push).items():
                             if isinstance(value, float):
-                                inside[key] += value
+                                inside[key].append(value)
                     admission.open.set()
                     updates += 1
         elapsed = time.perf_counter() - started
@@ -255,9 +261,12 @@ async def run_policy(
         "loop_worst_ms": lag.worst_ms(),
         "loop_p99_ms": lag.p99_ms(),
         "slow_turns": slow.report(),
-        "update_stage_ms": {k: round(v / updates * 1e3, 1) for k, v in stages.items()}
-        if updates else {},
-        "push_report_ms": {k: round(v / updates * 1e3, 1) for k, v in inside.items()}
+        # medians over the updates of the run ("" is the whole update), and the worst
+        "update_stage_ms": {k or "total": round(statistics.median(v) * 1e3, 1)
+                            for k, v in stages.items()} if updates else {},
+        "update_stage_worst_ms": {k or "total": round(max(v) * 1e3, 1)
+                                  for k, v in stages.items()} if updates else {},
+        "push_report_ms": {k: round(statistics.median(v) * 1e3, 1) for k, v in inside.items()}
         if updates else {},
     }
 

@@ -580,3 +580,54 @@ def test_sender_repr_and_statistics_before_start() -> None:
         assert sender.statistics().buffers == 2
     finally:
         sender._release()
+
+
+@gpu
+@needs_cuda
+async def test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_reads(
+    pair: tuple[Child, Child],
+) -> None:
+    """One-copy mode: no staging; receivers read the trainer's storages (exported once), and
+    the push returns only once their reads are done on the device: the receivers' loads queue
+    a long GPU sleep before their copies, and the tensors are overwritten the moment the push
+    returns, yet the receivers hold the pushed values."""
+    tensors = {n: t.contiguous() for n, t in model_tensors(device="cuda").items()}
+    async with open_weight_sender(
+        backend=CudaIpcBackend(0), bucket_bytes=16 * KB, receivers=2, ack_timeout=30
+    ) as sender:
+        config = sender.receiver_config()
+        for i, child in enumerate(pair):
+            child.start("connect", config, f"r{i}")
+        await sender.wait_receivers(2)
+        for child in pair:
+            child.result()
+        for child in pair:
+            child.start("receive", pushes=3, device_delay_cycles=200_000_000)
+        first = await sender.push(tensors, version=1, one_copy=True)
+        exported = sender.statistics().shared_storages
+        for tensor in tensors.values():  # in place: the same storages, nothing re-exported
+            if tensor.is_floating_point():
+                tensor.mul_(2)
+        await sender.push(tensors, version=2, one_copy=True)
+        assert sender.statistics().shared_storages == exported
+        tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1  # a new storage
+        report = await sender.push(tensors, version=3, one_copy=True)
+        expected = digests(tensors)
+        for tensor in tensors.values():
+            tensor.zero_()  # the receivers' reads must be over by now
+        replies = [await asyncio.to_thread(child.result) for child in pair]
+        for child in pair:
+            await child.acall("close")
+        stats = sender.statistics()
+    assert first.buckets == 1 and report.buckets == 1 and report.receivers == 2
+    assert exported == len([t for t in tensors.values() if t.numel()])
+    assert stats.pushes == 3 and stats.failed_pushes == 0
+    for reply in replies:
+        assert reply["versions"] == [1, 2, 3]
+        assert reply["digests"] == expected
+
+
+async def test_one_copy_needs_cuda_tensors_and_says_so() -> None:
+    async with open_weight_sender(backend=ShmBackend(), bucket_bytes=16 * KB) as sender:
+        with pytest.raises(ValueError, match="cuda_ipc"):
+            await sender.push({"w": torch.ones(4)}, version=1, one_copy=True)

@@ -292,11 +292,22 @@ class CudaIpcBackend:
         return self._stream
 
     def allocate(self, *, nonce: str, index: int, nbytes: int) -> StagingBuffer:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        _rebuild, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]
-        return _CudaBuffer(tensor, pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
+        return _CudaBuffer(tensor, _export(tensor))
+
+    def export_storage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+        """Sender, one-copy mode: the whole storage under ``tensor`` as a flat uint8 tensor
+        (keep it: it keeps the storage alive while receivers map it) and its descriptor."""
+        whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        whole.set_(tensor.untyped_storage())
+        return whole, _export(whole)
+
+    def wait_sources(self, *, within: float) -> None:
+        """Block until the work queued before ``mark_sources_ready`` is done (one-copy mode:
+        receivers read the sources themselves, from other processes)."""
+        event = self._sources_ready
+        if event is not None:
+            poll_until(event.query, within=within)
 
     def copy_context(self) -> AbstractContextManager[object]:
         stream = self._copy_stream()
@@ -366,6 +377,13 @@ class CudaIpcBackend:
 
     def finish_loads(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+
+def _export(tensor: torch.Tensor) -> bytes:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(tensor)  # type: ignore[no-untyped-call]
+    return pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def poll_until(

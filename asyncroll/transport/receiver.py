@@ -128,6 +128,8 @@ class WeightReceiver:
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._mapped: list[MappedBuffer] = []
+        self._shared: dict[int, MappedBuffer] = {}
+        """One-copy mode: the trainer's storages mapped, by the sender's id."""
         self._spans = SpanAssembler()
         self._conn = secrets.token_bytes(16)
         self._next_out = 0
@@ -265,7 +267,7 @@ class WeightReceiver:
                 )
                 stage["wait"] += clock() - waiting
                 if (
-                    isinstance(message, wire.Bucket | wire.End)
+                    isinstance(message, wire.Bucket | wire.Shared | wire.End)
                     and message.push <= self._finished_push
                 ):
                     self._discard_stale(message)
@@ -273,11 +275,14 @@ class WeightReceiver:
                 if isinstance(message, wire.End):
                     push, end = message.push, message
                     break
-                if not isinstance(message, wire.Bucket):
+                if not isinstance(message, wire.Bucket | wire.Shared):
                     raise TransportBrokenError(f"unexpected {type(message).__name__} during a push")
                 push = message.push
                 if failure is None:
-                    failure, loaded = self._load(message, load_fn)
+                    if isinstance(message, wire.Shared):
+                        failure, loaded = self._load_shared(message, load_fn)
+                    else:
+                        failure, loaded = self._load(message, load_fn)
                     tensors += loaded
                     nbytes += sum(e.nbytes for e in message.entries)
                     buckets += 1
@@ -366,6 +371,50 @@ class WeightReceiver:
             return (names, f"{type(exc).__name__}: {exc}"[:2000]), 0
         return None, len(batch)
 
+    def _load_shared(
+        self, message: wire.Shared, load_fn: LoadFn
+    ) -> tuple[tuple[str, str] | None, int]:
+        """One-copy mode: map the trainer's storages (new ones; release the unlisted), load
+        every tensor in place from them, and finish the reads on the device before the ack
+        (the trainer may change its tensors once every receiver has acked)."""
+        batch = _Batch()
+        try:
+            if self._backend is None:
+                raise TransportBrokenError("a shared push before the welcome")
+            listed = {storage.id: storage for storage in message.storages}
+            for ident in [i for i in self._shared if i not in listed]:
+                self._shared.pop(ident).close()
+            for ident, storage in listed.items():
+                if ident not in self._shared:
+                    self._shared[ident] = self._backend.open(
+                        storage.descriptor, nbytes=storage.nbytes
+                    )
+            for entry in message.entries:
+                dtype = dtype_by_name(entry.dtype)
+                if entry.storage == -1 and entry.nbytes == 0:  # an empty tensor
+                    device = self._mapped[0].tensor.device if self._mapped else None
+                    batch.append((entry.name, torch.empty(entry.shape, dtype=dtype, device=device)))
+                    continue
+                source = listed.get(entry.storage)
+                if source is None or not 0 <= entry.offset <= source.nbytes - entry.nbytes:
+                    raise ValueError(f"{entry.name!r} lies outside the storages it was sent with")
+                buffer = self._shared[entry.storage].tensor
+                view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
+                batch.append((entry.name, view))
+            loading = time.perf_counter()
+            try:
+                load_fn(batch)
+            finally:
+                recording = time.perf_counter()
+                self._backend.finish_loads()  # reads done before the ack, even after a failure
+                self._load_seconds += recording - loading
+                self._stage["record"] += time.perf_counter() - recording
+        except Exception as exc:
+            names = batch.current or ", ".join(name for name, _ in batch)[:500]
+            log.warning("%r: loading %s (shared) failed: %r", self, names, exc)
+            return (names, f"{type(exc).__name__}: {exc}"[:2000]), 0
+        return None, len(batch)
+
     def _settle_loads(self) -> None:
         """Best effort: wait for loads already queued on the device (acked or not)."""
         if self._backend is not None:
@@ -373,22 +422,23 @@ class WeightReceiver:
                 self._backend.finish_loads()
 
     def _ack(
-        self, bucket: wire.Bucket, failure: tuple[str, str] | None
+        self, bucket: wire.Bucket | wire.Shared, failure: tuple[str, str] | None
     ) -> Callable[[int], wire.Message]:
         tensor, error = failure or ("", "")
+        index = bucket.index if isinstance(bucket, wire.Bucket) else 0
         return lambda seq: wire.Ack(
             conn=self._conn,
             seq=seq,
             push=bucket.push,
-            index=bucket.index,
+            index=index,
             error=error,
             tensor=tensor,
         )
 
-    def _discard_stale(self, message: wire.Bucket | wire.End) -> None:
+    def _discard_stale(self, message: wire.Bucket | wire.Shared | wire.End) -> None:
         """A message of a push we already gave up on: release its buffer, load nothing."""
         self._stale += 1
-        if isinstance(message, wire.Bucket):
+        if isinstance(message, wire.Bucket | wire.Shared):
             self._send(self._ack(message, ("", "stale bucket of an abandoned push")))
 
     # ---------------------------------------------------------------- socket
@@ -443,9 +493,10 @@ class WeightReceiver:
         self._closed = True
         self._settle_loads()  # queued reads must end before the mappings (and our Bye) go
         self._spans.release()
-        for mapped in self._mapped:
+        for mapped in [*self._mapped, *self._shared.values()]:
             mapped.close()
         self._mapped = []
+        self._shared = {}
         if self._sock is not None:
             if self._backend is not None:  # we were welcomed: say goodbye
                 with contextlib.suppress(zmq.ZMQError):

@@ -10,8 +10,11 @@ Invariants:
   and the device finished their reads (the load events they recorded, polled from the host: no
   stream of ours ever waits on another process's device work);
   packing bucket k+1 into one buffer overlaps receivers loading bucket k from the other;
-* a bucket is signalled only once its copies are done; with asynchronous copies (CUDA) and two
-  or more buffers, one step late: bucket k+1's copies are queued before bucket k is signalled;
+* a bucket is signalled only once its copies are done; with asynchronous copies (CUDA) and three
+  or more buffers, one step late: bucket k+1's copies are queued before bucket k is signalled.
+  Never with two: packing k+1 then needs the buffer of k-1, so k's signal would wait for the
+  receiver to finish k-1 and the receiver would idle between buckets (this halved the end-to-end
+  rate of a 7B push on an H100);
 * packing runs in one private worker thread, FIFO, so a push cancelled mid-pack can never race
   the next push's packing of the same buffer;
 * every wait is bounded (``connect_timeout``, ``ack_timeout``) and a timeout names the receiver
@@ -51,7 +54,13 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.transport import wire
-from asyncroll.transport.backends import Backend, ShmBackend, StagingBuffer, poll_until
+from asyncroll.transport.backends import (
+    Backend,
+    CudaIpcBackend,
+    ShmBackend,
+    StagingBuffer,
+    poll_until,
+)
 from asyncroll.transport.packing import dtype_name, pack_bucket
 from asyncroll.transport.plan import Bucket, GroupOf, TensorMeta, default_group, plan_buckets
 from asyncroll.transport.security import JobIdentity, RateLimitedLog, make_runtime_dir
@@ -102,6 +111,8 @@ class SenderStatistics:
     bucket_bytes: int
     sealed: bool
     closed: bool
+    shared_storages: int = 0
+    """One-copy mode: the trainer's storages exported and kept (since the last push)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -164,9 +175,13 @@ class WeightSender:
         self._holders: list[set[bytes]] = [set() for _ in range(buffers)]
         self._holding: list[tuple[int, int] | None] = [None] * buffers
         self._loaders: list[list[bytes]] = [[] for _ in range(buffers)]
-        self._late_signals = self._backend.async_copies and buffers > 1
+        self._late_signals = self._backend.async_copies and buffers > 2
         """Signal bucket k once bucket k+1's copies are queued (see ``_run_push``)."""
         self._push: _PushState | None = None
+        self._shared: dict[tuple[str, int, int], tuple[int, torch.Tensor, bytes]] = {}
+        """One-copy mode: exported storages by (device, address, bytes) -> (id, the storage as
+        a uint8 tensor, its descriptor). Holding the tensor keeps the address from reuse."""
+        self._shared_ids = 0
         self._push_ids = 0
         self._pushes = self._failed = self._bytes = self._auth_failures = 0
         self._sealed = self._closed = False
@@ -241,6 +256,7 @@ class WeightSender:
             bucket_bytes=self._bucket_bytes,
             sealed=self._sealed,
             closed=self._closed,
+            shared_storages=len(self._shared),
         )
 
     def __repr__(self) -> str:
@@ -285,8 +301,14 @@ class WeightSender:
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
         version: int,
+        one_copy: bool = False,
     ) -> PushReport:
         """Move ``named_tensors`` into every ready receiver; returns once all of them loaded it.
+
+        ``one_copy`` (CUDA IPC only): no staging; receivers read the tensors in place, through
+        IPC handles of their storages (exported once while the sender keeps them). The tensors
+        must be contiguous and must not change until this returns: by then every receiver's
+        reads are finished on the device.
 
         Raises:
             WeightSyncError: a receiver's loader raised (names the receiver, tensor and message).
@@ -299,6 +321,12 @@ class WeightSender:
         tensors = dict(pairs)
         if len(tensors) != len(pairs):
             raise ValueError("tensor names must be unique")
+        if one_copy:
+            self._check_shareable(tensors)
+            if self._expected is not None:
+                await self.wait_receivers(self._expected)
+            async with self._push_lock:
+                return await self._run_shared_push(tensors, version)
         plan = plan_buckets(
             [TensorMeta.of(name, t) for name, t in tensors.items()],
             bucket_bytes=self._bucket_bytes,
@@ -345,9 +373,10 @@ class WeightSender:
         state = self._push = _PushState(id=self._push_ids, version=version)
         started = time.perf_counter()
         pack_s = wait_s = 0.0
-        # With asynchronous copies (CUDA) and two or more buffers, a bucket is signalled one
+        # With asynchronous copies (CUDA) and three or more buffers, a bucket is signalled one
         # step late: once bucket k+1's copies are queued, we wait for bucket k's and signal it,
         # so the device always has the next copies at hand while Python signals and acks.
+        # (With two, k+1's buffer is k-1's: k's signal would wait for k-1's ack.)
         unsignalled: tuple[Bucket, int, object] | None = None
         try:
             self._backend.mark_sources_ready()
@@ -401,6 +430,114 @@ class WeightSender:
             pack_seconds=pack_s,
             wait_seconds=wait_s,
         )
+
+    def _check_shareable(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        backend = self._backend
+        if not isinstance(backend, CudaIpcBackend):
+            raise ValueError(f"one-copy pushes need the cuda_ipc backend, not {backend.name}")
+        for name, tensor in tensors.items():
+            if tensor.device != backend.device:
+                raise ValueError(
+                    f"one-copy push: {name!r} is on {tensor.device}, the sender on"
+                    f" {backend.device}"
+                )
+            if not tensor.is_contiguous():
+                raise ValueError(f"one-copy push: {name!r} is not contiguous")
+
+    async def _run_shared_push(self, tensors: dict[str, torch.Tensor], version: int) -> PushReport:
+        """One-copy mode: one message naming every tensor's storage and place; one ack from
+        each receiver once its reads are done on the device."""
+        peers = [peer for peer in self._peers.values() if peer.ready]
+        if not peers:
+            raise WeightSyncError("no receiver is connected")
+        backend = self._backend
+        assert isinstance(backend, CudaIpcBackend)
+        self._push_ids += 1
+        state = self._push = _PushState(id=self._push_ids, version=version)
+        started = time.perf_counter()
+        try:
+            await self._wait_buffer_free(0, state)  # no bucket of an earlier push pending
+            backend.mark_sources_ready()
+            storages, entries, used = self._share(backend, tensors)
+            t0 = time.perf_counter()
+            await self._in_packer(
+                functools.partial(backend.wait_sources, within=self._ack_timeout)
+            )
+            pack_s = time.perf_counter() - t0
+            self._holding[0] = (state.id, 0)
+            self._holders[0] = {peer.identity for peer in peers if peer.identity in self._peers}
+            self._loaders[0] = []  # receivers synchronise before they ack a shared push
+            for peer in peers:
+                await self._send(
+                    peer,
+                    lambda p, seq: wire.Shared(
+                        conn=p.conn, seq=seq, push=state.id, version=version,
+                        storages=storages, entries=entries,
+                    ),
+                )
+            t1 = time.perf_counter()
+            await self._wait_buffer_free(0, state)
+            wait_s = time.perf_counter() - t1
+            await self._send_end(peers, state, 1, error="")
+        except BaseException as exc:
+            self._failed += 1
+            await _shielded(self._send_end(peers, state, 1, error=_describe_exc(exc)))
+            raise
+        finally:
+            self._push = None
+        for key in [key for key in self._shared if key not in used]:
+            del self._shared[key]  # receivers release what the next push does not list
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._pushes += 1
+        self._bytes += nbytes
+        return PushReport(
+            version=version,
+            bytes=nbytes,
+            buckets=1,
+            tensors=len(tensors),
+            receivers=len(peers),
+            seconds=time.perf_counter() - started,
+            pack_seconds=pack_s,
+            wait_seconds=wait_s,
+        )
+
+    def _share(
+        self, backend: CudaIpcBackend, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[list[wire.Storage], list[wire.SharedEntry], set[tuple[str, int, int]]]:
+        storages: dict[int, wire.Storage] = {}
+        entries = []
+        used = set()
+        for name, tensor in tensors.items():
+            if tensor.numel() == 0:  # no bytes, no storage to share
+                entries.append(
+                    wire.SharedEntry(
+                        name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
+                        storage=-1, offset=0, nbytes=0,
+                    )
+                )
+                continue
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
+            if key not in self._shared:
+                self._shared_ids += 1
+                whole, descriptor = backend.export_storage(tensor)
+                self._shared[key] = (self._shared_ids, whole, descriptor)
+            ident, whole, descriptor = self._shared[key]
+            used.add(key)
+            storages.setdefault(
+                ident, wire.Storage(id=ident, descriptor=descriptor, nbytes=whole.numel())
+            )
+            entries.append(
+                wire.SharedEntry(
+                    name=name,
+                    dtype=dtype_name(tensor.dtype),
+                    shape=list(tensor.shape),
+                    storage=ident,
+                    offset=int(tensor.storage_offset()) * tensor.element_size(),
+                    nbytes=tensor.numel() * tensor.element_size(),
+                )
+            )
+        return list(storages.values()), entries, used
 
     async def _in_packer(self, function: Callable[..., _T], *args: object) -> _T:
         """Run ``function`` in the packing thread (FIFO); TransportClosedError once closed."""
@@ -636,7 +773,7 @@ class WeightSender:
             if peer is not None or message.seq != 0 or message.conn in self._seen_conns:
                 raise TransportAuthError("replayed or duplicate hello")
             return
-        if isinstance(message, wire.Welcome | wire.Bucket | wire.End):
+        if isinstance(message, wire.Welcome | wire.Bucket | wire.Shared | wire.End):
             raise TransportAuthError(f"unexpected {type(message).__name__}")
         if peer is None or message.conn != peer.conn or message.seq != peer.next_in:
             raise TransportAuthError("message out of sequence (replayed?)")
@@ -773,6 +910,7 @@ class WeightSender:
             for buffer in self._staging:
                 buffer.close()
         self._staging = []
+        self._shared.clear()
         self._unlink_names()
 
     def _copies_pending(self) -> bool:

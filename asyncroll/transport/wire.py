@@ -34,6 +34,8 @@ __all__ = [
     "Message",
     "Ready",
     "Sealer",
+    "Shared",
+    "SharedEntry",
     "Welcome",
 ]
 
@@ -101,6 +103,40 @@ class Bucket(msgspec.Struct, tag=True, frozen=True):
     completes: list[str]
 
 
+class SharedEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor of a shared push: ``nbytes`` at byte ``offset`` of storage ``storage``."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    storage: int
+    offset: int
+    nbytes: int
+
+
+class Storage(msgspec.Struct, array_like=True, frozen=True):
+    """One of the trainer's storages, exported for a shared push (``id`` is stable while the
+    sender keeps the storage: a receiver maps a descriptor once)."""
+
+    id: int
+    descriptor: bytes
+    nbytes: int
+
+
+class Shared(msgspec.Struct, tag=True, frozen=True):
+    """Sender -> receiver: all of push ``push``, read in place from the trainer's tensors
+    (one-copy mode). ``storages`` lists every storage the entries use; a receiver maps those it
+    has not mapped yet and releases the ones it holds that are not listed. One ack answers it,
+    sent once the receiver's reads are finished on the device."""
+
+    conn: bytes
+    seq: int
+    push: int
+    version: int
+    storages: list[Storage]
+    entries: list[SharedEntry]
+
+
 class Ack(msgspec.Struct, tag=True, frozen=True):
     """Receiver -> sender: buffer of bucket ``index`` may be reused; ``error`` if loading failed."""
 
@@ -130,7 +166,7 @@ class Bye(msgspec.Struct, tag=True, frozen=True):
     seq: int
 
 
-Message = Hello | Welcome | Ready | Bucket | Ack | End | Bye
+Message = Hello | Welcome | Ready | Bucket | Shared | Ack | End | Bye
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)

@@ -52,14 +52,14 @@ def num_unfinished_requests(llm: Any) -> int:
 
 
 async def pause_generation(llm: Any, *, mode: str, clear_cache: bool) -> None:
-    """vLLM's pause. Without a cache clear, the scheduler is paused directly: AsyncLLM's
-    ``pause_generation`` then only adds a fixed 20 ms sleep that orders outputs for its caller
-    (the adapter settles vLLM's output queue itself before it counts tokens)."""
+    """vLLM's pause without AsyncLLM's fixed 20 ms sleep (it only orders outputs for its
+    caller; the adapter settles vLLM's output queue itself before it counts tokens): the same
+    two steps, the multimodal cache clear and the scheduler's pause, where the client has them."""
     pause = getattr(getattr(llm, "engine_core", None), "pause_scheduler_async", None)
-    if clear_cache or pause is None:
+    clear = getattr(getattr(llm, "renderer", None), "clear_mm_cache_async", None)
+    if pause is None or (clear_cache and clear is None):
         await llm.pause_generation(mode=mode, clear_cache=clear_cache)
         return
-    try:
-        await pause(mode=mode, clear_cache=False)
-    except TypeError:  # another signature than 0.32's: take the public path
-        await llm.pause_generation(mode=mode, clear_cache=False)
+    if clear_cache and clear is not None:
+        await clear()
+    await pause(mode=mode, clear_cache=clear_cache)

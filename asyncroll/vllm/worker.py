@@ -103,6 +103,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._touched = False
         """The update in progress has handed tensors to the model's loader."""
         self._plan: LoadPlan | None = None
+        self._planning = False
+        """The last push loaded through the plan."""
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         self.shutdown()
@@ -157,7 +159,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if direct or load_weights is None
             else load_weights
         )
-        if direct and self._info.plan:
+        self._planning = direct and self._info.plan
+        if self._planning:
             if self._plan is None:
                 self._plan = LoadPlan(self.model, self.model.load_weights)  # type: ignore[arg-type]
             self._plan.begin_push()
@@ -193,7 +196,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     @property
     def plan_statistics(self) -> PlanStatistics | None:
         """What the load plan did in the last push (None: no plan, e.g. a layerwise load)."""
-        return self._plan.statistics() if self._plan is not None else None
+        return self._plan.statistics() if self._plan is not None and self._planning else None
 
     def before_load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """Called before each batch goes to the model's loader (an extension point:

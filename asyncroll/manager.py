@@ -119,7 +119,6 @@ class AsyncServerManager:
         self._weights: WeightUpdater | None = weights
         self._owns_weights = weights is None
         self._retired: list[WeightUpdater] = []
-        self._weights_for: tuple[str, ...] = ()
         self._sticky = StickyTable()
         self._rotation = itertools.count()
         self._gate = asyncio.Event()
@@ -292,23 +291,15 @@ class AsyncServerManager:
                 raise InvalidRequestError(
                     f"global_steps {global_steps} is lower than the published {self._global_steps}"
                 )
-            engines = [engine for engine in self._engines if not engine.is_dead]
-            names = tuple(engine.name for engine in engines)
-            if self._owns_weights and self._weights is not None and names != self._weights_for:
-                self._retired.append(self._weights)  # an engine died: attach the survivors
-                self._weights = None
             while self._retired:
                 await self._retired.pop().aclose()
-            if self._weights is None:
-                self._weights = WeightPusher(_receiving(engines))
-                self._weights_for = names
+            if self._weights is None:  # an engine that dies later is skipped by the pusher
+                self._weights = WeightPusher(_receiving(self._engines))
             self._gate.clear()
             try:
                 report = await self._weights.update(
                     named_tensors, global_steps=global_steps, mode=self.resume_mode
                 )
-            except WeightSyncError:
-                raise
             finally:
                 self._gate.set()
             if global_steps is not None:

@@ -49,7 +49,14 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 class LoopLag:
-    """The longest and 99th-percentile event-loop turn, in CPU time of the loop's thread."""
+    """The longest and 99th-percentile CPU time the loop's thread spends between two beats
+    of a 1 ms heartbeat (one long turn shows up whole).
+
+    Not a ``sleep(0)`` spin: a loop that never idles keeps its thread runnable, and every other
+    thread of the process (the sender's packing thread) then waits out the GIL's switch
+    interval at each release. A spinning heartbeat made the push 12x slower on the H100 (the
+    stall sampler's, docs/benchmarks.md); this monitor spun the same way until 2026-11-23 and is
+    the likely cause of the rollout runs' push stage being 7-12x slower than the push alone."""
 
     def __init__(self) -> None:
         self.turns: list[float] = []
@@ -58,7 +65,7 @@ class LoopLag:
     async def _watch(self) -> None:
         while True:
             before = time.thread_time()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
             self.turns.append(time.thread_time() - before)
 
     def __enter__(self) -> LoopLag:

@@ -123,15 +123,27 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
 
 
+class Twins:
+    """Two identical models: one loads through a plan, the other through ``load_weights``."""
+
+    def __init__(self, *, pad_vocab: bool = True) -> None:
+        self.planned, self.plain = VllmLike(pad_vocab=pad_vocab), VllmLike(pad_vocab=pad_vocab)
+        self.plan = LoadPlan(self.planned, self.planned.load_weights)
+
+    def push(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Push ``tensors`` into both; they must end bitwise equal."""
+        self.plan.begin_push()
+        self.plan.load(staged(tensors))
+        self.plain.load_weights(tensors.items())
+        assert_same(self.planned, self.plain)
+
+
 def test_planned_pushes_equal_load_weights_bitwise_and_say_what_is_not_planned() -> None:
-    planned, plain = VllmLike(), VllmLike()
-    plan = LoadPlan(planned, planned.load_weights)
+    twins = Twins()
+    plan = twins.plan
     for step in range(4):
         tensors = pushed(step)
-        plan.begin_push()
-        plan.load(staged(tensors))
-        plain.load_weights(tensors.items())
-        assert_same(planned, plain)
+        twins.push(tensors)
         stats = plan.statistics()
         if step == 0:  # everything is learned through the loaders; the padding fill_ taints
             assert stats.learned == len(tensors) and stats.planned == 0  # the whole batch
@@ -149,54 +161,32 @@ def test_planned_pushes_equal_load_weights_bitwise_and_say_what_is_not_planned()
 
 
 def test_a_batch_without_unattributable_writes_is_planned_from_the_second_push() -> None:
-    planned, plain = VllmLike(pad_vocab=False), VllmLike(pad_vocab=False)
-    plan = LoadPlan(planned, planned.load_weights)
+    twins = Twins(pad_vocab=False)
     for step in range(3):
-        tensors = pushed(10 + step)
-        plan.begin_push()
-        plan.load(staged(tensors))
-        plain.load_weights(tensors.items())
-        assert_same(planned, plain)
-    stats = plan.statistics()
+        twins.push(pushed(10 + step))
+    stats = twins.plan.statistics()
     assert stats.planned == len(pushed(0)) - 2  # no padding: the embedding is planned too
     assert set(stats.unplannable) == {"scaled.weight", "lm_head.weight"}
 
 
 def test_partial_pushes_and_a_changed_dtype_stay_exact() -> None:
-    planned, plain = VllmLike(pad_vocab=False), VllmLike(pad_vocab=False)
-    plan = LoadPlan(planned, planned.load_weights)
-    for step in range(2):
-        plan.begin_push()
-        plan.load(staged(pushed(step)))
-        plain.load_weights(pushed(step).items())
+    twins = Twins(pad_vocab=False)
+    twins.push(pushed(0))
+    twins.push(pushed(1))
     chosen = ("k_proj.weight", "up_proj.weight")
-    partial = {k: v for k, v in pushed(7).items() if k.endswith(chosen)}
-    plan.begin_push()
-    plan.load(staged(partial))
-    plain.load_weights(partial.items())
-    assert_same(planned, plain)
-    assert plan.statistics().planned == 2
-    as_float = {"norm.weight": pushed(8)["norm.weight"].float()}  # a new dtype: learned anew
-    plan.begin_push()
-    plan.load(staged(as_float))
-    plain.load_weights(as_float.items())
-    assert_same(planned, plain)
-    assert plan.statistics().learned == 1
+    twins.push({k: v for k, v in pushed(7).items() if k.endswith(chosen)})
+    assert twins.plan.statistics().planned == 2
+    twins.push({"norm.weight": pushed(8)["norm.weight"].float()})  # a new dtype: learned anew
+    assert twins.plan.statistics().learned == 1
 
 
 def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again() -> None:
-    planned, plain = VllmLike(pad_vocab=False), VllmLike(pad_vocab=False)
-    plan = LoadPlan(planned, planned.load_weights)
-    for step in range(2):
-        plan.begin_push()
-        plan.load(staged(pushed(step)))
-        plain.load_weights(pushed(step).items())
-    planned.qkv_weight.data = planned.qkv_weight.data.clone()  # new storage, new address
-    plan.begin_push()
-    plan.load(staged(pushed(5)))
-    plain.load_weights(pushed(5).items())
-    assert_same(planned, plain)
-    stats = plan.statistics()
+    twins = Twins(pad_vocab=False)
+    twins.push(pushed(0))
+    twins.push(pushed(1))
+    twins.planned.qkv_weight.data = twins.planned.qkv_weight.data.clone()  # a new address
+    twins.push(pushed(5))
+    stats = twins.plan.statistics()
     assert stats.invalidations == 1 and stats.planned == 0 and stats.learned > 0
 
 

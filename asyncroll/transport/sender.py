@@ -1,8 +1,10 @@
-"""The trainer side of the weight push: persistent staging buffers (two), N receivers, one socket.
+"""The trainer side of the weight push: staging buffers (two, persistent) and the push pipeline.
 
-``open_weight_sender`` binds a ZeroMQ ROUTER socket in a private runtime directory, allocates the
-staging buffers once, and owns one reader task (started on enter, cancelled and awaited on exit)
-that authenticates every incoming frame and turns acks into state the push coroutine waits on.
+``open_weight_sender`` builds a ``WeightSender``: its control plane (``peers.ControlPlane``: the
+socket, the receivers and the reader task, which lives exactly as long as the ``async with``)
+and its staging buffers, allocated once. A push plans buckets, packs each into a free buffer and
+signals it to every ready receiver: ``_run_push`` is the whole per-bucket loop. A one-copy push
+(``shared``) skips the staging and sends one message.
 
 Invariants:
 
@@ -19,7 +21,9 @@ Invariants:
   the next push's packing of the same buffer;
 * every wait is bounded (``connect_timeout``, ``ack_timeout``) and a timeout names the receiver
   and the bucket that did not answer;
-* a frame that fails authentication is dropped and counted, never acked, and never disturbs a push;
+* every push ends with an End to each receiver still here, naming the error if it failed (and
+  then counted as failed once);
+* a staging buffer that copies may still be queued into is never freed (``_QUARANTINE``);
 * after ``wait_receivers`` succeeds (with ``seal=True``), the socket file, the runtime directory
   and the shared-memory names are unlinked: from then on a SIGKILL of either side leaves nothing on
   disk, and nobody else can connect.
@@ -31,8 +35,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import shutil
 import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -42,9 +44,6 @@ from pathlib import Path
 from typing import Final, TypeVar
 
 import torch
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from asyncroll.errors import (
     TransportAuthError,
@@ -62,8 +61,11 @@ from asyncroll.transport.backends import (
     poll_until,
 )
 from asyncroll.transport.packing import dtype_name, pack_bucket
+from asyncroll.transport.peers import MAX_FRAME_BYTES as MAX_FRAME_BYTES
+from asyncroll.transport.peers import ControlPlane, Peer, PeerHooks
 from asyncroll.transport.plan import Bucket, GroupOf, TensorMeta, default_group, plan_buckets
-from asyncroll.transport.security import JobIdentity, RateLimitedLog, make_runtime_dir
+from asyncroll.transport.security import JobIdentity
+from asyncroll.transport.shared import SharedStorages, check_shareable
 
 __all__ = ["PushReport", "SenderStatistics", "WeightSender", "open_weight_sender"]
 
@@ -72,8 +74,6 @@ _T = TypeVar("_T")
 
 DEFAULT_BUCKET_BYTES: Final = 512 << 20
 """Size of one staging buffer: large enough to amortise a round trip, small enough to double."""
-MAX_FRAME_BYTES: Final = 1 << 20
-"""Largest frame a peer may send us; bigger ones drop the peer's connection (no memory DoS)."""
 _QUARANTINE: list[StagingBuffer] = []
 """Staging buffers closed with copies still queued into them: never freed (see ``_release``)."""
 
@@ -116,25 +116,11 @@ class SenderStatistics:
 
 
 @dataclass(slots=True, kw_only=True)
-class _Peer:
-    identity: bytes
-    conn: bytes
-    name: str
-    pid: int
-    next_in: int = 1
-    next_out: int = 0
-    ready: bool = False
-    load_events: list[object] | None = None
-    """Device events the peer records after loading each buffer (None: it syncs before acks)."""
-
-    def describe(self) -> str:
-        return f"receiver {self.name!r} (pid {self.pid})"
-
-
-@dataclass(slots=True, kw_only=True)
 class _PushState:
     id: int
     version: int
+    peers: list[Peer]
+    """The receivers ready when the push began: each is sent every bucket and the End."""
     failure: BaseException | None = None
 
 
@@ -167,40 +153,30 @@ class WeightSender:
         self._close_timeout = close_timeout
         self._seal_when_ready = seal
         self._identity = identity or JobIdentity.generate()
-        self._sealer = wire.Sealer(self._identity.secret, role="sender")
-        self._auth_log = RateLimitedLog(log)
-        self._peers: dict[bytes, _Peer] = {}
-        self._seen_conns: set[bytes] = set()
-        self._rejected: set[bytes] = set()
         self._holders: list[set[bytes]] = [set() for _ in range(buffers)]
         self._holding: list[tuple[int, int] | None] = [None] * buffers
         self._loaders: list[list[bytes]] = [[] for _ in range(buffers)]
         self._late_signals = self._backend.async_copies and buffers > 2
         """Signal bucket k once bucket k+1's copies are queued (see ``_run_push``)."""
         self._push: _PushState | None = None
-        self._shared: dict[tuple[str, int, int], tuple[int, torch.Tensor, bytes]] = {}
-        """One-copy mode: exported storages by (device, address, bytes) -> (id, the storage as
-        a uint8 tensor, its descriptor). Holding the tensor keeps the address from reuse."""
-        self._shared_ids = 0
+        self._shared = SharedStorages()
         self._push_ids = 0
-        self._pushes = self._failed = self._bytes = self._auth_failures = 0
-        self._sealed = self._closed = False
-        self._fatal: BaseException | None = None
-        self._changed = asyncio.Condition()
+        self._pushes = self._failed = self._bytes = 0
         self._push_lock = asyncio.Lock()
-        self._reader: asyncio.Task[None] | None = None
         self._staging: list[StagingBuffer] = []
+        self._control = ControlPlane(
+            identity=self._identity,
+            hooks=PeerHooks(
+                welcome=self._welcome,
+                open_load_events=self._open_load_events,
+                on_ack=self._on_ack,
+                on_drop=self._on_drop,
+            ),
+            owner=self,
+            runtime_base=runtime_base,
+        )
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="asyncroll-pack")
-        self._dir = make_runtime_dir(self._identity.nonce, runtime_base)
-        self._socket_path = self._dir / "ctl.sock"
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._conn_of: dict[int, bytes] = {}  # connection fd -> peer identity
-        self._origin: dict[bytes, str] = {}  # peer identity -> kernel-reported credentials
-        self._gone: set[bytes] = set()  # peers that left: their late frames are ignored
         try:
-            self._bind()
             self._staging = [
                 self._backend.allocate(nonce=self._identity.nonce, index=i, nbytes=bucket_bytes)
                 for i in range(buffers)
@@ -209,24 +185,11 @@ class WeightSender:
             self._release()
             raise
 
-    def _bind(self) -> None:
-        for option, value in (
-            (zmq.LINGER, 0),
-            (zmq.ROUTER_MANDATORY, 1),
-            (zmq.MAXMSGSIZE, MAX_FRAME_BYTES),
-        ):
-            self._sock.setsockopt(option, value)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._socket_path)  # stale file of a crashed namesake
-        self._sock.bind(self.address)
-        os.chmod(self._socket_path, 0o600)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-
     # ---------------------------------------------------------------- public API
 
     @property
     def address(self) -> str:
-        return f"ipc://{self._socket_path}"
+        return self._control.address
 
     @property
     def nonce(self) -> str:
@@ -234,7 +197,7 @@ class WeightSender:
 
     @property
     def runtime_dir(self) -> Path:
-        return self._dir
+        return self._control.runtime_dir
 
     def receiver_config(self) -> dict[str, str | int]:
         """Everything a receiver needs, as a json-able dict (it holds the secret: never log it)."""
@@ -246,16 +209,17 @@ class WeightSender:
         }
 
     def statistics(self) -> SenderStatistics:
+        control = self._control.statistics()
         return SenderStatistics(
-            receivers=sum(peer.ready for peer in self._peers.values()),
+            receivers=control.ready,
             pushes=self._pushes,
             failed_pushes=self._failed,
             bytes_pushed=self._bytes,
-            auth_failures=self._auth_failures,
+            auth_failures=control.auth_failures,
             buffers=len(self._holders),
             bucket_bytes=self._bucket_bytes,
-            sealed=self._sealed,
-            closed=self._closed,
+            sealed=control.sealed,
+            closed=control.closed,
             shared_storages=len(self._shared),
         )
 
@@ -276,25 +240,29 @@ class WeightSender:
             TransportTimeoutError: not enough receivers came within the timeout.
             TransportClosedError: the sender was closed.
         """
-        if self._sealed and self._ready_count() < n:
+        control = self._control
+        if control.sealed and control.ready_count() < n:
             raise TransportBrokenError(
-                f"{self._ready_count()} of {n} receivers left, and the sender is sealed (no new"
+                f"{control.ready_count()} of {n} receivers left, and the sender is sealed (no new"
                 " receiver can connect): open a new sender"
             )
-        failures_before = self._auth_failures
+        failures_before = control.statistics().auth_failures
         timeout = self._connect_timeout
         try:
-            await self._wait(lambda: self._ready_count() >= n, within=timeout)
+            await control.wait(lambda: control.ready_count() >= n, within=timeout)
         except TimeoutError:
-            msg = f"{self._ready_count()} of {n} receivers connected within {timeout:g} s"
-            if self._auth_failures > failures_before:
+            msg = f"{control.ready_count()} of {n} receivers connected within {timeout:g} s"
+            failures = control.statistics().auth_failures - failures_before
+            if failures:
                 raise TransportAuthError(
-                    f"{msg}; {self._auth_failures - failures_before} peer message(s) failed"
-                    " authentication (a receiver with the wrong secret?)"
+                    f"{msg}; {failures} peer message(s) failed authentication (a receiver with"
+                    " the wrong secret?)"
                 ) from None
             raise TransportTimeoutError(msg) from None
-        if self._seal_when_ready:
-            self._seal()
+        if self._seal_when_ready and not control.sealed:
+            for buffer in self._staging:
+                buffer.unlink()
+            control.seal()
 
     async def push(
         self,
@@ -316,13 +284,13 @@ class WeightSender:
             TransportTimeoutError: a receiver did not ack within ``ack_timeout``.
             TransportClosedError: the sender is closed.
         """
-        self._check_usable()
+        self._control.check_usable()
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         tensors = dict(pairs)
         if len(tensors) != len(pairs):
             raise ValueError("tensor names must be unique")
         if one_copy:
-            self._check_shareable(tensors)
+            check_shareable(self._backend, tensors)
             if self._expected is not None:
                 await self.wait_receivers(self._expected)
             async with self._push_lock:
@@ -342,35 +310,22 @@ class WeightSender:
 
         Idempotent; safe to call while a push is in flight (the push raises TransportClosedError).
         """
-        if self._closed:
+        if self._control.closed:
             return
-        self._closed = True
         try:
-            async with self._changed:
-                self._changed.notify_all()  # a push waiting on acks raises TransportClosedError
-            with contextlib.suppress(TimeoutError):
-                await self._wait(
-                    lambda: not self._peers or self._fatal is not None,  # no reader: no byes
-                    within=self._close_timeout,
-                    closing=True,
-                )
+            await self._control.aclose(within=self._close_timeout)
         finally:
-            if self._reader is not None:
-                self._reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._reader
             self._release()
+
+    def start(self) -> None:
+        """Start the reader task (``open_weight_sender`` does this and owns the task)."""
+        self._control.start()
 
     # ---------------------------------------------------------------- the push
 
     async def _run_push(
         self, plan: list[Bucket], tensors: dict[str, torch.Tensor], version: int
     ) -> PushReport:
-        peers = [peer for peer in self._peers.values() if peer.ready]
-        if not peers:
-            raise WeightSyncError("no receiver is connected")
-        self._push_ids += 1
-        state = self._push = _PushState(id=self._push_ids, version=version)
         started = time.perf_counter()
         pack_s = wait_s = 0.0
         # With asynchronous copies (CUDA) and three or more buffers, a bucket is signalled one
@@ -378,7 +333,7 @@ class WeightSender:
         # so the device always has the next copies at hand while Python signals and acks.
         # (With two, k+1's buffer is k-1's: k's signal would wait for k-1's ack.)
         unsignalled: tuple[Bucket, int, object] | None = None
-        try:
+        async with self._pushing(version, buckets=len(plan)) as state:
             self._backend.mark_sources_ready()
             for bucket in plan:
                 index = bucket.index % len(self._staging)
@@ -393,82 +348,45 @@ class WeightSender:
                 t2 = time.perf_counter()
                 wait_s, pack_s = wait_s + t1 - t0, pack_s + t2 - t1
                 if unsignalled is not None:
-                    await self._send_bucket(peers, unsignalled[0], unsignalled[1], state)
+                    await self._send_bucket(unsignalled[0], unsignalled[1], state)
                     unsignalled = None
                 if self._late_signals:
                     unsignalled = (bucket, index, marker)
                 else:
-                    await self._send_bucket(peers, bucket, index, state)
+                    await self._send_bucket(bucket, index, state)
             t0 = time.perf_counter()
             if unsignalled is not None:
                 await self._in_packer(self._finish_copies, unsignalled[2])
-                await self._send_bucket(peers, unsignalled[0], unsignalled[1], state)
+                await self._send_bucket(unsignalled[0], unsignalled[1], state)
             for index in range(len(self._staging)):
                 await self._wait_buffer_free(index, state)
             # Acks may precede the loads on the device (load events): wait for those too.
             readers = [r for i in range(len(self._staging)) for r in self._load_events_of(i)]
             await self._in_packer(self._wait_loads, readers)
             wait_s += time.perf_counter() - t0
-            await self._send_end(peers, state, len(plan), error="")
-        except BaseException as exc:
-            self._failed += 1
-            await _shielded(self._send_end(peers, state, len(plan), error=_describe_exc(exc)))
-            raise
-        finally:
-            self._push = None
-        seconds = time.perf_counter() - started
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self._pushes += 1
-        self._bytes += nbytes
-        return PushReport(
-            version=version,
-            bytes=nbytes,
-            buckets=len(plan),
-            tensors=len(tensors),
-            receivers=len(peers),
-            seconds=seconds,
-            pack_seconds=pack_s,
-            wait_seconds=wait_s,
+        return self._count(
+            state, tensors, buckets=len(plan), started=started, pack_s=pack_s, wait_s=wait_s
         )
-
-    def _check_shareable(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        backend = self._backend
-        if not isinstance(backend, CudaIpcBackend):
-            raise ValueError(f"one-copy pushes need the cuda_ipc backend, not {backend.name}")
-        for name, tensor in tensors.items():
-            if tensor.device != backend.device:
-                raise ValueError(
-                    f"one-copy push: {name!r} is on {tensor.device}, the sender on"
-                    f" {backend.device}"
-                )
-            if not tensor.is_contiguous():
-                raise ValueError(f"one-copy push: {name!r} is not contiguous")
 
     async def _run_shared_push(self, tensors: dict[str, torch.Tensor], version: int) -> PushReport:
         """One-copy mode: one message naming every tensor's storage and place; one ack from
         each receiver once its reads are done on the device."""
-        peers = [peer for peer in self._peers.values() if peer.ready]
-        if not peers:
-            raise WeightSyncError("no receiver is connected")
         backend = self._backend
         assert isinstance(backend, CudaIpcBackend)
-        self._push_ids += 1
-        state = self._push = _PushState(id=self._push_ids, version=version)
         started = time.perf_counter()
-        try:
+        async with self._pushing(version, buckets=1) as state:
             await self._wait_buffer_free(0, state)  # no bucket of an earlier push pending
             backend.mark_sources_ready()
-            storages, entries, used = self._share(backend, tensors)
+            storages, entries, used = self._shared.share(backend, tensors)
             t0 = time.perf_counter()
             await self._in_packer(
                 functools.partial(backend.wait_sources, within=self._ack_timeout)
             )
             pack_s = time.perf_counter() - t0
-            self._holding[0] = (state.id, 0)
-            self._holders[0] = {peer.identity for peer in peers if peer.identity in self._peers}
+            self._hold(0, state, bucket=0)
             self._loaders[0] = []  # receivers synchronise before they ack a shared push
-            for peer in peers:
-                await self._send(
+            for peer in state.peers:
+                await self._control.send(
                     peer,
                     lambda p, seq: wire.Shared(
                         conn=p.conn, seq=seq, push=state.id, version=version,
@@ -478,85 +396,75 @@ class WeightSender:
             t1 = time.perf_counter()
             await self._wait_buffer_free(0, state)
             wait_s = time.perf_counter() - t1
-            await self._send_end(peers, state, 1, error="")
+        self._shared.keep_only(used)  # receivers release what the next push does not list
+        return self._count(state, tensors, buckets=1, started=started, pack_s=pack_s, wait_s=wait_s)
+
+    @contextlib.asynccontextmanager
+    async def _pushing(self, version: int, *, buckets: int) -> AsyncIterator[_PushState]:
+        """One push from its first message to its End; a failure is counted, ended, re-raised.
+
+        Raises:
+            WeightSyncError: no receiver is ready.
+        """
+        peers = self._control.ready_peers()
+        if not peers:
+            raise WeightSyncError("no receiver is connected")
+        self._push_ids += 1
+        state = self._push = _PushState(id=self._push_ids, version=version, peers=peers)
+        try:
+            yield state
+            await self._send_end(state, buckets, error="")
         except BaseException as exc:
             self._failed += 1
-            await _shielded(self._send_end(peers, state, 1, error=_describe_exc(exc)))
+            await _shielded(self._send_end(state, buckets, error=_describe_exc(exc)))
             raise
         finally:
             self._push = None
-        for key in [key for key in self._shared if key not in used]:
-            del self._shared[key]  # receivers release what the next push does not list
+
+    def _count(
+        self,
+        state: _PushState,
+        tensors: dict[str, torch.Tensor],
+        *,
+        buckets: int,
+        started: float,
+        pack_s: float,
+        wait_s: float,
+    ) -> PushReport:
+        """Count a push that succeeded and report it."""
+        seconds = time.perf_counter() - started
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._pushes += 1
         self._bytes += nbytes
         return PushReport(
-            version=version,
+            version=state.version,
             bytes=nbytes,
-            buckets=1,
+            buckets=buckets,
             tensors=len(tensors),
-            receivers=len(peers),
-            seconds=time.perf_counter() - started,
+            receivers=len(state.peers),
+            seconds=seconds,
             pack_seconds=pack_s,
             wait_seconds=wait_s,
         )
 
-    def _share(
-        self, backend: CudaIpcBackend, tensors: Mapping[str, torch.Tensor]
-    ) -> tuple[list[wire.Storage], list[wire.SharedEntry], set[tuple[str, int, int]]]:
-        storages: dict[int, wire.Storage] = {}
-        entries = []
-        used = set()
-        for name, tensor in tensors.items():
-            if tensor.numel() == 0:  # no bytes, no storage to share
-                entries.append(
-                    wire.SharedEntry(
-                        name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape),
-                        storage=-1, offset=0, nbytes=0,
-                    )
-                )
-                continue
-            storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
-            if key not in self._shared:
-                self._shared_ids += 1
-                whole, descriptor = backend.export_storage(tensor)
-                self._shared[key] = (self._shared_ids, whole, descriptor)
-            ident, whole, descriptor = self._shared[key]
-            used.add(key)
-            storages.setdefault(
-                ident, wire.Storage(id=ident, descriptor=descriptor, nbytes=whole.numel())
-            )
-            entries.append(
-                wire.SharedEntry(
-                    name=name,
-                    dtype=dtype_name(tensor.dtype),
-                    shape=list(tensor.shape),
-                    storage=ident,
-                    offset=int(tensor.storage_offset()) * tensor.element_size(),
-                    nbytes=tensor.numel() * tensor.element_size(),
-                )
-            )
-        return list(storages.values()), entries, used
-
     async def _in_packer(self, function: Callable[..., _T], *args: object) -> _T:
         """Run ``function`` in the packing thread (FIFO); TransportClosedError once closed."""
-        self._check_usable()
+        self._control.check_usable()
         try:
             result = await asyncio.get_running_loop().run_in_executor(
                 self._packer, function, *args
             )
         except RuntimeError:  # the executor was shut down by aclose() meanwhile
-            self._check_usable()
+            self._control.check_usable()
             raise
-        self._check_usable()  # aclose() may have run while the thread worked
+        self._control.check_usable()  # aclose() may have run while the thread worked
         return result
 
     def _load_events_of(self, index: int) -> list[tuple[bytes, object]]:
         """(receiver, load event) of the receivers last sent buffer ``index`` that are here."""
         readers = []
         for identity in self._loaders[index]:
-            peer = self._peers.get(identity)
+            peer = self._control.peers.get(identity)
             if peer is not None and peer.load_events is not None:
                 readers.append((identity, peer.load_events[index]))
         return readers
@@ -595,14 +503,14 @@ class WeightSender:
                 )
             except TimeoutError:
                 raise TransportTimeoutError(
-                    f"{self._describe(identity)} did not finish loading a bucket on the device"
-                    f" within {self._ack_timeout:g} s"
+                    f"{self._control.describe(identity)} did not finish loading a bucket on the"
+                    f" device within {self._ack_timeout:g} s"
                 ) from None
-            if self._closed:
+            if self._control.closed:
                 raise TransportClosedError(f"{self!r} is closed")
 
     def _left_or_closed(self, identity: bytes) -> bool:
-        return self._closed or identity not in self._peers
+        return self._control.closed or identity not in self._control.peers
 
     def _finish_copies(self, marker: object) -> None:
         """Wait (bounded) for our copies up to ``marker``."""
@@ -616,7 +524,7 @@ class WeightSender:
 
     async def _wait_buffer_free(self, index: int, state: _PushState) -> None:
         def what() -> str:
-            holders = ", ".join(self._describe(i) for i in self._holders[index])
+            holders = ", ".join(self._control.describe(i) for i in self._holders[index])
             push, bucket = self._holding[index] or (0, -1)
             return (
                 f"{holders} did not ack bucket {bucket} of push {push} (version {state.version})"
@@ -624,7 +532,7 @@ class WeightSender:
             )
 
         try:
-            await self._wait(
+            await self._control.wait(
                 lambda: state.failure is not None or not self._holders[index],
                 within=self._ack_timeout,
             )
@@ -633,9 +541,14 @@ class WeightSender:
         if state.failure is not None:
             raise state.failure
 
-    async def _send_bucket(
-        self, peers: list[_Peer], bucket: Bucket, index: int, state: _PushState
-    ) -> None:
+    def _hold(self, index: int, state: _PushState, *, bucket: int) -> None:
+        """Buffer ``index`` now holds ``bucket`` of this push, until every receiver here acks."""
+        self._holding[index] = (state.id, bucket)
+        self._holders[index] = {
+            peer.identity for peer in state.peers if peer.identity in self._control.peers
+        }
+
+    async def _send_bucket(self, bucket: Bucket, index: int, state: _PushState) -> None:
         entries = [
             wire.Entry(
                 name=s.name,
@@ -649,11 +562,10 @@ class WeightSender:
             )
             for s in bucket.slots
         ]
-        self._holding[index] = (state.id, bucket.index)
-        self._holders[index] = {peer.identity for peer in peers if peer.identity in self._peers}
+        self._hold(index, state, bucket=bucket.index)
         self._loaders[index] = list(self._holders[index])
-        for peer in peers:
-            await self._send(
+        for peer in state.peers:
+            await self._control.send(
                 peer,
                 lambda p, seq: wire.Bucket(
                     conn=p.conn,
@@ -667,13 +579,11 @@ class WeightSender:
                 ),
             )
 
-    async def _send_end(
-        self, peers: list[_Peer], state: _PushState, buckets: int, *, error: str
-    ) -> None:
-        for peer in peers:
-            if peer.identity in self._peers:
+    async def _send_end(self, state: _PushState, buckets: int, *, error: str) -> None:
+        for peer in state.peers:
+            if peer.identity in self._control.peers:
                 with contextlib.suppress(TransportBrokenError, TransportClosedError):
-                    await self._send(
+                    await self._control.send(
                         peer,
                         lambda p, seq: wire.End(
                             conn=p.conn,
@@ -685,141 +595,21 @@ class WeightSender:
                         ),
                     )
 
-    async def _send(self, peer: _Peer, build: Callable[[_Peer, int], wire.Message]) -> None:
-        message = build(peer, peer.next_out)
-        peer.next_out += 1
-        try:
-            await self._sock.send_multipart([peer.identity, *self._sealer.seal(message)])
-        except zmq.ZMQError as exc:
-            if self._closed:
-                raise TransportClosedError(f"{self!r} is closed") from exc
-            self._drop_peer(peer.identity, f"{peer.describe()} is unreachable ({exc})")
-            raise TransportBrokenError(f"{peer.describe()} is unreachable") from exc
+    # ---------------------------------------------------------------- hooks of the control plane
 
-    # ---------------------------------------------------------------- the reader task
-
-    def start(self) -> None:
-        """Start the reader task (``open_weight_sender`` does this and owns the task)."""
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read_forever(), name=f"{self!r} reader")
-
-    async def _read_forever(self) -> None:
-        assert self._monitor is not None
-        poller = zmq.asyncio.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(await poller.poll())
-                if self._monitor in ready:
-                    self._on_monitor_event(await self._monitor.recv_multipart())
-                if self._sock in ready:
-                    await self._dispatch(await self._sock.recv_multipart(copy=False))
-                async with self._changed:
-                    self._changed.notify_all()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the reader must not die silently: waiters see it
-            log.exception("weight sender reader failed")
-            self._fatal = TransportBrokenError(f"weight sender reader failed: {exc!r}")
-            async with self._changed:
-                self._changed.notify_all()
-
-    def _on_monitor_event(self, frames: list[bytes]) -> None:
-        event = parse_monitor_message(frames)
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            identity = self._conn_of.pop(int(event["value"]), None)
-            if identity is not None:
-                self._rejected.discard(identity)
-                self._origin.pop(identity, None)
-                if identity in self._peers:
-                    self._drop_peer(identity, f"{self._describe(identity)} disconnected")
-
-    async def _dispatch(self, frames: list[zmq.Frame]) -> None:
-        identity = frames[0].bytes
-        if identity not in self._origin:
-            self._learn_origin(identity, frames[-1])
-        if identity in self._gone:
-            return
-        try:
-            message = self._sealer.open([frame.bytes for frame in frames[1:]])
-            self._check_sequence(identity, message)
-        except TransportAuthError as exc:
-            await self._reject(identity, str(exc))
-            return
-        if isinstance(message, wire.Hello):
-            await self._welcome(identity, message)
-        elif isinstance(message, wire.Ready):
-            self._on_ready(self._peers[identity], message)
-        elif isinstance(message, wire.Ack):
-            self._on_ack(identity, message)
-        elif isinstance(message, wire.Bye):
-            self._drop_peer(identity, f"{self._describe(identity)} closed")
-
-    def _learn_origin(self, identity: bytes, frame: zmq.Frame) -> None:
-        """Map the connection's fd to the peer (for disconnects) and note its credentials."""
-        with contextlib.suppress(zmq.ZMQError, ValueError):
-            self._conn_of[int(frame.get(zmq.SRCFD))] = identity
-        with contextlib.suppress(zmq.ZMQError, ValueError, UnicodeError):
-            # libzmq reports an ipc peer's SO_PEERCRED as "host:uid:gid:pid"
-            _host, uid, _gid, pid = str(frame.get("Peer-Address")).rsplit(":", 3)
-            self._origin[identity] = f"pid {int(pid)} uid {int(uid)}"
-            return
-        self._origin[identity] = "unknown origin"
-
-    def _check_sequence(self, identity: bytes, message: wire.Message) -> None:
-        peer = self._peers.get(identity)
-        if isinstance(message, wire.Hello):
-            if peer is not None or message.seq != 0 or message.conn in self._seen_conns:
-                raise TransportAuthError("replayed or duplicate hello")
-            return
-        if isinstance(message, wire.Welcome | wire.Bucket | wire.Shared | wire.End):
-            raise TransportAuthError(f"unexpected {type(message).__name__}")
-        if peer is None or message.conn != peer.conn or message.seq != peer.next_in:
-            raise TransportAuthError("message out of sequence (replayed?)")
-        peer.next_in += 1
-
-    async def _reject(self, identity: bytes, reason: str) -> None:
-        self._auth_failures += 1
-        self._auth_log.warning(
-            "dropped an unauthenticated message from peer %s: %s", self._describe(identity), reason
+    def _welcome(self, peer: Peer, seq: int) -> wire.Welcome:
+        return wire.Welcome(
+            conn=peer.conn,
+            seq=seq,
+            backend=self._backend.name,
+            bucket_bytes=self._bucket_bytes,
+            buffers=[buffer.descriptor for buffer in self._staging],
         )
-        if identity not in self._peers and identity not in self._rejected:
-            self._rejected.add(identity)  # one constant answer per connection, so it fails fast
-            with contextlib.suppress(zmq.ZMQError):
-                await self._sock.send_multipart([identity, wire.REJECT])
 
-    async def _welcome(self, identity: bytes, hello: wire.Hello) -> None:
-        if self._sealed:
-            await self._reject(identity, "sealed: no new receivers are accepted")
-            return
-        self._seen_conns.add(hello.conn)
-        peer = _Peer(identity=identity, conn=hello.conn, name=hello.name, pid=hello.pid)
-        self._peers[identity] = peer
-        log.info("%s connected", peer.describe())
-        with contextlib.suppress(TransportBrokenError):
-            await self._send(
-                peer,
-                lambda p, seq: wire.Welcome(
-                    conn=p.conn,
-                    seq=seq,
-                    backend=self._backend.name,
-                    bucket_bytes=self._bucket_bytes,
-                    buffers=[buffer.descriptor for buffer in self._staging],
-                ),
-            )
-
-    def _on_ready(self, peer: _Peer, ready: wire.Ready) -> None:
-        if ready.events:
-            try:
-                if len(ready.events) != len(self._staging):
-                    raise ValueError(f"{len(ready.events)} load events for {len(self._staging)}")
-                peer.load_events = self._backend.open_peer_events(ready.events)
-            except Exception as exc:  # it would ack before its loads are done: unusable
-                log.warning("%s sent unusable load events: %r", peer.describe(), exc)
-                self._drop_peer(peer.identity, f"{peer.describe()} sent unusable load events")
-                return
-        peer.ready = True
+    def _open_load_events(self, handles: list[bytes]) -> list[object] | None:
+        if len(handles) != len(self._staging):
+            raise ValueError(f"{len(handles)} load events for {len(self._staging)}")
+        return self._backend.open_peer_events(handles)
 
     def _on_ack(self, identity: bytes, ack: wire.Ack) -> None:
         index = ack.index % len(self._holders)
@@ -829,76 +619,22 @@ class WeightSender:
         if ack.error and state is not None and state.id == ack.push and state.failure is None:
             where = f" loading {ack.tensor!r}" if ack.tensor else ""
             state.failure = WeightSyncError(
-                f"{self._describe(identity)} failed{where} (bucket {ack.index} of push"
+                f"{self._control.describe(identity)} failed{where} (bucket {ack.index} of push"
                 f" {ack.push}, version {state.version}): {ack.error}"
             )
 
-    def _drop_peer(self, identity: bytes, reason: str) -> None:
-        peer = self._peers.pop(identity, None)
-        if peer is None:
-            return
-        self._gone.add(identity)
-        log.info("%s", reason)
+    def _on_drop(self, peer: Peer, reason: str) -> None:
         for holders in self._holders:
-            holders.discard(identity)
+            holders.discard(peer.identity)
         state = self._push
-        if state is not None and state.failure is None and peer.ready and not self._closed:
+        if state is not None and state.failure is None and peer.ready and not self._control.closed:
             state.failure = TransportBrokenError(f"{reason} during push of version {state.version}")
 
-    # ---------------------------------------------------------------- helpers
-
-    def _describe(self, identity: bytes) -> str:
-        peer = self._peers.get(identity)
-        if peer is not None:
-            return peer.describe()
-        return f"<unauthenticated {identity.hex()}, {self._origin.get(identity, 'unknown origin')}>"
-
-    def _ready_count(self) -> int:
-        return sum(peer.ready for peer in self._peers.values())
-
-    def _check_usable(self, *, closing: bool = False) -> None:
-        if self._closed and not closing:
-            raise TransportClosedError(f"{self!r} is closed")
-        if self._fatal is not None and not closing:
-            raise self._fatal
-        if self._reader is None:
-            raise TransportClosedError("the sender's reader is not running: use open_weight_sender")
-
-    async def _wait(
-        self, predicate: Callable[[], bool], *, within: float, closing: bool = False
-    ) -> None:
-        """Wait for ``predicate`` under the change condition; raise if the sender breaks."""
-
-        def done() -> bool:
-            self._check_usable(closing=closing)
-            return predicate()
-
-        async with asyncio.timeout(within), self._changed:
-            await self._changed.wait_for(done)
-
-    def _seal(self) -> None:
-        """Unlink every name on disk: all receivers have mapped the buffers and connected."""
-        if self._sealed:
-            return
-        self._sealed = True
-        for buffer in self._staging:
-            buffer.unlink()
-        self._unlink_names()
-
-    def _unlink_names(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._socket_path)
-        shutil.rmtree(self._dir, ignore_errors=True)
+    # ---------------------------------------------------------------- the staging buffers' end
 
     def _release(self) -> None:
         """Synchronous, idempotent teardown of everything the constructor acquired."""
-        self._closed = True
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._control.release()
         self._packer.shutdown(wait=True)  # no copies are queued after this
         if self._copies_pending():
             # Copies into these buffers are still queued (a push was cut short while the device
@@ -911,7 +647,6 @@ class WeightSender:
                 buffer.close()
         self._staging = []
         self._shared.clear()
-        self._unlink_names()
 
     def _copies_pending(self) -> bool:
         """Whether copies into the staging buffers are still running after ``close_timeout``."""
@@ -924,7 +659,8 @@ class WeightSender:
         return False
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
+        control = getattr(self, "_control", None)
+        if control is not None and not control.closed:
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
             with contextlib.suppress(Exception):
                 self._release()

@@ -1,0 +1,407 @@
+"""The weight sender's control plane: one ZeroMQ ROUTER socket, its receivers, one reader task.
+
+``ControlPlane`` binds the socket in a private runtime directory and owns one reader task
+(``start``, then ``aclose``) that authenticates every incoming frame, keeps each receiver's
+handshake and sequence numbers, and turns acks and departures into state that ``wait`` callers
+wait on. What a receiver is told and what its acks mean belong to the data plane, which passes
+them in as ``PeerHooks``.
+
+Invariants:
+
+* every frame is authenticated (MAC, then the connection's sequence number) before it changes
+  any state; a frame that fails is dropped and counted, never acked, and never disturbs a push;
+  its connection gets one constant reject, so a receiver with the wrong secret fails fast;
+* a frame larger than ``MAX_FRAME_BYTES`` drops its connection (no memory DoS);
+* a receiver is ready only once it has mapped the buffers and its load events (if any) opened;
+* a receiver that leaves (bye, disconnect, unreachable) is dropped once: ``on_drop`` runs once,
+  and its late frames are ignored;
+* every change wakes the waiters, and every wait is bounded by its caller; if the reader fails,
+  it does not die silently: the waiters raise its error;
+* after ``seal``, the socket file and the runtime directory are unlinked and no new receiver is
+  welcomed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from asyncroll.errors import TransportAuthError, TransportBrokenError, TransportClosedError
+from asyncroll.transport import wire
+from asyncroll.transport.security import JobIdentity, RateLimitedLog, make_runtime_dir
+
+__all__ = ["MAX_FRAME_BYTES", "ControlPlane", "ControlStatistics", "Peer", "PeerHooks"]
+
+log = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES: Final = 1 << 20
+"""Largest frame a peer may send us; bigger ones drop the peer's connection (no memory DoS)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Peer:
+    """One receiver's connection: who it is and where its sequence numbers stand."""
+
+    identity: bytes
+    conn: bytes
+    name: str
+    pid: int
+    next_in: int = 1
+    next_out: int = 0
+    ready: bool = False
+    load_events: list[object] | None = None
+    """Device events the peer records after loading each buffer (None: it syncs before acks)."""
+
+    def describe(self) -> str:
+        return f"receiver {self.name!r} (pid {self.pid})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerHooks:
+    """The data plane's part in a receiver's life; the control plane calls nothing else of it."""
+
+    welcome: Callable[[Peer, int], wire.Welcome]
+    """The welcome (backend, bucket bytes, buffer descriptors) for a peer, given its ``seq``."""
+    open_load_events: Callable[[list[bytes]], list[object] | None]
+    """Open a ready peer's load-event handles; raises if they are unusable."""
+    on_ack: Callable[[bytes, wire.Ack], None]
+    """An authenticated ack from the peer of that identity."""
+    on_drop: Callable[[Peer, str], None]
+    """A peer left (it is gone from ``peers``), with the reason."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlStatistics:
+    peers: int
+    """Receivers connected and authenticated."""
+    ready: int
+    """Of those, the ones that mapped the buffers."""
+    auth_failures: int
+    """Frames dropped because they failed authentication (forged, replayed, garbage)."""
+    sealed: bool
+    closed: bool
+
+
+class ControlPlane:
+    """The sender's socket and receivers. ``owner`` names the closed transport in errors."""
+
+    def __init__(
+        self,
+        *,
+        identity: JobIdentity,
+        hooks: PeerHooks,
+        owner: object,
+        runtime_base: Path | None = None,
+    ) -> None:
+        self._sealer = wire.Sealer(identity.secret, role="sender")
+        self._hooks = hooks
+        self._owner = owner
+        self._auth_log = RateLimitedLog(log)
+        self._peers: dict[bytes, Peer] = {}
+        self._seen_conns: set[bytes] = set()
+        self._rejected: set[bytes] = set()
+        self._conn_of: dict[int, bytes] = {}  # connection fd -> peer identity
+        self._origin: dict[bytes, str] = {}  # peer identity -> kernel-reported credentials
+        self._gone: set[bytes] = set()  # peers that left: their late frames are ignored
+        self._auth_failures = 0
+        self._sealed = self._closed = False
+        self._fatal: BaseException | None = None
+        self._changed = asyncio.Condition()
+        self._reader: asyncio.Task[None] | None = None
+        self._dir = make_runtime_dir(identity.nonce, runtime_base)
+        self._socket_path = self._dir / "ctl.sock"
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._monitor: zmq.asyncio.Socket | None = None
+        try:
+            self._bind()
+        except BaseException:
+            self.release()
+            raise
+
+    def _bind(self) -> None:
+        for option, value in (
+            (zmq.LINGER, 0),
+            (zmq.ROUTER_MANDATORY, 1),
+            (zmq.MAXMSGSIZE, MAX_FRAME_BYTES),
+        ):
+            self._sock.setsockopt(option, value)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._socket_path)  # stale file of a crashed namesake
+        self._sock.bind(self.address)
+        os.chmod(self._socket_path, 0o600)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    # ---------------------------------------------------------------- what the sender uses
+
+    @property
+    def address(self) -> str:
+        return f"ipc://{self._socket_path}"
+
+    @property
+    def runtime_dir(self) -> Path:
+        return self._dir
+
+    @property
+    def peers(self) -> Mapping[bytes, Peer]:
+        """Authenticated receivers by identity (ready or not); those that left are gone."""
+        return self._peers
+
+    @property
+    def sealed(self) -> bool:
+        return self._sealed
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def ready_peers(self) -> list[Peer]:
+        return [peer for peer in self._peers.values() if peer.ready]
+
+    def ready_count(self) -> int:
+        return sum(peer.ready for peer in self._peers.values())
+
+    def describe(self, identity: bytes) -> str:
+        """A peer's name for messages; an unauthenticated one by identity and credentials."""
+        peer = self._peers.get(identity)
+        if peer is not None:
+            return peer.describe()
+        return f"<unauthenticated {identity.hex()}, {self._origin.get(identity, 'unknown origin')}>"
+
+    def statistics(self) -> ControlStatistics:
+        return ControlStatistics(
+            peers=len(self._peers),
+            ready=self.ready_count(),
+            auth_failures=self._auth_failures,
+            sealed=self._sealed,
+            closed=self._closed,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "closed" if s.closed else ("sealed" if s.sealed else "open")
+        return f"<ControlPlane {self.address} {state} peers={s.peers} ready={s.ready}>"
+
+    def start(self) -> None:
+        """Start the reader task (idempotent); ``aclose`` cancels and awaits it."""
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read_forever(), name=f"{self._owner!r} reader")
+
+    def check_usable(self, *, closing: bool = False) -> None:
+        """Raise unless the reader runs (and, unless ``closing``, we are open and unbroken).
+
+        Raises:
+            TransportClosedError: closed, or the reader was never started.
+            TransportBrokenError: the reader failed.
+        """
+        if self._closed and not closing:
+            raise TransportClosedError(f"{self._owner!r} is closed")
+        if self._fatal is not None and not closing:
+            raise self._fatal
+        if self._reader is None:
+            raise TransportClosedError("the sender's reader is not running: use open_weight_sender")
+
+    async def wait(
+        self, predicate: Callable[[], bool], *, within: float, closing: bool = False
+    ) -> None:
+        """Wait for ``predicate``, re-checked on every change; raise if we close or break.
+
+        Raises:
+            TimeoutError: not within ``within`` seconds.
+            TransportClosedError, TransportBrokenError: as ``check_usable``.
+        """
+
+        def done() -> bool:
+            self.check_usable(closing=closing)
+            return predicate()
+
+        async with asyncio.timeout(within), self._changed:
+            await self._changed.wait_for(done)
+
+    async def send(self, peer: Peer, build: Callable[[Peer, int], wire.Message]) -> None:
+        """Seal and send ``build(peer, seq)``; a peer we cannot reach is dropped.
+
+        Raises:
+            TransportBrokenError: the peer is unreachable.
+            TransportClosedError: we are closed.
+        """
+        message = build(peer, peer.next_out)
+        peer.next_out += 1
+        try:
+            await self._sock.send_multipart([peer.identity, *self._sealer.seal(message)])
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise TransportClosedError(f"{self._owner!r} is closed") from exc
+            self._drop(peer.identity, f"{peer.describe()} is unreachable ({exc})")
+            raise TransportBrokenError(f"{peer.describe()} is unreachable") from exc
+
+    def seal(self) -> None:
+        """Unlink the socket file and the runtime directory; welcome nobody new. Idempotent."""
+        self._sealed = True
+        self._unlink_names()
+
+    async def aclose(self, *, within: float) -> None:
+        """Refuse new work, wait (at most ``within``) for every receiver's bye, stop the reader.
+
+        Raises:
+            TransportClosedError: the reader was never started.
+        """
+        self._closed = True
+        try:
+            async with self._changed:
+                self._changed.notify_all()  # a push waiting on acks raises TransportClosedError
+            with contextlib.suppress(TimeoutError):
+                await self.wait(
+                    lambda: not self._peers or self._fatal is not None,  # no reader: no byes
+                    within=within,
+                    closing=True,
+                )
+        finally:
+            if self._reader is not None:
+                self._reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._reader
+
+    def release(self) -> None:
+        """Synchronous, idempotent teardown: close the sockets, unlink every name on disk."""
+        self._closed = True
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+        self._sock.close(linger=0)
+        self._ctx.term()
+        self._unlink_names()
+
+    # ---------------------------------------------------------------- the reader task
+
+    async def _read_forever(self) -> None:
+        assert self._monitor is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll())
+                if self._monitor in ready:
+                    self._on_monitor_event(await self._monitor.recv_multipart())
+                if self._sock in ready:
+                    await self._dispatch(await self._sock.recv_multipart(copy=False))
+                async with self._changed:
+                    self._changed.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the reader must not die silently: waiters see it
+            log.exception("weight sender reader failed")
+            self._fatal = TransportBrokenError(f"weight sender reader failed: {exc!r}")
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _on_monitor_event(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            identity = self._conn_of.pop(int(event["value"]), None)
+            if identity is not None:
+                self._rejected.discard(identity)
+                self._origin.pop(identity, None)
+                if identity in self._peers:
+                    self._drop(identity, f"{self.describe(identity)} disconnected")
+
+    async def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        if identity not in self._origin:
+            self._learn_origin(identity, frames[-1])
+        if identity in self._gone:
+            return
+        try:
+            message = self._sealer.open([frame.bytes for frame in frames[1:]])
+            self._check_sequence(identity, message)
+        except TransportAuthError as exc:
+            await self._reject(identity, str(exc))
+            return
+        if isinstance(message, wire.Hello):
+            await self._welcome(identity, message)
+        elif isinstance(message, wire.Ready):
+            self._on_ready(self._peers[identity], message)
+        elif isinstance(message, wire.Ack):
+            self._hooks.on_ack(identity, message)
+        elif isinstance(message, wire.Bye):
+            self._drop(identity, f"{self.describe(identity)} closed")
+
+    def _learn_origin(self, identity: bytes, frame: zmq.Frame) -> None:
+        """Map the connection's fd to the peer (for disconnects) and note its credentials."""
+        with contextlib.suppress(zmq.ZMQError, ValueError):
+            self._conn_of[int(frame.get(zmq.SRCFD))] = identity
+        with contextlib.suppress(zmq.ZMQError, ValueError, UnicodeError):
+            # libzmq reports an ipc peer's SO_PEERCRED as "host:uid:gid:pid"
+            _host, uid, _gid, pid = str(frame.get("Peer-Address")).rsplit(":", 3)
+            self._origin[identity] = f"pid {int(pid)} uid {int(uid)}"
+            return
+        self._origin[identity] = "unknown origin"
+
+    def _check_sequence(self, identity: bytes, message: wire.Message) -> None:
+        peer = self._peers.get(identity)
+        if isinstance(message, wire.Hello):
+            if peer is not None or message.seq != 0 or message.conn in self._seen_conns:
+                raise TransportAuthError("replayed or duplicate hello")
+            return
+        if isinstance(message, wire.Welcome | wire.Bucket | wire.Shared | wire.End):
+            raise TransportAuthError(f"unexpected {type(message).__name__}")
+        if peer is None or message.conn != peer.conn or message.seq != peer.next_in:
+            raise TransportAuthError("message out of sequence (replayed?)")
+        peer.next_in += 1
+
+    async def _reject(self, identity: bytes, reason: str) -> None:
+        self._auth_failures += 1
+        self._auth_log.warning(
+            "dropped an unauthenticated message from peer %s: %s", self.describe(identity), reason
+        )
+        if identity not in self._peers and identity not in self._rejected:
+            self._rejected.add(identity)  # one constant answer per connection, so it fails fast
+            with contextlib.suppress(zmq.ZMQError):
+                await self._sock.send_multipart([identity, wire.REJECT])
+
+    async def _welcome(self, identity: bytes, hello: wire.Hello) -> None:
+        if self._sealed:
+            await self._reject(identity, "sealed: no new receivers are accepted")
+            return
+        self._seen_conns.add(hello.conn)
+        peer = Peer(identity=identity, conn=hello.conn, name=hello.name, pid=hello.pid)
+        self._peers[identity] = peer
+        log.info("%s connected", peer.describe())
+        with contextlib.suppress(TransportBrokenError):
+            await self.send(peer, self._hooks.welcome)
+
+    def _on_ready(self, peer: Peer, ready: wire.Ready) -> None:
+        if ready.events:
+            try:
+                peer.load_events = self._hooks.open_load_events(ready.events)
+            except Exception as exc:  # it would ack before its loads are done: unusable
+                log.warning("%s sent unusable load events: %r", peer.describe(), exc)
+                self._drop(peer.identity, f"{peer.describe()} sent unusable load events")
+                return
+        peer.ready = True
+
+    def _drop(self, identity: bytes, reason: str) -> None:
+        peer = self._peers.pop(identity, None)
+        if peer is None:
+            return
+        self._gone.add(identity)
+        log.info("%s", reason)
+        self._hooks.on_drop(peer, reason)
+
+    def _unlink_names(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._socket_path)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -19,14 +19,21 @@ replay could not reproduce exactly:
   time on their next push, and the one whose load writes that way stays unplanned;
 * a copy of the pushed bytes into storage that is not a parameter or buffer of the model.
 
+A name the model's loader skips (``load_weights`` returns the names it loaded, and this one
+copied nothing: a tied ``lm_head.weight``) is planned as a replay of nothing. A name whose load
+fails when the plan loads it apart from the rest of its batch (vLLM checks a tied alias against
+its canonical name within one call) loads with its whole batch from then on.
+
 Invariants:
 
 * the first load of a name is the model's own ``load_weights`` (the plan only watches it), so a
   push is exactly what ``load_weights`` would do on every path;
 * a recorded copy is replayed only for a tensor of the recorded dtype, shape and strides, and
-  only while every parameter still lives at the address it had when recorded (checked once a
-  push; a moved parameter drops the plan, and it is learned again);
-* copies are replayed in the order the loaders made them.
+  only while every parameter keeps the address, shape, strides and dtype it had when recorded
+  (checked once a push; a change drops the plan, and it is learned again);
+* a name's copies are replayed in the order its loader made them. Within a batch, replayed
+  names go before the names still loaded by ``load_weights``: exact as long as no two names
+  write the same bytes (vLLM's dense loaders do not; tied weights are one parameter, skipped).
 
 Limits: a loader that writes a parameter from C++ or a custom kernel is invisible to the mode
 (its copy would be missing from the plan). vLLM's dense loaders copy from Python; the GPU check
@@ -97,7 +104,12 @@ class LoadPlan:
         self._unplannable: dict[str, str] = {}
         self._solo: set[str] = set()
         """Names of a batch whose load could not be attributed: learned one at a time."""
-        self._addresses: list[int] = []
+        self._with_batch: set[str] = set()
+        """Names that load only together with the rest of their batch (the model's loader
+        checks names against each other within one call, e.g. vLLM's tied-alias check):
+        a batch holding one goes whole through ``load_weights``."""
+        self._failed_part: list[str] = []
+        self._layout: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []
         self._invalidations = 0
         self._counts: Counter[str] = Counter()
 
@@ -117,18 +129,29 @@ class LoadPlan:
             invalidations=self._invalidations,
         )
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
     def begin_push(self) -> None:
-        """Reset the per-push counters; drop the plan if any parameter moved since."""
+        """Reset the per-push counters; drop the plan if any parameter moved or changed its
+        layout since."""
         self._counts.clear()
-        addresses = [t.data_ptr() for t in _state(self._model)]
-        if self._entries and addresses != self._addresses:
+        layout = [
+            (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) for t in _state(self._model)
+        ]
+        if self._entries and layout != self._layout:
             logger.info("model parameters moved since the load plan was made: learning it again")
             self._entries.clear()
             self._invalidations += 1
-        self._addresses = addresses
+        self._layout = layout
 
     def load(self, batch: Batch) -> None:
         """Load ``batch`` (the tensors may be views of a staging buffer: nothing keeps them)."""
+        if any(name in self._with_batch for name, _ in batch):
+            self._load_weights(list(batch))
+            self._counts.update(fallback=len(batch))
+            return
         planned: list[tuple[_Entry, torch.Tensor]] = []
         learn: list[tuple[str, torch.Tensor]] = []
         fallback: list[tuple[str, torch.Tensor]] = []
@@ -147,10 +170,27 @@ class LoadPlan:
                 for copy in entry.copies:
                     copy.dst.copy_(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
                 copies += len(entry.copies)
-        if learn:
-            self._learn(learn)
-        if fallback:
-            self._load_weights(fallback)
+        try:
+            if learn:
+                self._learn(learn)
+            if fallback:
+                self._load_weights(fallback)
+        except Exception:
+            split = bool(planned) + bool(learn) + bool(fallback) > 1 or bool(
+                self._solo.intersection(name for name, _ in learn)
+            )
+            if not split:
+                raise
+            # Loaded apart, a name failed: the loader may need the batch in one call. Whole,
+            # the batch loads exactly as without a plan (replayed names again, same bytes).
+            self._load_weights(list(batch))
+            culprits = self._failed_part or [name for name, _ in fallback]
+            for name in culprits:
+                self._with_batch.add(name)
+                self._unplannable[name] = "it loads only with the rest of its batch"
+            logger.info("load plan: %s load only with their whole batch", culprits[:4])
+            self._counts.update(fallback=len(batch))
+            return
         self._counts.update(
             planned=len(planned), learned=len(learn), fallback=len(fallback), copies=copies
         )
@@ -158,14 +198,24 @@ class LoadPlan:
     def _learn(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         together = [item for item in batch if item[0] not in self._solo]
         alone = [[item] for item in batch if item[0] in self._solo]
+        self._failed_part = []
         for part in ([together] if together else []) + alone:
-            self._learn_part(part, alone=len(part) == 1 and part[0][0] in self._solo)
+            try:
+                self._learn_part(part, alone=len(part) == 1 and part[0][0] in self._solo)
+            except Exception:
+                self._failed_part = [name for name, _ in part]
+                raise
 
     def _learn_part(self, batch: list[tuple[str, torch.Tensor]], *, alone: bool) -> None:
         state = _state(self._model)
         recorder = _Recorder(state, batch)
         with recorder:
-            self._load_weights(batch)
+            loaded = self._load_weights(batch)
+        skipped = (
+            {name for name, _ in batch} - set(loaded)
+            if isinstance(loaded, set | frozenset | list | tuple)
+            else set()
+        )
         if recorder.batch_unplannable is not None and not alone:
             self._solo.update(name for name, _ in batch)  # isolate the culprit next time
             logger.info(
@@ -176,18 +226,18 @@ class LoadPlan:
             return
         for name, tensor in batch:
             reason = recorder.unplannable.get(name) or recorder.batch_unplannable
-            if reason is None and not recorder.copies.get(name):
+            if reason is None and not recorder.copies.get(name) and name not in skipped:
                 reason = "its load copied nothing into the model"
             if reason is not None:
                 if len(self._unplannable) < 10_000:
                     self._unplannable[name] = reason
                 logger.info("load plan: %s stays with load_weights (%s)", name, reason)
                 continue
-            self._entries[name] = _Entry(
+            self._entries[name] = _Entry(  # no copies: the model skips it (a tied alias)
                 dtype=tensor.dtype,
                 shape=tuple(tensor.shape),
                 stride=tuple(tensor.stride()),
-                copies=tuple(recorder.copies[name]),
+                copies=tuple(recorder.copies.get(name, ())),
             )
 
 
@@ -220,10 +270,18 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 def _in_place(func: Callable[..., Any]) -> bool:
-    name = getattr(func, "__name__", "")
-    return name == "__setitem__" or name.startswith("__i") or (
+    name = getattr(func, "__name__", "").split(".")[0]  # aten overloads: "copy_.default"
+    return name in ("__setitem__", "__set__") or name.startswith("__i") or (
         name.endswith("_") and not name.startswith("__")
     )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    return []
 
 
 class _Recorder(TorchFunctionMode):
@@ -257,22 +315,20 @@ class _Recorder(TorchFunctionMode):
         return result
 
     def _watch(self, func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        out = kwargs.get("out")
-        if isinstance(out, torch.Tensor) and self._is_model(out):
-            self.batch_unplannable = f"{getattr(func, '__name__', func)}(out=) into the model"
+        what = getattr(func, "__name__", str(func))
+        if any(self._is_model(t) for t in _tensors(kwargs.get("out"))):
+            self.batch_unplannable = f"{what}(out=) into the model"
             return
-        if not args or not isinstance(args[0], torch.Tensor) or not _in_place(func):
+        if not args or not _in_place(func):
             return
-        target = args[0]
-        if target.numel() == 0:
-            return  # e.g. a loader zeroing vocabulary padding there is none of
-        if getattr(func, "__name__", "") == "copy_" and len(args) > 1:
+        targets = [t for t in _tensors(args[0]) if t.numel()]  # e.g. zeroing padding of none
+        if what.split(".")[0] == "copy_" and len(args) > 1 and isinstance(args[0], torch.Tensor):
             source = args[1]
-            if isinstance(source, torch.Tensor):
-                self._on_copy(target, source)
+            if isinstance(source, torch.Tensor) and targets:
+                self._on_copy(targets[0], source)
                 return
-        if self._is_model(target):
-            self.batch_unplannable = f"{getattr(func, '__name__', func)} on a model tensor"
+        if any(self._is_model(t) for t in targets):
+            self.batch_unplannable = f"{what} on a model tensor"
 
     def _on_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         owner = self._owner(src)

@@ -161,7 +161,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         )
         self._planning = direct and self._info.plan
         if self._planning:
-            if self._plan is None:
+            if self._plan is None or self._plan.model is not self.model:
                 self._plan = LoadPlan(self.model, self.model.load_weights)  # type: ignore[arg-type]
             self._plan.begin_push()
             load_batch = self._plan.load

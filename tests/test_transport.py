@@ -167,6 +167,16 @@ def make_backend(kind: str) -> Backend:
 BACKENDS = ["shm", pytest.param("cuda_ipc", marks=[gpu, needs_cuda])]
 
 
+async def connect_both(sender: WeightSender, pair: tuple[Child, Child]) -> None:
+    """Connect both children's receivers (in parallel, as the sender waits for them)."""
+    config = sender.receiver_config()
+    for i, child in enumerate(pair):
+        child.start("connect", config, f"r{i}")
+    await sender.wait_receivers(2)
+    for child in pair:
+        child.result()
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 async def test_round_trip_is_bit_exact(pair: tuple[Child, Child], kind: str) -> None:
     device = "cuda" if kind == "cuda_ipc" else "cpu"
@@ -174,12 +184,7 @@ async def test_round_trip_is_bit_exact(pair: tuple[Child, Child], kind: str) -> 
     async with open_weight_sender(
         backend=make_backend(kind), bucket_bytes=16 * KB, receivers=2, ack_timeout=30
     ) as sender:
-        config = sender.receiver_config()
-        for i, child in enumerate(pair):
-            child.start("connect", config, f"r{i}")
-        await sender.wait_receivers(2)
-        for child in pair:
-            child.result()
+        await connect_both(sender, pair)
         for child in pair:
             child.start("receive", pushes=2)
         for version in (1, 2):
@@ -595,12 +600,7 @@ async def test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_re
     async with open_weight_sender(
         backend=CudaIpcBackend(0), bucket_bytes=16 * KB, receivers=2, ack_timeout=30
     ) as sender:
-        config = sender.receiver_config()
-        for i, child in enumerate(pair):
-            child.start("connect", config, f"r{i}")
-        await sender.wait_receivers(2)
-        for child in pair:
-            child.result()
+        await connect_both(sender, pair)
         for child in pair:
             child.start("receive", pushes=3, device_delay_cycles=200_000_000)
         first = await sender.push(tensors, version=1, one_copy=True)

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,7 @@ class ControlPlane:
     ) -> None:
         self._sealer = wire.Sealer(identity.secret, role="sender")
         self._hooks = hooks
-        self._owner = owner
+        self._owner = weakref.ref(owner)
         self._auth_log = RateLimitedLog(log)
         self._peers: dict[bytes, Peer] = {}
         self._seen_conns: set[bytes] = set()
@@ -196,7 +197,9 @@ class ControlPlane:
     def start(self) -> None:
         """Start the reader task (idempotent); ``aclose`` cancels and awaits it."""
         if self._reader is None:
-            self._reader = asyncio.create_task(self._read_forever(), name=f"{self._owner!r} reader")
+            self._reader = asyncio.create_task(
+                self._read_forever(), name=f"{self._owner_text()} reader"
+            )
 
     def check_usable(self, *, closing: bool = False) -> None:
         """Raise unless the reader runs (and, unless ``closing``, we are open and unbroken).
@@ -206,7 +209,7 @@ class ControlPlane:
             TransportBrokenError: the reader failed.
         """
         if self._closed and not closing:
-            raise TransportClosedError(f"{self._owner!r} is closed")
+            raise TransportClosedError(f"{self._owner_text()} is closed")
         if self._fatal is not None and not closing:
             raise self._fatal
         if self._reader is None:
@@ -242,7 +245,7 @@ class ControlPlane:
             await self._sock.send_multipart([peer.identity, *self._sealer.seal(message)])
         except zmq.ZMQError as exc:
             if self._closed:
-                raise TransportClosedError(f"{self._owner!r} is closed") from exc
+                raise TransportClosedError(f"{self._owner_text()} is closed") from exc
             self._drop(peer.identity, f"{peer.describe()} is unreachable ({exc})")
             raise TransportBrokenError(f"{peer.describe()} is unreachable") from exc
 
@@ -274,15 +277,24 @@ class ControlPlane:
                     await self._reader
 
     def release(self) -> None:
-        """Synchronous, idempotent teardown: close the sockets, unlink every name on disk."""
+        """Synchronous, idempotent teardown: close the sockets, unlink every name on disk
+        (whatever state the sockets are in: a finalizer may have closed them first)."""
         self._closed = True
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
-        self._sock.close(linger=0)
-        self._ctx.term()
-        self._unlink_names()
+        try:
+            with contextlib.suppress(zmq.ZMQError):
+                if self._monitor is not None and not self._sock.closed:
+                    self._sock.disable_monitor()
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
+                self._monitor = None
+            self._sock.close(linger=0)
+            self._ctx.term()
+        finally:
+            self._unlink_names()
+
+    def _owner_text(self) -> str:
+        owner = self._owner()
+        return repr(owner) if owner is not None else "<weight sender (gone)>"
 
     # ---------------------------------------------------------------- the reader task
 
@@ -303,6 +315,8 @@ class ControlPlane:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the reader must not die silently: waiters see it
+            if self._closed:
+                return  # released under it (an unclosed sender's finalizer): nobody waits
             log.exception("weight sender reader failed")
             self._fatal = TransportBrokenError(f"weight sender reader failed: {exc!r}")
             async with self._changed:

@@ -37,6 +37,7 @@ import functools
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -166,21 +167,21 @@ class WeightSender:
         self._staging: list[StagingBuffer] = []
         self._control = ControlPlane(
             identity=self._identity,
-            hooks=PeerHooks(
-                welcome=self._welcome,
-                open_load_events=self._open_load_events,
-                on_ack=self._on_ack,
-                on_drop=self._on_drop,
+            hooks=PeerHooks(  # weakly: an unclosed sender is freed (and warns) as it is dropped
+                welcome=_weakly(self._welcome),
+                open_load_events=_weakly(self._open_load_events),
+                on_ack=_weakly(self._on_ack),
+                on_drop=_weakly(self._on_drop),
             ),
             owner=self,
             runtime_base=runtime_base,
         )
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="asyncroll-pack")
         try:
-            self._staging = [
-                self._backend.allocate(nonce=self._identity.nonce, index=i, nbytes=bucket_bytes)
-                for i in range(buffers)
-            ]
+            for i in range(buffers):  # one at a time: a failure releases those made before it
+                self._staging.append(
+                    self._backend.allocate(nonce=self._identity.nonce, index=i, nbytes=bucket_bytes)
+                )
         except BaseException:
             self._release()
             raise
@@ -634,7 +635,12 @@ class WeightSender:
 
     def _release(self) -> None:
         """Synchronous, idempotent teardown of everything the constructor acquired."""
-        self._control.release()
+        try:
+            self._control.release()
+        finally:
+            self._release_staging()
+
+    def _release_staging(self) -> None:
         self._packer.shutdown(wait=True)  # no copies are queued after this
         if self._copies_pending():
             # Copies into these buffers are still queued (a push was cut short while the device
@@ -725,6 +731,20 @@ async def _shielded(awaitable: Awaitable[None]) -> None:
     except asyncio.CancelledError:
         await task  # finish the cleanup, then let the cancellation propagate
         raise
+
+
+def _weakly(method: Callable[..., _T]) -> Callable[..., _T]:
+    """``method`` without a strong reference to its object (the control plane must not keep
+    the sender alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: object) -> _T:
+        bound = ref()
+        if bound is None:
+            raise TransportClosedError("the weight sender is gone")
+        return bound(*args)
+
+    return call
 
 
 def _describe_exc(exc: BaseException) -> str:

@@ -226,6 +226,9 @@ class SenderChannel:
             raise InvalidRequestError(f"backend must be auto, shm or cuda_ipc, not {backend!r}")
         if load not in ("auto", "layerwise", "direct"):
             raise InvalidRequestError(f"load must be auto, layerwise or direct, not {load!r}")
+        for option, value in (("load_plan", load_plan), ("one_copy", one_copy)):
+            if not isinstance(value, bool):
+                raise InvalidRequestError(f"{option} must be True or False, not {value!r}")
         self._engines = list(engines)
         self._bucket_bytes = bucket_bytes
         self._backend_name = backend

@@ -240,6 +240,27 @@ async def test_bad_pusher_options_are_rejected(engine: VLLMEngine) -> None:
         WeightPusher([engine], load="fast")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="backend must be"):
         WeightPusher([engine], backend="nccl")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="one_copy must be"):
+        WeightPusher([engine], one_copy="yes")  # type: ignore[arg-type]
+
+
+async def test_one_copy_of_cpu_tensors_is_refused_before_anything_pauses(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    """One-copy reads the trainer's CUDA tensors in place: CPU tensors get a typed error naming
+    the tensor, the engine is never paused, its label stays, and the next push works."""
+    weights = load_weights(tiny_model_a)
+    before = engine.global_steps
+    pusher = WeightPusher([engine], one_copy=True)
+    try:
+        with pytest.raises(InvalidRequestError, match="contiguous CUDA tensor"):
+            await pusher.update(weights, global_steps=(before or 0) + 1)
+    finally:
+        await pusher.aclose()
+    assert not engine.is_paused and engine.global_steps == before
+    assert engine.statistics().in_flight == 0
+    report = await engine.update_weights(weights, global_steps=(before or 0) + 1)
+    assert report.push is not None and engine.global_steps == (before or 0) + 1
 
 
 async def test_bad_tensors_are_rejected_before_any_push(engine: VLLMEngine) -> None:

@@ -213,6 +213,7 @@ class SenderChannel:
         engines: Sequence[ReceivingEngine],
         *,
         bucket_bytes: int | None = None,
+        buffers: int = 2,
         backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
         backup: bool | None = None,
         timeout: float = 120.0,
@@ -229,8 +230,11 @@ class SenderChannel:
         for option, value in (("load_plan", load_plan), ("one_copy", one_copy)):
             if not isinstance(value, bool):
                 raise InvalidRequestError(f"{option} must be True or False, not {value!r}")
+        if not isinstance(buffers, int) or isinstance(buffers, bool) or buffers < 1:
+            raise InvalidRequestError(f"buffers must be an int of at least 1, not {buffers!r}")
         self._engines = list(engines)
         self._bucket_bytes = bucket_bytes
+        self._buffers = buffers
         self._backend_name = backend
         self._backup = backup
         self._timeout = timeout
@@ -362,6 +366,7 @@ class SenderChannel:
             open_weight_sender(
                 backend=backend,
                 bucket_bytes=self._bucket_bytes or DEFAULT_BUCKET_BYTES[backend.name],
+                buffers=self._buffers,
                 receivers=workers,
                 connect_timeout=self._timeout,
                 ack_timeout=self._timeout,
@@ -397,6 +402,7 @@ class WeightPusher(VersionedUpdater):
         engines: Sequence[ReceivingEngine],
         *,
         bucket_bytes: int | None = None,
+        buffers: int = 2,
         backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
         backup: bool | None = None,
         timeout: float = 120.0,
@@ -408,8 +414,10 @@ class WeightPusher(VersionedUpdater):
     ) -> None:
         """Args:
             engines: Engines launched with asyncroll's weight-transfer backend (the default).
-            bucket_bytes: Size of each of the two staging buffers (default by backend:
+            bucket_bytes: Size of each staging buffer (default by backend:
                 ``DEFAULT_BUCKET_BYTES``).
+            buffers: Staging buffers: 2 (double buffering) by default; 3 keeps the device
+                busy while a bucket's signal and ack travel (``bench/gpu_e2e.py`` compares).
             backend: ``shm`` (CPU tensors), ``cuda_ipc`` (GPU tensors), or by the tensors.
             backup: Keep a copy of the weights during a push so a failed push restores them
                 (default: on for CPU machines, off with CUDA where it would double memory).
@@ -436,6 +444,7 @@ class WeightPusher(VersionedUpdater):
         self._sender_channel = SenderChannel(
             engines,
             bucket_bytes=bucket_bytes,
+            buffers=buffers,
             backend=backend,
             backup=backup,
             timeout=timeout,

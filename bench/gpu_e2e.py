@@ -51,6 +51,8 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 import torch
+from _timeline import render as render_timeline
+from _timeline import summarize as summarize_timeline
 from safetensors.torch import load_file
 
 from asyncroll import (
@@ -384,24 +386,28 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
     steps = itertools.count(1)
     async with VLLMEngine.launch(folder, name=f"ours-{size}", load_format="dummy",
                                  **engine_args(gpu_memory_utilization=util)) as engine:
-        # (load, bucket MiB, compiled load plan, one-copy): the plan against the old
-        # load_weights path, staged against one-copy
-        variants = [("direct", 512, True, True), ("direct", 512, True, False),
-                    ("direct", 512, False, False), ("direct", 1024, True, False),
-                    ("layerwise", 512, False, False)]
+        # (load, bucket MiB, buffers, compiled load plan, one-copy): the plan against the old
+        # load_weights path, staged against one-copy, two buffers against three
+        variants = [("direct", 512, 2, True, True), ("direct", 512, 2, True, False),
+                    ("direct", 512, 3, True, False), ("direct", 512, 2, False, False),
+                    ("direct", 1024, 2, True, False), ("layerwise", 512, 2, False, False)]
         if size == "7b":
-            variants = variants[:3]
-        for load, bucket_mib, planned, one_copy in variants:
+            variants = variants[:4]
+        for load, bucket_mib, buffers, planned, one_copy in variants:
             how = "plan" if planned else ("load_weights" if load == "direct" else "reload")
             label = (f"asyncroll one-copy {how}" if one_copy
-                     else f"asyncroll {load} {how} {bucket_mib} MiB x2")
+                     else f"asyncroll {load} {how} {bucket_mib} MiB x{buffers}")
             pusher = WeightPusher([engine], bucket_bytes=bucket_mib << 20, load=load,  # type: ignore[arg-type]
-                                  load_plan=planned, one_copy=one_copy)
+                                  buffers=buffers, load_plan=planned, one_copy=one_copy)
+            last: dict[str, Any] = {}
 
-            async def ours(i: int, pusher: WeightPusher = pusher) -> dict[str, Any]:
+            async def ours(i: int, pusher: WeightPusher = pusher,
+                           last: dict[str, Any] = last, buffers: int = buffers) -> dict[str, Any]:
                 r = await pusher.update(tensors, global_steps=next(steps))
                 (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
                 assert r.push is not None
+                last["timeline"] = summarize_timeline(r.push.timeline, worker["timeline"],
+                                                      buffers=buffers)
                 return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
                         "total_with_pause_resume_ms": r.seconds * 1e3,
                         "pause_ms": r.pause_seconds * 1e3, "push_ms": r.push_seconds * 1e3,
@@ -409,6 +415,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
                         "cache_reset_ms": r.cache_reset_seconds * 1e3,
                         "resume_ms": r.resume_seconds * 1e3,
                         "pack_ms": r.push.pack_seconds * 1e3, "wait_ms": r.push.wait_seconds * 1e3,
+                        "sender_ms": r.push.seconds * 1e3,
                         "recv_total_ms": worker["seconds"] * 1e3,
                         "recv_wait_ms": worker["wait_seconds"] * 1e3,
                         "load_ms": worker["load_seconds"] * 1e3,
@@ -419,6 +426,9 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
                         "copies": worker.get("copies", 0), "buckets": r.push.buckets}
 
             results[label] = await timed(repeats, ours)
+            res.record(s, f"{label} timeline (last push)", last["timeline"])
+            log(f"  {label}: {results[label]['update_ms']:.1f} ms; the last push by link:\n"
+                + render_timeline(last["timeline"]))
             (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
             if planned:
                 res.record(s, f"{label} not planned", worker.get("unplannable"))

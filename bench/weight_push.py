@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -38,6 +39,10 @@ import zmq
 
 from asyncroll.transport import CudaIpcBackend, ShmBackend, WeightReceiver, open_weight_sender
 from asyncroll.transport.backends import Backend, make_backend
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timeline import render as render_timeline
+from _timeline import summarize as summarize_timeline
 
 MiB = 1 << 20
 
@@ -131,8 +136,8 @@ def child_main(conn: Connection, device: str) -> None:
                 receiver.connect()
                 conn.send("connected")
                 for _ in range(pushes):
-                    receiver.receive(loader)
-            conn.send("done")
+                    report = receiver.receive(loader)
+            conn.send([dataclasses.asdict(t) for t in report.timeline])
         elif command == "naive":
             address, pushes = args
             _naive_receive(address, pushes, loader, device)
@@ -188,14 +193,16 @@ async def bench_staged(
         used_first = gpu_used(device)
         reports = [await sender.push(tensors, version=v + 1) for v in range(pushes)]
         used_last = gpu_used(device)
-        await asyncio.to_thread(child.recv)
+        theirs = await asyncio.to_thread(child.recv)
     seconds = statistics.median(r.seconds for r in reports)
+    timeline = summarize_timeline(reports[-1].timeline, theirs, buffers=buffers)
     return {
         "seconds": seconds,
         "gbps": reports[0].bytes / seconds / 1e9,
         "pack": statistics.median(r.pack_seconds for r in reports),
         "wait": statistics.median(r.wait_seconds for r in reports),
         "buckets": reports[0].buckets,
+        "timeline": timeline,
         "gpu_used_first": used_first,
         "gpu_used_last": used_last,
     }
@@ -334,6 +341,9 @@ def main() -> None:
             y = row["double_sync"]
             line += f" {y['gbps']:.2f} ({y['gbps'] * 1e9 / limit:.0%}) |"
         print(line)
+    for row in rows:
+        print(f"\nbucket {row['bucket_mib']} MiB, double buffer, the last push by link:")
+        print(render_timeline(row["double"]["timeline"]))
     if cuda:
         for row in rows:
             d = row["double"]

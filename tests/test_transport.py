@@ -206,6 +206,34 @@ async def test_round_trip_is_bit_exact(pair: tuple[Child, Child], kind: str) -> 
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+async def test_both_sides_time_every_bucket_on_one_clock(child: Child, kind: str) -> None:
+    """The per-bucket stamps (``PushReport.timeline``, ``ReceiveReport.timeline``) follow each
+    bucket in order, and across the two processes: a bucket is received only after its copies
+    were done, and a buffer is free again only after the ack of the bucket it held."""
+    device = "cuda" if kind == "cuda_ipc" else "cpu"
+    tensors = model_tensors(device=device)
+    async with open_weight_sender(
+        backend=make_backend(kind), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive")
+        report = await sender.push(tensors, version=1)
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+    ours = report.timeline
+    (theirs,) = reply["timelines"]
+    assert [t.bucket for t in ours] == list(range(report.buckets)) and report.buckets > 4
+    assert [t["bucket"] for t in theirs] == list(range(report.buckets))
+    for sent, got in zip(ours, theirs, strict=True):
+        assert sent.waited <= sent.free <= sent.loads_done <= sent.queued <= sent.copied
+        assert sent.copied <= sent.signalled
+        assert got["received"] <= got["issued"] <= got["recorded"] <= got["acked"]
+        assert got["received"] >= sent.queued  # signalled once its copies were queued (done)
+    for sent in ours[2:]:  # two buffers: bucket k reuses the buffer of bucket k - 2
+        assert sent.free >= theirs[sent.bucket - 2]["acked"]
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
 async def test_receiver_error_names_the_tensor_and_the_next_push_works(
     child: Child, kind: str
 ) -> None:

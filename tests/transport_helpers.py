@@ -8,6 +8,7 @@ peer, or a sender that the test kills.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -75,6 +76,7 @@ class _Child:
         kept: dict[str, torch.Tensor] = {}
         rss: list[int] = []
         versions: list[int] = []
+        timelines: list[list[dict[str, float]]] = []
         buckets = 0
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -99,10 +101,18 @@ class _Child:
 
         for _ in range(pushes):
             got.clear()
-            versions.append(self.receiver.receive(load).version)
+            report = self.receiver.receive(load)
+            versions.append(report.version)
+            timelines.append([dataclasses.asdict(times) for times in report.timeline])
             got.update({name: digest(t) for name, t in kept.items()})
             rss.append(rss_bytes())
-        return {"digests": dict(got), "versions": versions, "rss": rss, "stats": self.stats()}
+        return {
+            "digests": dict(got),
+            "versions": versions,
+            "rss": rss,
+            "stats": self.stats(),
+            "timelines": timelines,
+        }
 
     def close(self) -> dict[str, Any]:
         assert self.receiver is not None

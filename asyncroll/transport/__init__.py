@@ -20,12 +20,14 @@ from asyncroll.transport.backends import Backend, CudaIpcBackend, ShmBackend
 from asyncroll.transport.plan import Bucket, Slot, TensorMeta, default_group, plan_buckets
 from asyncroll.transport.receiver import (
     LoadFn,
+    ReceiverBucketTimes,
     ReceiveReport,
     ReceiverStatistics,
     WeightReceiver,
 )
 from asyncroll.transport.sender import (
     PushReport,
+    SenderBucketTimes,
     SenderStatistics,
     WeightSender,
     open_weight_sender,
@@ -38,7 +40,9 @@ __all__ = [
     "LoadFn",
     "PushReport",
     "ReceiveReport",
+    "ReceiverBucketTimes",
     "ReceiverStatistics",
+    "SenderBucketTimes",
     "SenderStatistics",
     "ShmBackend",
     "Slot",

@@ -60,6 +60,22 @@ CLOSE_LINGER_MS: Final = 1000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverBucketTimes:
+    """One bucket's way through the receiver, as ``time.perf_counter()`` stamps (comparable
+    with the sender's ``SenderBucketTimes`` on Linux)."""
+
+    bucket: int
+    received: float
+    """Its signal was read and authenticated."""
+    issued: float
+    """The loader returned (on CUDA: its copies are queued)."""
+    recorded: float
+    """Its reads were marked (the buffer's load event recorded, or the device synchronised)."""
+    acked: float
+    """The ack was sent."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReceiveReport:
     """One push as the receiver saw it."""
 
@@ -79,6 +95,8 @@ class ReceiveReport:
     """Time sealing and sending acks."""
     sync_seconds: float = 0.0
     """Time, at the end, waiting for the device to finish every load (part of load_seconds)."""
+    timeline: tuple[ReceiverBucketTimes, ...] = ()
+    """Per bucket (or the one message of a one-copy push), where its time went."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +161,8 @@ class WeightReceiver:
         self._auth_failures = self._stale = 0
         self._load_seconds = 0.0
         self._stage = {"wait": 0.0, "record": 0.0, "ack": 0.0, "sync": 0.0}
+        self._issued = self._recorded = 0.0
+        """When the current bucket's loads were issued and marked (``ReceiverBucketTimes``)."""
         self._load_events = 0
         self._auth_log = RateLimitedLog(log)
 
@@ -255,6 +275,7 @@ class WeightReceiver:
         self._spans.clear()
         self._load_seconds = 0.0
         stage = self._stage = dict.fromkeys(self._stage, 0.0)
+        timeline: list[ReceiverBucketTimes] = []
         clock = time.perf_counter
         started = time.perf_counter()
         push, buckets, tensors, nbytes = 0, 0, 0, 0
@@ -265,7 +286,8 @@ class WeightReceiver:
                 message = self._recv(
                     timeout, f"the sender sent nothing for push {push or '(next)'}"
                 )
-                stage["wait"] += clock() - waiting
+                received = clock()
+                stage["wait"] += received - waiting
                 if (
                     isinstance(message, wire.Bucket | wire.Shared | wire.End)
                     and message.push <= self._finished_push
@@ -278,6 +300,7 @@ class WeightReceiver:
                 if not isinstance(message, wire.Bucket | wire.Shared):
                     raise TransportBrokenError(f"unexpected {type(message).__name__} during a push")
                 push = message.push
+                self._issued = self._recorded = received
                 if failure is None:
                     if isinstance(message, wire.Shared):
                         failure, loaded = self._load_shared(message, load_fn)
@@ -288,7 +311,18 @@ class WeightReceiver:
                     buckets += 1
                 acking = clock()
                 self._send(self._ack(message, failure))
-                stage["ack"] += clock() - acking
+                acked = clock()
+                stage["ack"] += acked - acking
+                index = message.index if isinstance(message, wire.Bucket) else 0
+                timeline.append(
+                    ReceiverBucketTimes(
+                        bucket=index,
+                        received=received,
+                        issued=self._issued,
+                        recorded=self._recorded,
+                        acked=acked,
+                    )
+                )
         except BaseException:
             self._finished_push = max(self._finished_push, push)
             self._failed += 1
@@ -300,7 +334,7 @@ class WeightReceiver:
             self._backend.finish_loads()
             stage["sync"] = clock() - syncing
             self._load_seconds += stage["sync"]
-        return self._finish(end, failure, buckets, tensors, nbytes, started)
+        return self._finish(end, failure, buckets, tensors, nbytes, started, timeline)
 
     def _finish(
         self,
@@ -310,6 +344,7 @@ class WeightReceiver:
         tensors: int,
         nbytes: int,
         started: float,
+        timeline: list[ReceiverBucketTimes],
     ) -> ReceiveReport:
         if failure is not None or end.error:
             self._failed += 1
@@ -332,6 +367,7 @@ class WeightReceiver:
             record_seconds=self._stage["record"],
             ack_seconds=self._stage["ack"],
             sync_seconds=self._stage["sync"],
+            timeline=tuple(timeline),
         )
 
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:
@@ -365,6 +401,7 @@ class WeightReceiver:
             done = time.perf_counter()
             self._load_seconds += recording - loading
             self._stage["record"] += done - recording
+            self._issued, self._recorded = recording, done
         except Exception as exc:
             names = batch.current or ", ".join(name for name, _ in batch)[:500]
             log.warning("%r: loading %s failed: %r", self, names, exc)
@@ -407,8 +444,10 @@ class WeightReceiver:
             finally:
                 recording = time.perf_counter()
                 self._backend.finish_loads()  # reads done before the ack, even after a failure
+                done = time.perf_counter()
                 self._load_seconds += recording - loading
-                self._stage["record"] += time.perf_counter() - recording
+                self._stage["record"] += done - recording
+                self._issued, self._recorded = recording, done
         except Exception as exc:
             names = batch.current or ", ".join(name for name, _ in batch)[:500]
             log.warning("%r: loading %s (shared) failed: %r", self, names, exc)

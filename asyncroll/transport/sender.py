@@ -68,7 +68,13 @@ from asyncroll.transport.plan import Bucket, GroupOf, TensorMeta, default_group,
 from asyncroll.transport.security import JobIdentity
 from asyncroll.transport.shared import SharedStorages, check_shareable
 
-__all__ = ["PushReport", "SenderStatistics", "WeightSender", "open_weight_sender"]
+__all__ = [
+    "PushReport",
+    "SenderBucketTimes",
+    "SenderStatistics",
+    "WeightSender",
+    "open_weight_sender",
+]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -77,6 +83,27 @@ DEFAULT_BUCKET_BYTES: Final = 512 << 20
 """Size of one staging buffer: large enough to amortise a round trip, small enough to double."""
 _QUARANTINE: list[StagingBuffer] = []
 """Staging buffers closed with copies still queued into them: never freed (see ``_release``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SenderBucketTimes:
+    """One bucket's way through the sender, as ``time.perf_counter()`` stamps (on Linux one
+    monotonic clock for every process of the machine: they line up with the receivers'
+    ``ReceiverBucketTimes``)."""
+
+    bucket: int
+    waited: float
+    """The wait for a free buffer began."""
+    free: float
+    """Every receiver of the buffer's last bucket had acked it."""
+    loads_done: float
+    """Their reads of it were done on the device (polled)."""
+    queued: float
+    """Our copies into it were queued."""
+    copied: float
+    """They were done (the bucket may be signalled)."""
+    signalled: float
+    """It was sent to every receiver."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +120,8 @@ class PushReport:
     """Time packing buckets into staging buffers (in the worker thread)."""
     wait_seconds: float
     """Time waiting for receivers to release a buffer (and for the final acks)."""
+    timeline: tuple[SenderBucketTimes, ...] = ()
+    """Per bucket, where its time went (staged pushes)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -334,39 +363,57 @@ class WeightSender:
         # so the device always has the next copies at hand while Python signals and acks.
         # (With two, k+1's buffer is k-1's: k's signal would wait for k-1's ack.)
         unsignalled: tuple[Bucket, int, object] | None = None
+        stamps: list[dict[str, float]] = []
+        clock = time.perf_counter
         async with self._pushing(version, buckets=len(plan)) as state:
             self._backend.mark_sources_ready()
             for bucket in plan:
                 index = bucket.index % len(self._staging)
-                t0 = time.perf_counter()
+                stamp = {"waited": clock()}
+                stamps.append(stamp)
                 await self._wait_buffer_free(index, state)
-                t1 = time.perf_counter()
+                stamp["free"] = clock()
                 readers = self._load_events_of(index)
                 previous = unsignalled[2] if unsignalled is not None else None
                 marker = await self._in_packer(
-                    self._pack, bucket, index, tensors, readers, previous
+                    self._pack, bucket, index, tensors, readers, previous, stamps
                 )
-                t2 = time.perf_counter()
-                wait_s, pack_s = wait_s + t1 - t0, pack_s + t2 - t1
+                wait_s += stamp["free"] - stamp["waited"]
+                pack_s += clock() - stamp["free"]
                 if unsignalled is not None:
                     await self._send_bucket(unsignalled[0], unsignalled[1], state)
+                    stamps[-2]["signalled"] = clock()
                     unsignalled = None
                 if self._late_signals:
                     unsignalled = (bucket, index, marker)
                 else:
                     await self._send_bucket(bucket, index, state)
-            t0 = time.perf_counter()
+                    stamp["signalled"] = clock()
+            t0 = clock()
             if unsignalled is not None:
                 await self._in_packer(self._finish_copies, unsignalled[2])
+                stamps[-1]["copied"] = clock()
                 await self._send_bucket(unsignalled[0], unsignalled[1], state)
+                stamps[-1]["signalled"] = clock()
             for index in range(len(self._staging)):
                 await self._wait_buffer_free(index, state)
             # Acks may precede the loads on the device (load events): wait for those too.
             readers = [r for i in range(len(self._staging)) for r in self._load_events_of(i)]
             await self._in_packer(self._wait_loads, readers)
-            wait_s += time.perf_counter() - t0
+            wait_s += clock() - t0
+        timeline = tuple(
+            SenderBucketTimes(bucket=i, **stamp)
+            for i, stamp in enumerate(stamps)
+            if len(stamp) == 6
+        )
         return self._count(
-            state, tensors, buckets=len(plan), started=started, pack_s=pack_s, wait_s=wait_s
+            state,
+            tensors,
+            buckets=len(plan),
+            started=started,
+            pack_s=pack_s,
+            wait_s=wait_s,
+            timeline=timeline,
         )
 
     async def _run_shared_push(self, tensors: dict[str, torch.Tensor], version: int) -> PushReport:
@@ -431,6 +478,7 @@ class WeightSender:
         started: float,
         pack_s: float,
         wait_s: float,
+        timeline: tuple[SenderBucketTimes, ...] = (),
     ) -> PushReport:
         """Count a push that succeeded and report it."""
         seconds = time.perf_counter() - started
@@ -446,6 +494,7 @@ class WeightSender:
             seconds=seconds,
             pack_seconds=pack_s,
             wait_seconds=wait_s,
+            timeline=timeline,
         )
 
     async def _in_packer(self, function: Callable[..., _T], *args: object) -> _T:
@@ -477,18 +526,25 @@ class WeightSender:
         tensors: Mapping[str, torch.Tensor],
         readers: list[tuple[bytes, object]],
         previous: object | None,
+        stamps: list[dict[str, float]],
     ) -> object:
         """Wait until the buffer's last readers finished on the device, queue the bucket's
-        copies, then (if given) wait for the previous bucket's. Returns this one's marker."""
+        copies, then (if given) wait for the previous bucket's. Returns this one's marker.
+        Stamps ``loads_done``, ``queued`` and ``copied`` (the last, of the bucket waited for)."""
+        clock = time.perf_counter
         self._wait_loads(readers)
+        stamps[-1]["loads_done"] = clock()
         with torch.no_grad(), self._backend.copy_context():  # parameters require grad
             pack_bucket(bucket, self._staging[index].tensor, tensors)
         marker = self._backend.mark_copies()
+        stamps[-1]["queued"] = clock()
         if self._late_signals:
             if previous is not None:
                 self._finish_copies(previous)
+                stamps[-2]["copied"] = clock()
         else:
             self._finish_copies(marker)
+            stamps[-1]["copied"] = clock()
         return marker
 
     def _wait_loads(self, readers: list[tuple[bytes, object]]) -> None:

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -431,6 +432,7 @@ class AsyncrollWorkerExtension:
             "record_seconds": report.record_seconds,
             "ack_seconds": report.ack_seconds,
             "sync_seconds": report.sync_seconds,
+            "timeline": [dataclasses.asdict(times) for times in report.timeline],
         }
         stats = (
             engine.plan_statistics

@@ -85,4 +85,6 @@ def render(summary: Mapping[str, Any]) -> str:
     for name, v in summary.items():
         if isinstance(v, dict):
             lines.append(f"    {name:44s} {v['median_ms']:10.3f} {v['total_ms']:10.2f}")
+        elif isinstance(v, float):
+            lines.append(f"    {name:44s} {v:10.3f}")
     return "\n".join(lines)

@@ -408,6 +408,9 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
                 assert r.push is not None
                 last["timeline"] = summarize_timeline(r.push.timeline, worker["timeline"],
                                                       buffers=buffers)
+                if r.push.timeline:  # how long the sender waited for the worker's receive RPC
+                    last["timeline"]["receiver began after the sender (ms)"] = round(
+                        (worker["began"] - r.push.timeline[0].waited) * 1e3, 3)
                 return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
                         "total_with_pause_resume_ms": r.seconds * 1e3,
                         "pause_ms": r.pause_seconds * 1e3, "push_ms": r.push_seconds * 1e3,

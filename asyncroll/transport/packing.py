@@ -45,15 +45,29 @@ def slot_view(
     return buffer[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
-def pack_bucket(bucket: Bucket, buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy every slot of ``bucket`` from ``tensors`` into ``buffer`` (strided sources welcome)."""
+def pack_bucket(
+    bucket: Bucket,
+    buffer: torch.Tensor,
+    tensors: Mapping[str, torch.Tensor],
+    views: dict[tuple[int, int, torch.dtype, tuple[int, ...]], torch.Tensor] | None = None,
+) -> None:
+    """Copy every slot of ``bucket`` from ``tensors`` into ``buffer`` (strided sources welcome).
+
+    ``views``, if given, keeps the typed views of ``buffer`` made for the slots, to reuse on the
+    next push of the same layout (a view is three tensor ops; a bucket can hold hundreds)."""
     flat_cache: tuple[str, torch.Tensor] | None = None
     for slot in bucket.slots:
         if slot.nbytes == 0:
             continue
         source = tensors[slot.name]
         if not slot.spanning:
-            slot_view(buffer, slot.offset, slot.nbytes, slot.dtype, slot.shape).copy_(source)
+            key = (slot.offset, slot.nbytes, slot.dtype, slot.shape)
+            view = views.get(key) if views is not None else None
+            if view is None:
+                view = slot_view(buffer, slot.offset, slot.nbytes, slot.dtype, slot.shape)
+                if views is not None:
+                    views[key] = view
+            view.copy_(source)
             continue
         if flat_cache is None or flat_cache[0] != slot.name:
             flat_cache = (slot.name, as_bytes(source))

@@ -97,6 +97,8 @@ class ReceiveReport:
     """Time, at the end, waiting for the device to finish every load (part of load_seconds)."""
     timeline: tuple[ReceiverBucketTimes, ...] = ()
     """Per bucket (or the one message of a one-copy push), where its time went."""
+    began: float = 0.0
+    """When ``receive`` was called (``time.perf_counter()``: how late after the sender began)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -368,6 +370,7 @@ class WeightReceiver:
             ack_seconds=self._stage["ack"],
             sync_seconds=self._stage["sync"],
             timeline=tuple(timeline),
+            began=started,
         )
 
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:

@@ -194,6 +194,13 @@ class WeightSender:
         self._pushes = self._failed = self._bytes = 0
         self._push_lock = asyncio.Lock()
         self._staging: list[StagingBuffer] = []
+        self._plan: tuple[tuple[TensorMeta, ...], list[Bucket]] | None = None
+        """The last push's layout and its buckets: the next push of the same layout reuses
+        them, and the staging views below."""
+        self._views: list[dict[tuple[int, int, torch.dtype, tuple[int, ...]], torch.Tensor]] = [
+            {} for _ in range(buffers)
+        ]
+        """Per staging buffer, its typed views for the slots of ``_plan`` (``pack_bucket``)."""
         self._control = ControlPlane(
             identity=self._identity,
             hooks=PeerHooks(  # weakly: an unclosed sender is freed (and warns) as it is dropped
@@ -325,11 +332,7 @@ class WeightSender:
                 await self.wait_receivers(self._expected)
             async with self._push_lock:
                 return await self._run_shared_push(tensors, version)
-        plan = plan_buckets(
-            [TensorMeta.of(name, t) for name, t in tensors.items()],
-            bucket_bytes=self._bucket_bytes,
-            group_of=self._group_of,
-        )
+        plan = self._plan_for(tuple(TensorMeta.of(name, t) for name, t in tensors.items()))
         if self._expected is not None:
             await self.wait_receivers(self._expected)  # immediate once they are in; seals
         async with self._push_lock:
@@ -352,6 +355,15 @@ class WeightSender:
         self._control.start()
 
     # ---------------------------------------------------------------- the push
+
+    def _plan_for(self, metas: tuple[TensorMeta, ...]) -> list[Bucket]:
+        """The buckets of a push of ``metas`` (the last push's, when the layout is the same)."""
+        if self._plan is None or self._plan[0] != metas:
+            buckets = plan_buckets(metas, bucket_bytes=self._bucket_bytes, group_of=self._group_of)
+            self._plan = (metas, buckets)
+            for views in self._views:
+                views.clear()
+        return self._plan[1]
 
     async def _run_push(
         self, plan: list[Bucket], tensors: dict[str, torch.Tensor], version: int
@@ -535,7 +547,7 @@ class WeightSender:
         self._wait_loads(readers)
         stamps[-1]["loads_done"] = clock()
         with torch.no_grad(), self._backend.copy_context():  # parameters require grad
-            pack_bucket(bucket, self._staging[index].tensor, tensors)
+            pack_bucket(bucket, self._staging[index].tensor, tensors, self._views[index])
         marker = self._backend.mark_copies()
         stamps[-1]["queued"] = clock()
         if self._late_signals:
@@ -698,6 +710,7 @@ class WeightSender:
 
     def _release_staging(self) -> None:
         self._packer.shutdown(wait=True)  # no copies are queued after this
+        self._views, self._plan = [], None  # views of the buffers go before the buffers
         if self._copies_pending():
             # Copies into these buffers are still queued (a push was cut short while the device
             # was busy); were the memory given back to the allocator, they could write into

@@ -24,14 +24,17 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._device import DeviceContext
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -86,6 +89,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.model_config: Any = getattr(self, "model_config", None)
         self.device: Any = getattr(self, "device", None)
         self._receiver: WeightReceiver | None = None
+        self._device_context: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        )
+        """Puts vLLM's ``torch.device`` mode back while the model's loaders run (a receive
+        runs outside it: ``_outside_device_context``)."""
         self.last_report: ReceiveReport | None = None
         self._info: InitInfo | None = None
         self._backup: dict[str, torch.Tensor] | None = None
@@ -153,17 +161,38 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         ``direct`` load (``start_weight_update(is_checkpoint_format=False)``), started nothing:
         its loader copies kernel-format names, so the model's own loader is used instead."""
         assert self._receiver is not None and self._info is not None
+        with _outside_device_context() as self._device_context:
+            try:
+                self._receive(load_weights)
+            finally:
+                self._device_context = contextlib.nullcontext
+
+    def _receive(
+        self, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None
+    ) -> None:
+        """``receive_weights`` outside vLLM's ``torch.device`` mode: every tensor op of the
+        hot path (slot views, the plan's copies, its checks) would otherwise run through a
+        Python ``__torch_function__`` (three times slower an op; on a 7B push most of the
+        receiver's time). The model's own loaders run inside it again (``_under_device``), as
+        vLLM calls them."""
+        assert self._receiver is not None and self._info is not None
         worker_driven = load_weights is not None
         direct = self.direct
-        load_batch: Callable[[list[tuple[str, torch.Tensor]]], Any] = (
+        loader: Callable[[list[tuple[str, torch.Tensor]]], Any] = (
             self.model.load_weights  # type: ignore[assignment]
             if direct or load_weights is None
             else load_weights
         )
+        load_batch: Callable[[list[tuple[str, torch.Tensor]]], Any] = functools.partial(
+            self._under_device, loader
+        )
         self._planning = direct and self._info.plan
         if self._planning:
             if self._plan is None or self._plan.model is not self.model:
-                self._plan = LoadPlan(self.model, self.model.load_weights)  # type: ignore[arg-type]
+                self._plan = LoadPlan(
+                    self.model,
+                    functools.partial(self._under_device, self.model.load_weights),  # type: ignore[arg-type]
+                )
             self._plan.begin_push()
             load_batch = self._plan.load
         if worker_driven:
@@ -179,7 +208,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 names = ", ".join(name for name, _ in batch[:4])
                 raise RuntimeError(f"loading [{names}]: {type(exc).__name__}: {exc}") from exc
             for name, tensor in batch:
-                self._pending[name] = tensor.detach().clone() if keep else tensor[:0]
+                self._pending[name] = tensor.detach().clone() if keep else _LOADED
             if not direct:
                 _detach_pending_views()
 
@@ -193,6 +222,13 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             raise
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
+
+    def _under_device(
+        self, loader: Callable[[list[tuple[str, torch.Tensor]]], Any], batch: list[Any]
+    ) -> Any:
+        """The model's own loader, under the ``torch.device`` mode vLLM calls it in."""
+        with self._device_context():
+            return loader(batch)
 
     @property
     def plan_statistics(self) -> PlanStatistics | None:
@@ -295,6 +331,39 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             )
         rest = [(n, t) for n, t in self._shadow.items() if n not in self._pending]
         load_batch(rest)  # completed or untouched layers reload unchanged values
+
+_LOADED = torch.empty(0)
+"""What ``_pending`` keeps of a tensor when no copy is kept (only its name counts)."""
+
+
+@contextlib.contextmanager
+def _outside_device_context() -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+    """Pop the ``torch.device`` modes on top of the torch-function mode stack (vLLM 0.24's
+    worker calls ``receive_weights`` under one) for the block; yields a context manager that
+    puts them back while it is entered (for the model's loaders)."""
+    popped: list[Any] = []
+    stack = torch._C
+    while stack._len_torch_function_stack() and isinstance(
+        stack._get_function_stack_at(stack._len_torch_function_stack() - 1), DeviceContext
+    ):
+        popped.append(stack._pop_torch_function_stack())
+
+    @contextlib.contextmanager
+    def restored() -> Iterator[None]:
+        for mode in reversed(popped):
+            stack._push_on_torch_function_stack(mode)
+        try:
+            yield
+        finally:
+            for _ in popped:
+                stack._pop_torch_function_stack()
+
+    try:
+        yield restored
+    finally:
+        for mode in reversed(popped):
+            stack._push_on_torch_function_stack(mode)
+
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -433,6 +502,7 @@ class AsyncrollWorkerExtension:
             "ack_seconds": report.ack_seconds,
             "sync_seconds": report.sync_seconds,
             "timeline": [dataclasses.asdict(times) for times in report.timeline],
+            "began": report.began,
         }
         stats = (
             engine.plan_statistics

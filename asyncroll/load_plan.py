@@ -91,6 +91,9 @@ class PlanStatistics:
     """Name -> why it is not planned (every name seen so far, a few at most per reason)."""
     invalidations: int = 0
     """Times the plan was dropped because a parameter moved."""
+    remembered: int = 0
+    """Batches of the last push replayed from copies remembered from an earlier push of the
+    same layout (the same staging buffers): no per-copy view or check."""
 
 
 class LoadPlan:
@@ -112,6 +115,13 @@ class LoadPlan:
         self._layout: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []
         self._invalidations = 0
         self._counts: Counter[str] = Counter()
+        self._replays: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """Batches seen whole-planned, by their layout (names, addresses, dtypes, shapes,
+        strides): the (destination, source) pairs of their copies, made once. A push from the
+        same staging buffers replays these, with no per-copy view or check."""
+        self._replays_before: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        """The previous push's: kept one push, then dropped (the sources they hold may be a
+        buffer no longer in use)."""
 
     def __repr__(self) -> str:
         return (
@@ -127,6 +137,7 @@ class LoadPlan:
             copies=self._counts["copies"],
             unplannable=dict(self._unplannable),
             invalidations=self._invalidations,
+            remembered=self._counts["remembered"],
         )
 
     @property
@@ -144,10 +155,31 @@ class LoadPlan:
             logger.info("model parameters moved since the load plan was made: learning it again")
             self._entries.clear()
             self._invalidations += 1
+            self.forget_sources()
         self._layout = layout
+        self._replays_before, self._replays = self._replays, {}
+
+    def forget_sources(self) -> None:
+        """Drop every reference to pushed tensors (call when their buffers go away)."""
+        self._replays.clear()
+        self._replays_before.clear()
 
     def load(self, batch: Batch) -> None:
-        """Load ``batch`` (the tensors may be views of a staging buffer: nothing keeps them)."""
+        """Load ``batch`` (the tensors may be views of a staging buffer: a batch loaded whole
+        through the plan keeps views of them until the push after next, or
+        ``forget_sources``)."""
+        key = tuple(
+            (name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in batch
+        )
+        pairs = self._replays.get(key)
+        if pairs is None and (pairs := self._replays_before.pop(key, None)) is not None:
+            self._replays[key] = pairs
+        if pairs is not None:
+            with torch.no_grad():
+                for dst, src in pairs:
+                    dst.copy_(src)
+            self._counts.update(planned=len(batch), copies=len(pairs), remembered=1)
+            return
         if any(name in self._with_batch for name, _ in batch):
             self._load_weights(list(batch))
             self._counts.update(fallback=len(batch))
@@ -163,13 +195,17 @@ class LoadPlan:
                 fallback.append((name, tensor))
             else:
                 learn.append((name, tensor))
-        copies = 0
+        made: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for entry, tensor in planned:
                 base = tensor.storage_offset()
                 for copy in entry.copies:
-                    copy.dst.copy_(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
-                copies += len(entry.copies)
+                    src = tensor.as_strided(copy.size, copy.stride, base + copy.offset)
+                    copy.dst.copy_(src)
+                    made.append((copy.dst, src))
+        copies = len(made)
+        if len(planned) == len(batch):
+            self._replays[key] = made
         try:
             if learn:
                 self._learn(learn)

@@ -215,6 +215,35 @@ def test_partial_pushes_and_a_changed_dtype_stay_exact() -> None:
     assert twins.plan.statistics().learned == 1
 
 
+def test_pushes_through_the_same_buffer_replay_remembered_copies_exactly() -> None:
+    """A receiver hands over views of the same staging buffer every push: from the third push
+    on, the plan replays the copies it remembered (no views or checks made again), and reads
+    each push's bytes, not the first's. (``scaled.weight``, never planned, is left out: a
+    batch is remembered only when the plan maps all of it.)"""
+    twins = Twins(pad_vocab=False)
+
+    def plannable(step: int) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in pushed(step).items() if k != "scaled.weight"}
+
+    views = staged(plannable(0))
+    for step in range(5):
+        tensors = plannable(60 + step)
+        for (_, view), tensor in zip(views, tensors.values(), strict=True):
+            view.copy_(tensor)
+        twins.plan.begin_push()
+        twins.plan.load(views)
+        twins.plain.load_weights(tensors.items())
+        assert_same(twins.planned, twins.plain)
+        stats = twins.plan.statistics()
+        assert stats.remembered == (1 if step >= 2 else 0)  # learned, planned, remembered
+        if step >= 1:
+            assert stats.planned == len(tensors) and stats.fallback == 0
+    twins.plan.forget_sources()
+    twins.plan.begin_push()
+    twins.plan.load(views)
+    assert twins.plan.statistics().remembered == 0
+
+
 def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again() -> None:
     twins = Twins(pad_vocab=False)
     twins.push(pushed(0))
@@ -250,6 +279,7 @@ async def test_the_plan_loads_through_the_transport_with_spanning_tensors() -> N
                 plain.load_weights(tensors.items())
             await worker
         finally:
+            plan.forget_sources()  # it remembers views of the receiver's buffers
             await asyncio.to_thread(receiver.close)
     assert_same(planned, plain)
     assert plan.statistics().planned == len(pushed(0)) - 1

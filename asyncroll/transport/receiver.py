@@ -148,6 +148,9 @@ class WeightReceiver:
         self._backend_factory = backend_factory
         self._backend: Backend | None = None
         self._mapped: list[MappedBuffer] = []
+        self._views: dict[tuple[int, int, int, str, tuple[int, ...]], torch.Tensor] = {}
+        """Typed views of the staging buffers by slot (buffer, offset, bytes, dtype, shape):
+        a push of the layout of the last one makes none again."""
         self._shared: dict[int, MappedBuffer] = {}
         """One-copy mode: the trainer's storages mapped, by the sender's id."""
         self._spans = SpanAssembler()
@@ -385,7 +388,14 @@ class WeightReceiver:
                 if entry.spanning:
                     self._spans.add(_slot(entry, dtype), buffer)
                 else:
-                    view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
+                    shape = tuple(entry.shape)
+                    key = (bucket.buffer, entry.offset, entry.nbytes, entry.dtype, shape)
+                    view = self._views.get(key)
+                    if view is None:
+                        if len(self._views) >= _MAX_VIEWS:  # layouts keep changing: start over
+                            self._views.clear()
+                        view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
+                        self._views[key] = view
                     batch.append((entry.name, view))
             batch.extend(self._spans.take(bucket.completes))
             loading = time.perf_counter()
@@ -535,6 +545,7 @@ class WeightReceiver:
         self._closed = True
         self._settle_loads()  # queued reads must end before the mappings (and our Bye) go
         self._spans.release()
+        self._views.clear()  # views of the buffers go before the buffers
         for mapped in [*self._mapped, *self._shared.values()]:
             mapped.close()
         self._mapped = []
@@ -548,6 +559,10 @@ class WeightReceiver:
                 self._sock.close(linger=0)
         if self._ctx is not None:
             self._ctx.term()
+
+
+_MAX_VIEWS = 1 << 14
+"""Views kept of the staging buffers at most (one per slot of the pushes' layouts)."""
 
 
 def _unclosed_warning(receiver: WeightReceiver) -> None:

@@ -279,6 +279,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         return not self._mixed
 
     def shutdown(self) -> None:
+        if self._plan is not None:  # it holds views of the receiver's buffers
+            self._plan.forget_sources()
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None

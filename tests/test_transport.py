@@ -363,14 +363,36 @@ class AsyncCopiesShm(ShmBackend):
         self.finished.append(marker)
 
 
+class InlineCopiesShm(AsyncCopiesShm):
+    """As ``AsyncCopiesShm``, and packed on the event loop with polled waits, as CUDA's are
+    (``inline_packing``); a marker is done on its second poll."""
+
+    inline_packing = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls: dict[int, int] = {}
+
+    def copies_done(self, marker: object) -> bool:
+        assert isinstance(marker, int)
+        self.polls[marker] = self.polls.get(marker, 0) + 1
+        if self.polls[marker] < 2:
+            return False
+        if marker not in self.finished:
+            self.finished.append(marker)
+        return True
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["packing-thread", "on-the-loop"])
 @pytest.mark.parametrize("buffers", [1, 2, 3])
 async def test_late_signals_of_asynchronous_copies_deliver_every_bucket(
-    child: Child, buffers: int
+    child: Child, buffers: int, inline: bool
 ) -> None:
     """The sender's pipelining logic for CUDA, with CPU memory: no deadlock at any buffer count,
-    every bucket arrives bit-exact, and every bucket's copies were waited for."""
+    every bucket arrives bit-exact, and every bucket's copies were waited for, packed in the
+    packing thread or on the event loop."""
     tensors = model_tensors()
-    backend = AsyncCopiesShm()
+    backend = InlineCopiesShm() if inline else AsyncCopiesShm()
     async with open_weight_sender(
         backend=backend, bucket_bytes=16 * KB, buffers=buffers, receivers=1, ack_timeout=30
     ) as sender:
@@ -384,6 +406,7 @@ async def test_late_signals_of_asynchronous_copies_deliver_every_bucket(
     assert report.buckets > 4
     assert len(backend.made) > 2 * report.buckets  # a marker per bucket, one per final drain
     assert sorted(backend.finished) == backend.made  # and each was waited for
+    assert [t.bucket for t in report.timeline] == list(range(report.buckets))  # all stamped
 
 
 async def test_copies_that_do_not_finish_in_time_fail_the_push_not_the_sender(

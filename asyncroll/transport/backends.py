@@ -22,6 +22,7 @@ receiver maps each descriptor once for the life of the connection. Nothing here 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import mmap
@@ -106,6 +107,15 @@ class Backend(Protocol):
 
     def mark_copies(self) -> object:
         """A marker of the copies issued in copy_context so far (for ``finish_copies``)."""
+        ...
+
+    inline_packing: bool
+    """Packing only queues device work: the sender packs on the event loop's thread (no
+    thread hop a bucket) and polls ``copies_done`` and ``peer_loads_done``, yielding to the
+    loop in between. False: packing blocks, and runs in the sender's packing thread."""
+
+    def copies_done(self, marker: object) -> bool:
+        """Whether the copies before ``marker`` are visible to other processes (never blocks)."""
         ...
 
     def finish_copies(self, marker: object, *, within: float) -> None:
@@ -215,9 +225,13 @@ class ShmBackend:
         pass
 
     async_copies = False
+    inline_packing = False
 
     def mark_copies(self) -> object:
         return None
+
+    def copies_done(self, marker: object) -> bool:
+        return True
 
     def finish_copies(self, marker: object, *, within: float) -> None:
         pass
@@ -321,11 +335,16 @@ class CudaIpcBackend:
         self._sources_ready = event
 
     async_copies = True
+    inline_packing = True
 
     def mark_copies(self) -> object:
         marker = torch.cuda.Event()  # type: ignore[no-untyped-call]
         marker.record(self._copy_stream())
         return marker
+
+    def copies_done(self, marker: object) -> bool:
+        assert isinstance(marker, torch.cuda.Event)
+        return bool(marker.query())  # type: ignore[no-untyped-call]
 
     def finish_copies(self, marker: object, *, within: float) -> None:
         assert isinstance(marker, torch.cuda.Event)
@@ -406,6 +425,26 @@ def poll_until(
         if waited > within:
             raise TimeoutError(f"not done within {within:g} s")
         time.sleep(0 if waited < 0.01 else 0.001)
+    return True
+
+
+async def apoll_until(
+    done: Callable[[], bool], *, within: float, give_up: Callable[[], bool] | None = None
+) -> bool:
+    """``poll_until`` on the event loop: between polls, other tasks run (the first 10 ms a
+    loop turn apart, then 1 ms apart).
+
+    Raises:
+        TimeoutError: neither within ``within`` seconds.
+    """
+    started = time.monotonic()
+    while not done():
+        if give_up is not None and give_up():
+            return False
+        waited = time.monotonic() - started
+        if waited > within:
+            raise TimeoutError(f"not done within {within:g} s")
+        await asyncio.sleep(0 if waited < 0.01 else 0.001)
     return True
 
 

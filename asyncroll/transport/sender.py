@@ -17,8 +17,10 @@ Invariants:
   Never with two: packing k+1 then needs the buffer of k-1, so k's signal would wait for the
   receiver to finish k-1 and the receiver would idle between buckets (this halved the end-to-end
   rate of a 7B push on an H100);
-* packing runs in one private worker thread, FIFO, so a push cancelled mid-pack can never race
-  the next push's packing of the same buffer;
+* packing that blocks (shared memory) runs in one private worker thread, FIFO, so a push
+  cancelled mid-pack can never race the next push's packing of the same buffer; packing that
+  only queues device work (CUDA: ``Backend.inline_packing``) runs on the event loop, in the
+  copy stream's order, and its device waits are polls that let the loop run;
 * every wait is bounded (``connect_timeout``, ``ack_timeout``) and a timeout names the receiver
   and the bucket that did not answer;
 * every push ends with an End to each receiver still here, naming the error if it failed (and
@@ -59,6 +61,7 @@ from asyncroll.transport.backends import (
     CudaIpcBackend,
     ShmBackend,
     StagingBuffer,
+    apoll_until,
     poll_until,
 )
 from asyncroll.transport.packing import dtype_name, pack_bucket
@@ -81,6 +84,10 @@ _T = TypeVar("_T")
 
 DEFAULT_BUCKET_BYTES: Final = 512 << 20
 """Size of one staging buffer: large enough to amortise a round trip, small enough to double."""
+_COPIES_LATE: Final = (
+    "the staging copies did not finish within {:g} s (device work queued before the push,"
+    " which the copies wait for, is still running?)"
+)
 _QUARANTINE: list[StagingBuffer] = []
 """Staging buffers closed with copies still queued into them: never freed (see ``_release``)."""
 
@@ -387,9 +394,14 @@ class WeightSender:
                 stamp["free"] = clock()
                 readers = self._load_events_of(index)
                 previous = unsignalled[2] if unsignalled is not None else None
-                marker = await self._in_packer(
-                    self._pack, bucket, index, tensors, readers, previous, stamps
-                )
+                if self._backend.inline_packing:
+                    marker = await self._pack_here(
+                        bucket, index, tensors, readers, previous, stamps
+                    )
+                else:
+                    marker = await self._in_packer(
+                        self._pack, bucket, index, tensors, readers, previous, stamps
+                    )
                 wait_s += stamp["free"] - stamp["waited"]
                 pack_s += clock() - stamp["free"]
                 if unsignalled is not None:
@@ -403,7 +415,10 @@ class WeightSender:
                     stamp["signalled"] = clock()
             t0 = clock()
             if unsignalled is not None:
-                await self._in_packer(self._finish_copies, unsignalled[2])
+                if self._backend.inline_packing:
+                    await self._poll_copies(unsignalled[2])
+                else:
+                    await self._in_packer(self._finish_copies, unsignalled[2])
                 stamps[-1]["copied"] = clock()
                 await self._send_bucket(unsignalled[0], unsignalled[1], state)
                 stamps[-1]["signalled"] = clock()
@@ -411,7 +426,10 @@ class WeightSender:
                 await self._wait_buffer_free(index, state)
             # Acks may precede the loads on the device (load events): wait for those too.
             readers = [r for i in range(len(self._staging)) for r in self._load_events_of(i)]
-            await self._in_packer(self._wait_loads, readers)
+            if self._backend.inline_packing:
+                await self._poll_loads(readers)
+            else:
+                await self._in_packer(self._wait_loads, readers)
             wait_s += clock() - t0
         timeline = tuple(
             SenderBucketTimes(bucket=i, **stamp)
@@ -559,6 +577,61 @@ class WeightSender:
             stamps[-1]["copied"] = clock()
         return marker
 
+    async def _pack_here(
+        self,
+        bucket: Bucket,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        readers: list[tuple[bytes, object]],
+        previous: object | None,
+        stamps: list[dict[str, float]],
+    ) -> object:
+        """``_pack`` on the event loop, for a backend whose packing only queues device work
+        (``inline_packing``): no thread hop a bucket, and the device waits are polls that let
+        the loop run (the acks of the other buffer arrive meanwhile)."""
+        clock = time.perf_counter
+        await self._poll_loads(readers)
+        stamps[-1]["loads_done"] = clock()
+        with torch.no_grad(), self._backend.copy_context():  # parameters require grad
+            pack_bucket(bucket, self._staging[index].tensor, tensors, self._views[index])
+        marker = self._backend.mark_copies()
+        stamps[-1]["queued"] = clock()
+        waited = previous if self._late_signals else marker
+        if waited is not None:
+            await self._poll_copies(waited)
+            stamps[-2 if self._late_signals else -1]["copied"] = clock()
+        return marker
+
+    async def _poll_loads(self, readers: list[tuple[bytes, object]]) -> None:
+        """``_wait_loads`` on the event loop."""
+        deadline = time.monotonic() + self._ack_timeout
+        for identity, event in readers:
+            self._control.check_usable()
+            try:
+                await apoll_until(
+                    functools.partial(self._backend.peer_loads_done, event),
+                    within=max(0.0, deadline - time.monotonic()),
+                    give_up=functools.partial(self._left_or_closed, identity),
+                )
+            except TimeoutError:
+                raise TransportTimeoutError(
+                    f"{self._control.describe(identity)} did not finish loading a bucket on the"
+                    f" device within {self._ack_timeout:g} s"
+                ) from None
+        self._control.check_usable()
+
+    async def _poll_copies(self, marker: object) -> None:
+        """``_finish_copies`` on the event loop."""
+        try:
+            await apoll_until(
+                functools.partial(self._backend.copies_done, marker),
+                within=self._ack_timeout,
+                give_up=lambda: self._control.closed,
+            )
+        except TimeoutError:
+            raise TransportTimeoutError(_COPIES_LATE.format(self._ack_timeout)) from None
+        self._control.check_usable()
+
     def _wait_loads(self, readers: list[tuple[bytes, object]]) -> None:
         """Poll receivers' load events from the host (never on our stream: an event of a process
         that died never fires). A receiver that left is not waited for."""
@@ -586,10 +659,7 @@ class WeightSender:
         try:
             self._backend.finish_copies(marker, within=self._ack_timeout)
         except TimeoutError:
-            raise TransportTimeoutError(
-                f"the staging copies did not finish within {self._ack_timeout:g} s (device work"
-                " queued before the push, which the copies wait for, is still running?)"
-            ) from None
+            raise TransportTimeoutError(_COPIES_LATE.format(self._ack_timeout)) from None
 
     async def _wait_buffer_free(self, index: int, state: _PushState) -> None:
         def what() -> str:

@@ -149,6 +149,9 @@ class WeightReceiver:
         self._backend: Backend | None = None
         self._mapped: list[MappedBuffer] = []
         self._views: dict[tuple[int, int, int, str, tuple[int, ...]], torch.Tensor] = {}
+        self._shared_views: dict[int, dict[tuple[int, int, str, tuple[int, ...]], torch.Tensor]]
+        self._shared_views = {}
+        """One-copy pushes: per trainer storage, the views of its tensors, as ``_views``."""
         """Typed views of the staging buffers by slot (buffer, offset, bytes, dtype, shape):
         a push of the layout of the last one makes none again."""
         self._shared: dict[int, MappedBuffer] = {}
@@ -433,6 +436,7 @@ class WeightReceiver:
                 raise TransportBrokenError("a shared push before the welcome")
             listed = {storage.id: storage for storage in message.storages}
             for ident in [i for i in self._shared if i not in listed]:
+                self._shared_views.pop(ident, None)  # the views go before their storage
                 self._shared.pop(ident).close()
             for ident, storage in listed.items():
                 if ident not in self._shared:
@@ -448,8 +452,14 @@ class WeightReceiver:
                 source = listed.get(entry.storage)
                 if source is None or not 0 <= entry.offset <= source.nbytes - entry.nbytes:
                     raise ValueError(f"{entry.name!r} lies outside the storages it was sent with")
-                buffer = self._shared[entry.storage].tensor
-                view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
+                views = self._shared_views.setdefault(entry.storage, {})
+                key = (entry.offset, entry.nbytes, entry.dtype, tuple(entry.shape))
+                view = views.get(key)
+                if view is None:
+                    buffer = self._shared[entry.storage].tensor
+                    view = views[key] = slot_view(
+                        buffer, entry.offset, entry.nbytes, dtype, entry.shape
+                    )
                 batch.append((entry.name, view))
             loading = time.perf_counter()
             try:
@@ -546,6 +556,7 @@ class WeightReceiver:
         self._settle_loads()  # queued reads must end before the mappings (and our Bye) go
         self._spans.release()
         self._views.clear()  # views of the buffers go before the buffers
+        self._shared_views.clear()
         for mapped in [*self._mapped, *self._shared.values()]:
             mapped.close()
         self._mapped = []

@@ -164,26 +164,33 @@ class LoadPlan:
         self._replays.clear()
         self._replays_before.clear()
 
-    def load(self, batch: Batch) -> None:
-        """Load ``batch`` (the tensors may be views of a staging buffer: a batch loaded whole
-        through the plan keeps views of them until the push after next, or
-        ``forget_sources``)."""
-        key = tuple(
-            (name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in batch
-        )
-        pairs = self._replays.get(key)
-        if pairs is None and (pairs := self._replays_before.pop(key, None)) is not None:
-            self._replays[key] = pairs
-        if pairs is not None:
-            with torch.no_grad():
-                for dst, src in pairs:
-                    dst.copy_(src)
-            self._counts.update(planned=len(batch), copies=len(pairs), remembered=1)
-            return
+    def load(self, batch: Batch, *, sources_persist: bool | None = None) -> None:
+        """Load ``batch``.
+
+        ``sources_persist`` (default: the batch's own ``sources_persist`` attribute, which the
+        transport's receiver sets for staging buffers, else False): the tensors are views of
+        memory that stays mapped at the same addresses, so a batch the plan maps whole is
+        remembered, its copies' (destination, source) pairs kept for the next push of the
+        same layout, until a push does not use them or ``forget_sources``. False: nothing of
+        the batch is kept past the call (one-copy pushes, the trainer's own storages)."""
         if any(name in self._with_batch for name, _ in batch):
             self._load_weights(list(batch))
             self._counts.update(fallback=len(batch))
             return
+        if sources_persist is None:
+            sources_persist = bool(getattr(batch, "sources_persist", False))
+        key: tuple[Any, ...] = ()
+        if sources_persist:
+            key = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in batch)
+            pairs = self._replays.get(key)
+            if pairs is None and (pairs := self._replays_before.pop(key, None)) is not None:
+                self._replays[key] = pairs
+            if pairs is not None:
+                with torch.no_grad():
+                    for dst, src in pairs:
+                        dst.copy_(src)
+                self._counts.update(planned=len(batch), copies=len(pairs), remembered=1)
+                return
         planned: list[tuple[_Entry, torch.Tensor]] = []
         learn: list[tuple[str, torch.Tensor]] = []
         fallback: list[tuple[str, torch.Tensor]] = []
@@ -204,7 +211,7 @@ class LoadPlan:
                     copy.dst.copy_(src)
                     made.append((copy.dst, src))
         copies = len(made)
-        if len(planned) == len(batch):
+        if sources_persist and len(planned) == len(batch):
             self._replays[key] = made
         try:
             if learn:

@@ -231,7 +231,7 @@ def test_pushes_through_the_same_buffer_replay_remembered_copies_exactly() -> No
         for (_, view), tensor in zip(views, tensors.values(), strict=True):
             view.copy_(tensor)
         twins.plan.begin_push()
-        twins.plan.load(views)
+        twins.plan.load(views, sources_persist=True)
         twins.plain.load_weights(tensors.items())
         assert_same(twins.planned, twins.plain)
         stats = twins.plan.statistics()
@@ -240,8 +240,13 @@ def test_pushes_through_the_same_buffer_replay_remembered_copies_exactly() -> No
             assert stats.planned == len(tensors) and stats.fallback == 0
     twins.plan.forget_sources()
     twins.plan.begin_push()
-    twins.plan.load(views)
+    twins.plan.load(views, sources_persist=True)
     assert twins.plan.statistics().remembered == 0
+    for _ in range(3):  # sources that may not persist (one-copy): never remembered
+        twins.plan.begin_push()
+        twins.plan.load(views)
+        stats = twins.plan.statistics()
+        assert stats.remembered == 0 and stats.planned == len(views)
 
 
 def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again() -> None:
@@ -293,3 +298,22 @@ def test_a_loader_error_while_learning_propagates(name: str) -> None:
     with pytest.raises(KeyError):
         plan.load([("no.such.weight", torch.zeros(2))])
     plan.load(staged({name: pushed(0)[name]}))  # the plan is still usable
+
+
+def test_the_worker_receives_outside_the_device_mode_and_loads_under_it() -> None:
+    """vLLM 0.24 calls ``receive_weights`` under ``torch.device``, a mode that slows every
+    tensor op of the receive path: the worker pops it for the receive and puts it back for the
+    model's loaders, and leaves the stack as it found it, also when the receive raises."""
+    from asyncroll.vllm.worker import _outside_device_context
+
+    depth = torch._C._len_torch_function_stack()
+    with torch.device("meta"):
+        with pytest.raises(RuntimeError, match="boom"), _outside_device_context() as restored:
+            assert torch._C._len_torch_function_stack() == depth
+            assert torch.empty(1).device.type == "cpu"
+            with restored():
+                assert torch.empty(1).device.type == "meta"
+            assert torch.empty(1).device.type == "cpu"
+            raise RuntimeError("boom")
+        assert torch.empty(1).device.type == "meta"
+    assert torch._C._len_torch_function_stack() == depth

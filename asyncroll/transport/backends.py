@@ -31,7 +31,7 @@ import pickle
 import re
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Final, Protocol
@@ -417,14 +417,10 @@ def poll_until(
     Raises:
         TimeoutError: neither within ``within`` seconds.
     """
-    started = time.monotonic()
-    while not done():
-        if give_up is not None and give_up():
+    for pause in _polls(done, within, give_up):
+        if pause is None:
             return False
-        waited = time.monotonic() - started
-        if waited > within:
-            raise TimeoutError(f"not done within {within:g} s")
-        time.sleep(0 if waited < 0.01 else 0.001)
+        time.sleep(pause)
     return True
 
 
@@ -437,15 +433,31 @@ async def apoll_until(
     Raises:
         TimeoutError: neither within ``within`` seconds.
     """
+    for pause in _polls(done, within, give_up):
+        if pause is None:
+            return False
+        await asyncio.sleep(pause)
+    return True
+
+
+def _polls(
+    done: Callable[[], bool], within: float, give_up: Callable[[], bool] | None
+) -> Iterator[float | None]:
+    """The schedule of ``poll_until``: yields the pause before the next poll until ``done``
+    (then stops), or None once ``give_up`` is true.
+
+    Raises:
+        TimeoutError: neither within ``within`` seconds.
+    """
     started = time.monotonic()
     while not done():
         if give_up is not None and give_up():
-            return False
+            yield None
+            return
         waited = time.monotonic() - started
         if waited > within:
             raise TimeoutError(f"not done within {within:g} s")
-        await asyncio.sleep(0 if waited < 0.01 else 0.001)
-    return True
+        yield 0 if waited < 0.01 else 0.001
 
 
 BACKENDS: Final[dict[str, Callable[[], Backend]]] = {

@@ -122,6 +122,11 @@ class _Batch(list[tuple[str, torch.Tensor]]):
     """The list handed to load_fn; remembers which tensor iteration reached (for error reports)."""
 
     current = ""
+    sources_persist = False
+    """The tensors are views of memory that stays mapped, at the same addresses, for the
+    connection's life (the staging buffers), and the same view objects come every push of
+    the layout: a loader may keep them to read later pushes (``LoadPlan`` does). False for a
+    one-copy push: the trainer's storages are theirs, and may be new next push."""
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for item in super().__iter__():
@@ -149,11 +154,11 @@ class WeightReceiver:
         self._backend: Backend | None = None
         self._mapped: list[MappedBuffer] = []
         self._views: dict[tuple[int, int, int, str, tuple[int, ...]], torch.Tensor] = {}
+        """Typed views of the staging buffers by slot (buffer, offset, bytes, dtype, shape):
+        a push of a layout seen before makes none again (at most ``_MAX_VIEWS`` kept)."""
         self._shared_views: dict[int, dict[tuple[int, int, str, tuple[int, ...]], torch.Tensor]]
         self._shared_views = {}
         """One-copy pushes: per trainer storage, the views of its tensors, as ``_views``."""
-        """Typed views of the staging buffers by slot (buffer, offset, bytes, dtype, shape):
-        a push of the layout of the last one makes none again."""
         self._shared: dict[int, MappedBuffer] = {}
         """One-copy mode: the trainer's storages mapped, by the sender's id."""
         self._spans = SpanAssembler()
@@ -265,7 +270,10 @@ class WeightReceiver:
 
         Args:
             load_fn: Called with a list of (name, tensor) per bucket. The tensors are views into
-                shared staging memory, valid only during the call: copy what you keep.
+                shared staging memory, valid only during the call: copy what you keep. (A
+                loader may keep the views themselves where the list's ``sources_persist`` is
+                true, to read the same slots of later pushes; it must drop them before the
+                receiver closes, and must not change them in place.)
             timeout: Bound on each wait for the sender (default: the receiver's timeout).
 
         Returns:
@@ -382,6 +390,7 @@ class WeightReceiver:
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:
         """Load one bucket; returns (failure as (tensor, message) or None, tensors handed over)."""
         batch = _Batch()
+        batch.sources_persist = True
         try:
             buffer = self._mapped[bucket.buffer].tensor
             for entry in bucket.entries:
@@ -456,6 +465,8 @@ class WeightReceiver:
                 key = (entry.offset, entry.nbytes, entry.dtype, tuple(entry.shape))
                 view = views.get(key)
                 if view is None:
+                    if len(views) >= _MAX_VIEWS:  # layouts keep changing: start over
+                        views.clear()
                     buffer = self._shared[entry.storage].tensor
                     view = views[key] = slot_view(
                         buffer, entry.offset, entry.nbytes, dtype, entry.shape

@@ -40,7 +40,7 @@ import logging
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,6 +384,11 @@ class WeightSender:
         unsignalled: tuple[Bucket, int, object] | None = None
         stamps: list[dict[str, float]] = []
         clock = time.perf_counter
+        # Packing on the loop only where it only queues device work: a copy from host memory
+        # would block the loop (the packing thread takes such pushes).
+        inline = getattr(self._backend, "inline_packing", False) and all(
+            t.is_cuda for t in tensors.values()
+        )
         async with self._pushing(version, buckets=len(plan)) as state:
             self._backend.mark_sources_ready()
             for bucket in plan:
@@ -394,7 +399,7 @@ class WeightSender:
                 stamp["free"] = clock()
                 readers = self._load_events_of(index)
                 previous = unsignalled[2] if unsignalled is not None else None
-                if self._backend.inline_packing:
+                if inline:
                     marker = await self._pack_here(
                         bucket, index, tensors, readers, previous, stamps
                     )
@@ -415,7 +420,7 @@ class WeightSender:
                     stamp["signalled"] = clock()
             t0 = clock()
             if unsignalled is not None:
-                if self._backend.inline_packing:
+                if inline:
                     await self._poll_copies(unsignalled[2])
                 else:
                     await self._in_packer(self._finish_copies, unsignalled[2])
@@ -426,7 +431,7 @@ class WeightSender:
                 await self._wait_buffer_free(index, state)
             # Acks may precede the loads on the device (load events): wait for those too.
             readers = [r for i in range(len(self._staging)) for r in self._load_events_of(i)]
-            if self._backend.inline_packing:
+            if inline:
                 await self._poll_loads(readers)
             else:
                 await self._in_packer(self._wait_loads, readers)
@@ -561,21 +566,36 @@ class WeightSender:
         """Wait until the buffer's last readers finished on the device, queue the bucket's
         copies, then (if given) wait for the previous bucket's. Returns this one's marker.
         Stamps ``loads_done``, ``queued`` and ``copied`` (the last, of the bucket waited for)."""
-        clock = time.perf_counter
         self._wait_loads(readers)
-        stamps[-1]["loads_done"] = clock()
-        with torch.no_grad(), self._backend.copy_context():  # parameters require grad
+        marker = self._queue(bucket, index, tensors, stamps)
+        waited, which = self._signal_waits_for(marker, previous)
+        if which:
+            self._finish_copies(waited)
+            stamps[which]["copied"] = time.perf_counter()
+        return marker
+
+    def _queue(
+        self,
+        bucket: Bucket,
+        index: int,
+        tensors: Mapping[str, torch.Tensor],
+        stamps: list[dict[str, float]],
+    ) -> object:
+        """Queue the bucket's copies (its buffer's readers are done); returns its marker.
+        Stamps ``loads_done`` and ``queued``."""
+        stamps[-1]["loads_done"] = time.perf_counter()
+        with _packing(), self._backend.copy_context():
             pack_bucket(bucket, self._staging[index].tensor, tensors, self._views[index])
         marker = self._backend.mark_copies()
-        stamps[-1]["queued"] = clock()
-        if self._late_signals:
-            if previous is not None:
-                self._finish_copies(previous)
-                stamps[-2]["copied"] = clock()
-        else:
-            self._finish_copies(marker)
-            stamps[-1]["copied"] = clock()
+        stamps[-1]["queued"] = time.perf_counter()
         return marker
+
+    def _signal_waits_for(self, marker: object, previous: object | None) -> tuple[object, int]:
+        """The copies to finish now, and whose stamps say so (-1: this bucket's; -2: with late
+        signals, the previous bucket's; 0: none, the first bucket with late signals)."""
+        if not self._late_signals:
+            return marker, -1
+        return previous, (-2 if previous is not None else 0)
 
     async def _pack_here(
         self,
@@ -589,35 +609,22 @@ class WeightSender:
         """``_pack`` on the event loop, for a backend whose packing only queues device work
         (``inline_packing``): no thread hop a bucket, and the device waits are polls that let
         the loop run (the acks of the other buffer arrive meanwhile)."""
-        clock = time.perf_counter
         await self._poll_loads(readers)
-        stamps[-1]["loads_done"] = clock()
-        with torch.no_grad(), self._backend.copy_context():  # parameters require grad
-            pack_bucket(bucket, self._staging[index].tensor, tensors, self._views[index])
-        marker = self._backend.mark_copies()
-        stamps[-1]["queued"] = clock()
-        waited = previous if self._late_signals else marker
-        if waited is not None:
+        marker = self._queue(bucket, index, tensors, stamps)
+        waited, which = self._signal_waits_for(marker, previous)
+        if which:
             await self._poll_copies(waited)
-            stamps[-2 if self._late_signals else -1]["copied"] = clock()
+            stamps[which]["copied"] = time.perf_counter()
         return marker
 
     async def _poll_loads(self, readers: list[tuple[bytes, object]]) -> None:
         """``_wait_loads`` on the event loop."""
-        deadline = time.monotonic() + self._ack_timeout
-        for identity, event in readers:
+        for done, within, give_up, identity in self._load_polls(readers):
             self._control.check_usable()
             try:
-                await apoll_until(
-                    functools.partial(self._backend.peer_loads_done, event),
-                    within=max(0.0, deadline - time.monotonic()),
-                    give_up=functools.partial(self._left_or_closed, identity),
-                )
+                await apoll_until(done, within=within, give_up=give_up)
             except TimeoutError:
-                raise TransportTimeoutError(
-                    f"{self._control.describe(identity)} did not finish loading a bucket on the"
-                    f" device within {self._ack_timeout:g} s"
-                ) from None
+                raise self._loads_late(identity) from None
         self._control.check_usable()
 
     async def _poll_copies(self, marker: object) -> None:
@@ -635,21 +642,33 @@ class WeightSender:
     def _wait_loads(self, readers: list[tuple[bytes, object]]) -> None:
         """Poll receivers' load events from the host (never on our stream: an event of a process
         that died never fires). A receiver that left is not waited for."""
-        deadline = time.monotonic() + self._ack_timeout
-        for identity, event in readers:
+        for done, within, give_up, identity in self._load_polls(readers):
             try:
-                poll_until(
-                    functools.partial(self._backend.peer_loads_done, event),
-                    within=max(0.0, deadline - time.monotonic()),
-                    give_up=functools.partial(self._left_or_closed, identity),
-                )
+                poll_until(done, within=within, give_up=give_up)
             except TimeoutError:
-                raise TransportTimeoutError(
-                    f"{self._control.describe(identity)} did not finish loading a bucket on the"
-                    f" device within {self._ack_timeout:g} s"
-                ) from None
+                raise self._loads_late(identity) from None
             if self._control.closed:
                 raise TransportClosedError(f"{self!r} is closed")
+
+    def _load_polls(
+        self, readers: list[tuple[bytes, object]]
+    ) -> Iterator[tuple[Callable[[], bool], float, Callable[[], bool], bytes]]:
+        """For each reader in turn, within one ``ack_timeout`` for all: (its loads are done,
+        the seconds left, it left or we closed, who)."""
+        deadline = time.monotonic() + self._ack_timeout
+        for identity, event in readers:
+            yield (
+                functools.partial(self._backend.peer_loads_done, event),
+                max(0.0, deadline - time.monotonic()),
+                functools.partial(self._left_or_closed, identity),
+                identity,
+            )
+
+    def _loads_late(self, identity: bytes) -> TransportTimeoutError:
+        return TransportTimeoutError(
+            f"{self._control.describe(identity)} did not finish loading a bucket on the device"
+            f" within {self._ack_timeout:g} s"
+        )
 
     def _left_or_closed(self, identity: bytes) -> bool:
         return self._control.closed or identity not in self._control.peers
@@ -870,6 +889,15 @@ async def _shielded(awaitable: Awaitable[None]) -> None:
     except asyncio.CancelledError:
         await task  # finish the cleanup, then let the cancellation propagate
         raise
+
+
+@contextlib.contextmanager
+def _packing() -> Iterator[None]:
+    """Grad mode for packing: no autograd (parameters require grad), and never inference mode
+    (the caller's, on the loop's thread): views of the staging buffers made under it, which
+    are kept for the next push, could not be written outside it."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _weakly(method: Callable[..., _T]) -> Callable[..., _T]:

@@ -15,8 +15,12 @@ call to shut the engine down (``asyncroll_shutdown_weight_transfer_engine``). Bo
 by feature, not by version number.
 
 Invariants:
-- A staging-buffer view never outlives the bucket it came in: tensors that vLLM's layerwise
-  loader buffers across a bucket boundary are copied first.
+- No loader of vLLM keeps a staging-buffer view past the bucket it came in: tensors that vLLM's
+  layerwise loader buffers across a bucket boundary are copied first. (The load plan keeps
+  views of the staging buffers to replay later pushes from them, never of a one-copy push's
+  storages, and drops them before the receiver closes.)
+- A receive runs outside vLLM's ``torch.device`` mode; everything of vLLM's that runs within
+  it (the model's loaders, a rollback) runs under the mode again.
 - A push that fails leaves the previous weights in force when a backup was taken (the default
   on CPU), and the model in a consistent state otherwise (the adapter then admits no request
   until a push succeeds: see ``asyncroll.weights``).
@@ -218,7 +222,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self._complete_partial_layers(load_batch)
             self.after_load()
         except BaseException:
-            self.abort_update()
+            with self._device_context():  # a rollback reloads through vLLM, as it expects
+                self.abort_update()
             raise
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
@@ -334,8 +339,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         rest = [(n, t) for n, t in self._shadow.items() if n not in self._pending]
         load_batch(rest)  # completed or untouched layers reload unchanged values
 
-_LOADED = torch.empty(0)
+_LOADED = torch.empty(0, device="cpu")
 """What ``_pending`` keeps of a tensor when no copy is kept (only its name counts)."""
+
+
+_BURIED_LOGGED = False
 
 
 @contextlib.contextmanager
@@ -344,27 +352,34 @@ def _outside_device_context() -> Iterator[Callable[[], contextlib.AbstractContex
     worker calls ``receive_weights`` under one) for the block; yields a context manager that
     puts them back while it is entered (for the model's loaders)."""
     popped: list[Any] = []
-    stack = torch._C
-    while stack._len_torch_function_stack() and isinstance(
-        stack._get_function_stack_at(stack._len_torch_function_stack() - 1), DeviceContext
+    while torch._C._len_torch_function_stack() and isinstance(
+        torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1), DeviceContext
     ):
-        popped.append(stack._pop_torch_function_stack())
+        popped.append(torch._C._pop_torch_function_stack())
+    if not popped and any(
+        isinstance(torch._C._get_function_stack_at(i), DeviceContext)
+        for i in range(torch._C._len_torch_function_stack())
+    ):
+        global _BURIED_LOGGED
+        if not _BURIED_LOGGED:  # the receive still works, at the slower speed
+            _BURIED_LOGGED = True
+            logger.info("a torch.device mode lies under another mode: receiving under it")
 
     @contextlib.contextmanager
     def restored() -> Iterator[None]:
         for mode in reversed(popped):
-            stack._push_on_torch_function_stack(mode)
+            torch._C._push_on_torch_function_stack(mode)
         try:
             yield
         finally:
             for _ in popped:
-                stack._pop_torch_function_stack()
+                torch._C._pop_torch_function_stack()
 
     try:
         yield restored
     finally:
         for mode in reversed(popped):
-            stack._push_on_torch_function_stack(mode)
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -517,6 +532,8 @@ class AsyncrollWorkerExtension:
                 "learned": stats.learned,
                 "fallback": stats.fallback,
                 "copies": stats.copies,
+                "remembered": stats.remembered,
+                "invalidations": stats.invalidations,
                 "unplannable": dict(list(stats.unplannable.items())[:8]),
             }
         return out

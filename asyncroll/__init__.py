@@ -47,6 +47,7 @@ from asyncroll.interfaces import (
     WeightUpdater,
 )
 from asyncroll.manager import AsyncServerManager
+from asyncroll.mismatch import MismatchStats, MismatchSummary, summarize_mismatch
 from asyncroll.transport import (
     PushReport,
     WeightReceiver,
@@ -85,6 +86,8 @@ __all__ = [
     "MalformedToolCall",
     "ManagerClosedError",
     "ManagerStatistics",
+    "MismatchStats",
+    "MismatchSummary",
     "NoEngineAvailableError",
     "PauseMode",
     "PushReport",
@@ -122,4 +125,5 @@ __all__ = [
     "plan_buckets",
     "register_agent_loop",
     "run_agent_loops",
+    "summarize_mismatch",
 ]

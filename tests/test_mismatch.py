@@ -15,6 +15,7 @@ import torch
 
 from asyncroll import InvalidRequestError, VLLMEngine, summarize_mismatch
 from asyncroll.trainer import ReferenceTrainer
+from asyncroll.weights import WeightPusher
 
 
 def test_equal_log_probs_show_no_mismatch() -> None:
@@ -77,7 +78,11 @@ async def test_on_the_engine_fresh_tokens_agree_and_a_lost_push_does_not(
 ) -> None:
     trainer = ReferenceTrainer(tiny_model_a, threads=None)
     steps = (engine.global_steps or 0) + 1
-    await engine.update_weights(dict(trainer.named_parameters()), global_steps=steps)
+    pusher = WeightPusher([engine])  # closed at once: no transport of ours outlives the test
+    try:
+        await pusher.update(dict(trainer.named_parameters()), global_steps=steps)
+    finally:
+        await pusher.aclose()
     params = {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True}
     rollout: list[float] = []
     ours: list[float] = []

@@ -242,6 +242,9 @@ async def test_bad_pusher_options_are_rejected(engine: VLLMEngine) -> None:
         WeightPusher([engine], backend="nccl")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="one_copy must be"):
         WeightPusher([engine], one_copy="yes")  # type: ignore[arg-type]
+    for buffers in (0, True, 1.5):
+        with pytest.raises(InvalidRequestError, match="buffers must be an int of at least 1"):
+            WeightPusher([engine], buffers=buffers)  # type: ignore[arg-type]
 
 
 async def test_one_copy_of_cpu_tensors_is_refused_before_anything_pauses(

@@ -52,11 +52,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from asyncroll.transport.packing import copy_many
+
 __all__ = ["LoadPlan", "PlanStatistics"]
 
 logger = logging.getLogger(__name__)
 
 Batch = Sequence[tuple[str, torch.Tensor]]
+_Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
+"""Copies as (destinations, sources)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +116,14 @@ class LoadPlan:
         checks names against each other within one call, e.g. vLLM's tied-alias check):
         a batch holding one goes whole through ``load_weights``."""
         self._failed_part: list[str] = []
-        self._layout: list[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = []
+        self._layout: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]] = []
         self._invalidations = 0
         self._counts: Counter[str] = Counter()
-        self._replays: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._replays: dict[tuple[Any, ...], _Pairs] = {}
         """Batches seen whole-planned, by their layout (names, addresses, dtypes, shapes,
         strides): the (destination, source) pairs of their copies, made once. A push from the
         same staging buffers replays these, with no per-copy view or check."""
-        self._replays_before: dict[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._replays_before: dict[tuple[Any, ...], _Pairs] = {}
         """The previous push's: kept one push, then dropped (the sources they hold may be a
         buffer no longer in use)."""
 
@@ -148,9 +152,7 @@ class LoadPlan:
         """Reset the per-push counters; drop the plan if any parameter moved or changed its
         layout since."""
         self._counts.clear()
-        layout = [
-            (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype) for t in _state(self._model)
-        ]
+        layout = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in _state(self._model)]
         if self._entries and layout != self._layout:
             logger.info("model parameters moved since the load plan was made: learning it again")
             self._entries.clear()
@@ -158,6 +160,44 @@ class LoadPlan:
             self.forget_sources()
         self._layout = layout
         self._replays_before, self._replays = self._replays, {}
+
+    def destination(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """Where a contiguous pushed tensor ``name`` of ``dtype`` and ``shape`` lands byte for
+        byte: a flat uint8 view of the one contiguous parameter range its load copies it to
+        whole, an empty tensor if its load copies nothing (the model skips it: a tied alias),
+        or None where the plan does not know it that simply (not learned yet, cut into several
+        copies, converted, loaded only with its batch). The receiver writes a tensor larger
+        than a bucket there piece by piece, instead of reassembling it first
+        (``WeightReceiver.receive(place=...)``); counted as planned.
+        """
+        entry = self._entries.get(name)
+        if (
+            entry is None
+            or name in self._with_batch
+            or entry.dtype != dtype
+            or entry.shape != tuple(shape)
+            or entry.stride != _contiguous_strides(entry.shape)
+            or len(entry.copies) > 1
+        ):
+            return None
+        if not entry.copies:
+            self._counts.update(planned=1)
+            return torch.empty(0, dtype=torch.uint8)
+        copy = entry.copies[0]
+        dst = copy.dst
+        if (
+            copy.offset
+            or copy.size != entry.shape
+            or copy.stride != entry.stride
+            or dst.dtype != dtype
+            or tuple(dst.shape) != entry.shape
+            or not dst.is_contiguous()
+        ):
+            return None
+        self._counts.update(planned=1, copies=1)
+        return dst.reshape(-1).view(torch.uint8)
 
     def forget_sources(self) -> None:
         """Drop every reference to pushed tensors (call when their buffers go away)."""
@@ -187,9 +227,8 @@ class LoadPlan:
                 self._replays[key] = pairs
             if pairs is not None:
                 with torch.no_grad():
-                    for dst, src in pairs:
-                        dst.copy_(src)
-                self._counts.update(planned=len(batch), copies=len(pairs), remembered=1)
+                    copy_many(*pairs)
+                self._counts.update(planned=len(batch), copies=len(pairs[0]), remembered=1)
                 return
         planned: list[tuple[_Entry, torch.Tensor]] = []
         learn: list[tuple[str, torch.Tensor]] = []
@@ -202,15 +241,15 @@ class LoadPlan:
                 fallback.append((name, tensor))
             else:
                 learn.append((name, tensor))
-        made: list[tuple[torch.Tensor, torch.Tensor]] = []
+        made: _Pairs = ([], [])
+        for entry, tensor in planned:
+            base = tensor.storage_offset()
+            for copy in entry.copies:
+                made[0].append(copy.dst)
+                made[1].append(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
         with torch.no_grad():
-            for entry, tensor in planned:
-                base = tensor.storage_offset()
-                for copy in entry.copies:
-                    src = tensor.as_strided(copy.size, copy.stride, base + copy.offset)
-                    copy.dst.copy_(src)
-                    made.append((copy.dst, src))
-        copies = len(made)
+            copy_many(*made)
+        copies = len(made[0])
         if sources_persist and len(planned) == len(batch):
             self._replays[key] = made
         try:
@@ -290,6 +329,14 @@ def _matches(entry: _Entry, tensor: torch.Tensor) -> bool:
         and tuple(tensor.shape) == entry.shape
         and tuple(tensor.stride()) == entry.stride
     )
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _state(model: torch.nn.Module) -> list[torch.Tensor]:

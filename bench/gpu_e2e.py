@@ -411,6 +411,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
                 if r.push.timeline:  # how long the sender waited for the worker's receive RPC
                     last["timeline"]["receiver began after the sender (ms)"] = round(
                         (worker["began"] - r.push.timeline[0].waited) * 1e3, 3)
+                    last["timeline"]["worker: vLLM called us after the sender began (ms)"] = (
+                        round((worker["entered"] - r.push.timeline[0].waited) * 1e3, 3))
                 return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
                         "total_with_pause_resume_ms": r.seconds * 1e3,
                         "pause_ms": r.pause_seconds * 1e3, "push_ms": r.push_seconds * 1e3,
@@ -466,11 +468,12 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
 async def _plan_bitwise(res: Results, s: str, engine: VLLMEngine,
                         tensors: dict[str, torch.Tensor], steps: Any) -> None:
     """A planned push leaves the engine bitwise where ``load_weights`` leaves it: learn the plan
-    on other weights, replay it on ``tensors``; then the same two pushes without a plan."""
+    on other weights, replay it on ``tensors``; then the same two pushes without a plan. The
+    buckets are 64 MiB, so that the embedding spans several (and is placed piece by piece)."""
     other = random_weights(SHAPES["0.5b"], seed=1)
     hashes = []
     for planned in (True, False):
-        pusher = WeightPusher([engine], load="direct", load_plan=planned)
+        pusher = WeightPusher([engine], load="direct", load_plan=planned, bucket_bytes=64 << 20)
         try:
             await pusher.update(other, global_steps=next(steps))
             await pusher.update(tensors, global_steps=next(steps))

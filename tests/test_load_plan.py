@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import pytest
 import torch
 
+from asyncroll.errors import WeightSyncError
 from asyncroll.load_plan import LoadPlan
 from asyncroll.transport import ShmBackend, WeightReceiver
 from asyncroll.transport.sender import open_weight_sender
@@ -257,13 +258,31 @@ def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again() -> None:
     twins.push(pushed(5))
     stats = twins.plan.statistics()
     assert stats.invalidations == 1 and stats.planned == 0 and stats.learned > 0
+    twins.push(pushed(6))
+    assert twins.plan.statistics().learned == 0
+    # A parameter object replaced (not only its data): seen too, and learned again.
+    twins.planned.gate_up = torch.nn.Parameter(twins.planned.gate_up.detach().clone(), False)
+    twins.push(pushed(7))
+    stats = twins.plan.statistics()
+    assert stats.invalidations == 2 and stats.planned == 0 and stats.learned > 0
 
 
-async def test_the_plan_loads_through_the_transport_with_spanning_tensors() -> None:
+@pytest.mark.parametrize("place", [False, True], ids=["reassembled", "placed"])
+async def test_the_plan_loads_through_the_transport_with_spanning_tensors(place: bool) -> None:
     """Through a real sender and receiver (shared memory), with buckets small enough that the
-    embedding spans two of them (reassembled in the receiver's scratch buffer)."""
+    embedding and the tied head span two of them. Reassembled in the receiver's scratch buffer
+    and handed to the plan; or, with ``place=plan.destination``, from the second push on
+    written piece by piece straight into the embedding (the skipped head: dropped)."""
     planned, plain = VllmLike(pad_vocab=False), VllmLike(pad_vocab=False)
     plan = LoadPlan(planned, planned.load_weights)
+    spanning = {"embed_tokens.weight", "lm_head.weight"}
+    handed: list[set[str]] = []
+    reports = []
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        handed[-1].update(name for name, _ in batch)
+        plan.load(batch)
+
     async with open_weight_sender(backend=ShmBackend(), bucket_bytes=1024, receivers=1) as sender:
         receiver = WeightReceiver.from_config(sender.receiver_config(), name="plan-test")
         connected = threading.Event()
@@ -273,7 +292,10 @@ async def test_the_plan_loads_through_the_transport_with_spanning_tensors() -> N
             connected.set()
             for _ in range(pushes):
                 plan.begin_push()
-                receiver.receive(plan.load)
+                handed.append(set())
+                reports.append(
+                    receiver.receive(load, place=plan.destination if place else None)
+                )
 
         worker = asyncio.create_task(asyncio.to_thread(serve, 3))
         try:
@@ -288,6 +310,78 @@ async def test_the_plan_loads_through_the_transport_with_spanning_tensors() -> N
             await asyncio.to_thread(receiver.close)
     assert_same(planned, plain)
     assert plan.statistics().planned == len(pushed(0)) - 1
+    assert [r.tensors for r in reports] == [len(pushed(0))] * 3
+    assert spanning <= handed[0]  # learned through load_weights on the first push
+    for names in handed[1:]:
+        assert bool(spanning & names) is not place
+
+
+async def test_a_bad_destination_fails_the_push_naming_the_tensor() -> None:
+    """``place`` answering with the wrong size: the push fails naming the tensor, on both
+    sides, and the receiver serves the next push."""
+    got: dict[str, torch.Tensor] = {}
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        got.update((name, t.clone()) for name, t in batch)
+
+    def place(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(7, dtype=torch.uint8)
+
+    async with open_weight_sender(backend=ShmBackend(), bucket_bytes=1024, receivers=1) as sender:
+        receiver = WeightReceiver.from_config(sender.receiver_config(), name="bad-place")
+
+        def serve() -> list[str]:
+            receiver.connect()
+            outcomes = []
+            for where in (place, None):
+                try:
+                    receiver.receive(load, place=where)
+                    outcomes.append("ok")
+                except WeightSyncError as exc:
+                    outcomes.append(str(exc))
+            return outcomes
+
+        worker = asyncio.create_task(asyncio.to_thread(serve))
+        try:
+            with pytest.raises(WeightSyncError, match=r"embed_tokens\.weight"):
+                await sender.push(pushed(0), version=1)
+            await sender.push(pushed(1), version=2)
+            outcomes = await worker
+        finally:
+            await asyncio.to_thread(receiver.close)
+    assert "embed_tokens.weight" in outcomes[0] and "expected uint8 (1280,)" in outcomes[0]
+    assert outcomes[1] == "ok"
+    for name, tensor in pushed(1).items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_only_a_whole_contiguous_copy_has_a_destination() -> None:
+    """``destination``: the embedding (one copy into a contiguous parameter range) has one;
+    a tied head the model skips has an empty one; the padded embedding (its loader also zeroes
+    the padding), a sharded or casting copy, an unknown name or a changed dtype have none."""
+    twins = Twins(pad_vocab=False)
+    twins.push(pushed(0))
+    twins.push(pushed(1))
+    plan, model = twins.plan, twins.planned
+    embed = plan.destination("embed_tokens.weight", torch.bfloat16, (VOCAB, H))
+    assert embed is not None and embed.dtype == torch.uint8
+    assert embed.data_ptr() == model.embed.data_ptr() and embed.numel() == VOCAB * H * 2
+    head = plan.destination("lm_head.weight", torch.bfloat16, (VOCAB, H))
+    assert head is not None and head.numel() == 0
+    assert plan.destination("self_attn.q_proj.weight", torch.bfloat16, (H, H)) is not None
+    for name, dtype, shape in [
+        ("o_proj.weight", torch.bfloat16, (H, H)),  # a shard: strided source
+        ("norm.weight", torch.bfloat16, (H,)),  # a casting copy
+        ("scaled.weight", torch.bfloat16, (H,)),  # computed
+        ("no.such.weight", torch.bfloat16, (H,)),
+        ("embed_tokens.weight", torch.float32, (VOCAB, H)),
+        ("embed_tokens.weight", torch.bfloat16, (VOCAB - 1, H)),
+    ]:
+        assert plan.destination(name, dtype, shape) is None, name
+    padded = Twins(pad_vocab=True)
+    for seed in range(3):
+        padded.push(pushed(seed))
+    assert padded.plan.destination("embed_tokens.weight", torch.bfloat16, (VOCAB, H)) is None
 
 
 @pytest.mark.parametrize("name", ["scaled.weight"])

@@ -10,7 +10,8 @@ Invariants:
   overwrites the buffer after our ack). Copy what you keep;
 * ``load_fn`` always sees whole fused groups and whole tensors (spanning groups are reassembled
   in one reusable scratch buffer the receiver owns and handed over when complete: also views,
-  also valid only during the call);
+  also valid only during the call), except a spanning tensor that ``place`` gives a destination
+  for: its pieces are copied straight there as they arrive, and ``load_fn`` never sees it;
 * the ack of a bucket is sent after ``load_fn`` returned and the backend's reads are finished,
   or, on the sender's GPU, once they are queued, followed by a device event that the sender
   polls before it reuses the buffer; ``receive`` returns after the device finished every load;
@@ -48,12 +49,18 @@ from asyncroll.transport.packing import SpanAssembler, dtype_by_name, slot_view
 from asyncroll.transport.plan import Slot
 from asyncroll.transport.security import RateLimitedLog
 
-__all__ = ["LoadFn", "ReceiveReport", "ReceiverStatistics", "WeightReceiver"]
+__all__ = ["LoadFn", "PlaceFn", "ReceiveReport", "ReceiverStatistics", "WeightReceiver"]
 
 log = logging.getLogger(__name__)
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
 """Called once per bucket with (name, tensor) pairs; the tensors are valid only during the call."""
+
+PlaceFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
+"""Asked once per push for each tensor larger than a bucket, at its first piece: where its bytes
+go verbatim (a flat uint8 tensor of exactly its size, on the buffers' device), an empty tensor
+to drop them (the model does not need them), or None to have it reassembled and handed to
+``load_fn`` as usual."""
 
 CLOSE_LINGER_MS: Final = 1000
 """How long close() lets the final message drain before dropping it."""
@@ -162,6 +169,9 @@ class WeightReceiver:
         self._shared: dict[int, MappedBuffer] = {}
         """One-copy mode: the trainer's storages mapped, by the sender's id."""
         self._spans = SpanAssembler()
+        self._place: PlaceFn | None = None
+        self._placed: dict[str, torch.Tensor] = {}
+        """This push's spanning tensors that ``place`` gave a destination (empty: dropped)."""
         self._conn = secrets.token_bytes(16)
         self._next_out = 0
         self._next_in = 0
@@ -265,7 +275,9 @@ class WeightReceiver:
 
     # ---------------------------------------------------------------- receive
 
-    def receive(self, load_fn: LoadFn, *, timeout: float | None = None) -> ReceiveReport:
+    def receive(
+        self, load_fn: LoadFn, *, place: PlaceFn | None = None, timeout: float | None = None
+    ) -> ReceiveReport:
         """Run one whole push: ``load_fn`` per bucket, an ack after each; block until it ends.
 
         Args:
@@ -274,6 +286,10 @@ class WeightReceiver:
                 loader may keep the views themselves where the list's ``sources_persist`` is
                 true, to read the same slots of later pushes; it must drop them before the
                 receiver closes, and must not change them in place.)
+            place: Optional (``PlaceFn``): a destination for a tensor that spans buckets, so
+                that its pieces land there as they arrive instead of being reassembled in the
+                scratch buffer and copied again by ``load_fn`` (a compiled load plan knows
+                where an embedding goes; ``LoadPlan.destination``).
             timeout: Bound on each wait for the sender (default: the receiver's timeout).
 
         Returns:
@@ -289,6 +305,8 @@ class WeightReceiver:
             raise TransportClosedError(f"{self!r} is not connected")
         timeout = self._timeout if timeout is None else timeout
         self._spans.clear()
+        self._placed.clear()
+        self._place = place
         self._load_seconds = 0.0
         stage = self._stage = dict.fromkeys(self._stage, 0.0)
         timeline: list[ReceiverBucketTimes] = []
@@ -391,14 +409,24 @@ class WeightReceiver:
         """Load one bucket; returns (failure as (tensor, message) or None, tensors handed over)."""
         batch = _Batch()
         batch.sources_persist = True
+        placed = 0
         try:
             buffer = self._mapped[bucket.buffer].tensor
+            loading = time.perf_counter()
             for entry in bucket.entries:
                 if entry.offset + entry.nbytes > self._bucket_bytes or entry.nbytes < 0:
                     raise ValueError(f"slot of {entry.name!r} lies outside the staging buffer")
                 dtype = dtype_by_name(entry.dtype)
                 if entry.spanning:
-                    self._spans.add(_slot(entry, dtype), buffer)
+                    batch.current = entry.name
+                    target = self._target(entry, dtype)
+                    if target is None:
+                        self._spans.add(_slot(entry, dtype), buffer)
+                        continue
+                    if target.numel() and entry.nbytes:
+                        piece = buffer[entry.offset : entry.offset + entry.nbytes]
+                        target[entry.start : entry.start + entry.nbytes].copy_(piece)
+                    placed += entry.start + entry.nbytes == entry.total
                 else:
                     shape = tuple(entry.shape)
                     key = (bucket.buffer, entry.offset, entry.nbytes, entry.dtype, shape)
@@ -409,17 +437,10 @@ class WeightReceiver:
                         view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
                         self._views[key] = view
                     batch.append((entry.name, view))
-            batch.extend(self._spans.take(bucket.completes))
-            loading = time.perf_counter()
-            try:
-                if batch:
-                    load_fn(batch)
-            except Exception:
-                # Reads it queued before failing must still finish before the buffer is reused.
-                if self._backend is not None:
-                    with contextlib.suppress(Exception):
-                        self._backend.loads_issued(bucket.buffer)
-                raise
+            batch.current = ""
+            batch.extend(self._spans.take([n for n in bucket.completes if n not in self._placed]))
+            if batch:
+                load_fn(batch)
             recording = time.perf_counter()
             if self._backend is not None:
                 self._backend.loads_issued(bucket.buffer)
@@ -430,8 +451,35 @@ class WeightReceiver:
         except Exception as exc:
             names = batch.current or ", ".join(name for name, _ in batch)[:500]
             log.warning("%r: loading %s failed: %r", self, names, exc)
+            # Reads queued before the failure must still finish before the buffer is reused.
+            if self._backend is not None:
+                with contextlib.suppress(Exception):
+                    self._backend.loads_issued(bucket.buffer)
             return (names, f"{type(exc).__name__}: {exc}"[:2000]), 0
-        return None, len(batch)
+        return None, len(batch) + placed
+
+    def _target(self, entry: wire.Entry, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a spanning piece goes straight (None: the scratch buffer). ``place`` is asked
+        at a tensor's first piece; its answer holds for the tensor's other pieces."""
+        if entry.start:
+            return self._placed.get(entry.name)
+        if self._place is None:
+            return None
+        target = self._place(entry.name, dtype, tuple(entry.shape))
+        if target is None:
+            return None
+        if target.dtype != torch.uint8 or target.dim() != 1 or target.numel() not in (
+            0,
+            entry.total,
+        ):
+            raise ValueError(
+                f"place gave {entry.name!r} a destination of {target.dtype} {tuple(target.shape)};"
+                f" expected uint8 ({entry.total},) or empty"
+            )
+        if target.numel() and target.device != self._mapped[0].tensor.device:
+            raise ValueError(f"place gave {entry.name!r} a destination on {target.device}")
+        self._placed[entry.name] = target
+        return target
 
     def _load_shared(
         self, message: wire.Shared, load_fn: LoadFn

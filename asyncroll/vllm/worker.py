@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Puts vLLM's ``torch.device`` mode back while the model's loaders run (a receive
         runs outside it: ``_outside_device_context``)."""
         self.last_report: ReceiveReport | None = None
+        self.entered = 0.0
+        """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
+        report's ``began``: what preparing the receive cost)."""
         self._info: InitInfo | None = None
         self._backup: dict[str, torch.Tensor] | None = None
         self._shadow: dict[str, torch.Tensor] | None = None
@@ -165,6 +169,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         ``direct`` load (``start_weight_update(is_checkpoint_format=False)``), started nothing:
         its loader copies kernel-format names, so the model's own loader is used instead."""
         assert self._receiver is not None and self._info is not None
+        self.entered = time.perf_counter()
         with _outside_device_context() as self._device_context:
             try:
                 self._receive(load_weights)
@@ -216,8 +221,22 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if not direct:
                 _detach_pending_views()
 
+        place: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor | None] | None = None
+        if self._planning and self._plan is not None and not keep:
+            plan = self._plan
+
+            def place(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+                """A tensor larger than a bucket (an embedding) goes straight where the plan
+                says, piece by piece, with no reassembly and no second copy."""
+                target = plan.destination(name, dtype, shape)
+                if target is not None:
+                    self.before_load([(name, target)])
+                    self._touched = True
+                    self._pending[name] = _LOADED
+                return target
+
         try:
-            self.last_report = self._receiver.receive(load)
+            self.last_report = self._receiver.receive(load, place=place)
             if not direct:
                 self._complete_partial_layers(load_batch)
             self.after_load()
@@ -242,7 +261,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
     def before_load(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         """Called before each batch goes to the model's loader (an extension point:
-        ``asyncroll.testing.faults`` injects failures here)."""
+        ``asyncroll.testing.faults`` injects failures here). A tensor the load plan places
+        piece by piece as it arrives comes alone, before its first piece, with its
+        destination as the tensor."""
 
     def after_load(self) -> None:
         """Called once every tensor of a push is loaded, before the push is acknowledged (an
@@ -520,6 +541,7 @@ class AsyncrollWorkerExtension:
             "sync_seconds": report.sync_seconds,
             "timeline": [dataclasses.asdict(times) for times in report.timeline],
             "began": report.began,
+            "entered": getattr(engine, "entered", report.began),
         }
         stats = (
             engine.plan_statistics

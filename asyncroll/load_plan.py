@@ -152,7 +152,10 @@ class LoadPlan:
         """Reset the per-push counters; drop the plan if any parameter moved or changed its
         layout since."""
         self._counts.clear()
-        layout = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in _state(self._model)]
+        # Without the parameters' own ``__torch_function__`` (vLLM's are a Python subclass:
+        # reading 4 properties of 340 parameters through it took 5 ms of every 7B push).
+        with torch._C.DisableTorchFunctionSubclass():
+            layout = [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in _state(self._model)]
         if self._entries and layout != self._layout:
             logger.info("model parameters moved since the load plan was made: learning it again")
             self._entries.clear()

@@ -4,7 +4,11 @@ Both sides stamp with ``time.perf_counter()``, one monotonic clock for every pro
 machine, so a bucket's chain can be followed across the two processes:
 
     sender   waited -> free -> loads_done -> queued -> copied -> signalled
-    receiver                                    received -> issued -> recorded -> acked
+    receiver                          received -> landed -> issued -> recorded -> acked
+
+(With early signals, CUDA's default, a bucket is signalled once its copies are queued: its
+``copied`` stamp is its ``queued`` one, and the receiver's ``landed`` says when it saw the
+copies done.)
 
 ``summarize`` gives each link's median and total in milliseconds, plus the period (the time
 between two buckets' signals) that the whole push is made of.
@@ -25,7 +29,8 @@ LINKS = (
     ("sender: queue the copies", "loads_done", "queued"),
     ("sender: copies on the device", "queued", "copied"),
     ("copied -> receiver has the signal", "copied", "r.received"),
-    ("receiver: issue the loads", "r.received", "r.issued"),
+    ("receiver: wait for the sender's copies", "r.received", "r.landed"),
+    ("receiver: issue the loads", "r.landed", "r.issued"),
     ("receiver: record the load event", "r.issued", "r.recorded"),
     ("receiver: send the ack", "r.recorded", "r.acked"),
 )
@@ -46,8 +51,8 @@ def summarize(
     for row in ours:
         r = theirs.get(int(row["bucket"]))
         for name, start, end in LINKS:
-            a = r[start[2:]] if start.startswith("r.") and r else row.get(start)
-            b = r[end[2:]] if end.startswith("r.") and r else row.get(end)
+            a = r.get(start[2:]) if start.startswith("r.") and r else row.get(start)
+            b = r.get(end[2:]) if end.startswith("r.") and r else row.get(end)
             if a is not None and b is not None and not (start.startswith("r.") and r is None):
                 links[name].append(b - a)
     # An ack reaching the sender: from the receiver's ack of bucket k to the sender seeing the

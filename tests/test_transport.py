@@ -409,6 +409,56 @@ async def test_late_signals_of_asynchronous_copies_deliver_every_bucket(
     assert [t.bucket for t in report.timeline] == list(range(report.buckets))  # all stamped
 
 
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+async def test_early_signals_are_read_only_once_the_copies_land(
+    child: Child, buffers: int
+) -> None:
+    """CUDA's pipeline with CPU memory: the sender signals each bucket as soon as its copies
+    are queued, and the receiver polls the buffer's copy event before reading. The copies land
+    only on the event's second poll (``LaggingCopiesShm``: until then the buffer holds the
+    previous bucket), so a receiver that read early would get wrong bytes."""
+    from transport_helpers import LaggingCopiesShm
+
+    tensors = model_tensors()
+    async with open_weight_sender(
+        backend=LaggingCopiesShm(), bucket_bytes=16 * KB, buffers=buffers, receivers=1,
+        ack_timeout=30,
+    ) as sender:
+        stats = await child.acall("connect", sender.receiver_config(), "r0", 10.0, "lagging")
+        assert stats["polls_copies"]
+        child.start("receive", pushes=2)
+        for version in (1, 2):
+            report = await sender.push(tensors, version=version)
+        reply = await asyncio.to_thread(child.result)
+        stats = await child.acall("close")
+    assert reply["digests"] == digests(tensors) and reply["versions"] == [1, 2]
+    assert report.buckets > 4
+    # Every bucket was signalled before it landed (the last of a push may land by the
+    # sender's own wait, which every push ends with).
+    assert stats["early_polls"] >= 2 * (report.buckets - 1)
+    for bucket in reply["timelines"][-1]:
+        assert bucket["received"] <= bucket["landed"] <= bucket["issued"]
+
+
+async def test_a_receiver_without_copy_events_gets_buckets_once_copied(child: Child) -> None:
+    """A receiver that cannot poll the sender's copy events (here: plain shared memory against
+    a sender that offers them) is signalled only once the copies are done, and loads exactly."""
+    from transport_helpers import LaggingCopiesShm
+
+    tensors = model_tensors()
+    async with open_weight_sender(
+        backend=LaggingCopiesShm(), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
+        stats = await child.acall("connect", sender.receiver_config(), "r0")
+        assert not stats["polls_copies"]
+        child.start("receive", pushes=2)
+        for version in (1, 2):
+            await sender.push(tensors, version=version)
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+    assert reply["digests"] == digests(tensors) and reply["versions"] == [1, 2]
+
+
 async def test_copies_that_do_not_finish_in_time_fail_the_push_not_the_sender(
     child: Child,
 ) -> None:

@@ -21,7 +21,8 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from asyncroll.transport import WeightReceiver, open_weight_sender
+from asyncroll.transport import ShmBackend, WeightReceiver, open_weight_sender
+from asyncroll.transport.backends import MappedBuffer, StagingBuffer
 from asyncroll.transport.wire import REJECT, Hello, Sealer
 
 Digest = tuple[str, tuple[int, ...], str]
@@ -38,22 +39,155 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _Shadowed:
+    """A staging buffer the sender packs into privately (``tensor``: the shadow) while the
+    receivers map another (``descriptor``); ``LaggingCopiesShm`` moves the bytes across."""
+
+    def __init__(self, real: StagingBuffer, shadow: StagingBuffer) -> None:
+        self.real, self.shadow = real, shadow
+        self.also: list[StagingBuffer] = []
+        """Released with this one (the event table rides with the first buffer)."""
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.shadow.tensor
+
+    @property
+    def descriptor(self) -> bytes:
+        return self.real.descriptor
+
+    def unlink(self) -> None:
+        for buffer in (self.real, self.shadow, *self.also):
+            buffer.unlink()
+
+    def close(self) -> None:
+        for buffer in (self.real, self.shadow, *self.also):
+            buffer.close()
+
+
+class LaggingCopiesShm(ShmBackend):
+    """Shared memory whose copies land late, as a GPU's do, behind per-buffer copy events.
+
+    The sender packs each bucket into a private shadow of its buffer; the bytes reach the buffer
+    that receivers map only when the buffer's copy event is polled the second time after it was
+    recorded (``copies_landed``, by a receiver), or when the sender waits for its copies
+    (``copies_done``/``finish_copies``). So a receiver that read a bucket before its copy event
+    fired would read the previous bucket's bytes, and the digests would tell. Events are a
+    shared table of (pending, polls) per buffer.
+    """
+
+    async_copies = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffers: list[_Shadowed] = []
+        self._mapped: list[MappedBuffer] = []
+        self._shadows: list[MappedBuffer] = []
+        self._table: Any = None
+        self.early_polls = 0
+        """Receiver: polls that found a bucket's copies still running."""
+
+    # sender
+    def allocate(self, *, nonce: str, index: int, nbytes: int) -> StagingBuffer:
+        real = super().allocate(nonce=nonce, index=index, nbytes=nbytes)
+        shadow = super().allocate(nonce=nonce, index=1000 + index, nbytes=nbytes)
+        self._buffers.append(_Shadowed(real, shadow))
+        return self._buffers[-1]
+
+    def export_copy_events(self, buffers: int) -> list[bytes]:
+        nonce = self._buffers[0].real.descriptor.decode().rsplit("-", 2)[1]
+        self._table = super().allocate(nonce=nonce, index=9999, nbytes=16 * buffers)
+        self._table.tensor.zero_()
+        self._buffers[0].also.append(self._table)
+        handles = []
+        for i, buffer in enumerate(self._buffers):
+            handles.append(b"|".join([self._table.descriptor, b"%d" % i, buffer.shadow.descriptor]))
+        return handles
+
+    def record_copies(self, buffer: int) -> object:
+        self._events()[buffer] = torch.tensor([1, 0])
+        return buffer
+
+    def mark_copies(self) -> object:
+        return -1
+
+    def copies_done(self, marker: object) -> bool:
+        self._land_all()
+        return True
+
+    def finish_copies(self, marker: object, *, within: float) -> None:
+        self._land_all()
+
+    def _land_all(self) -> None:
+        """Every shadow to its buffer (a buffer a receiver still reads gets the same bytes: a
+        shadow is rewritten only after every receiver acked what its buffer held)."""
+        for buffer in self._buffers:
+            buffer.real.tensor.copy_(buffer.shadow.tensor)
+        if self._table is not None:
+            self._events()[:, 0] = 0
+
+    def _events(self) -> torch.Tensor:
+        return self._table.tensor.view(torch.int64).view(-1, 2)
+
+    # receiver
+    def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
+        mapped = super().open(descriptor, nbytes=nbytes)
+        self._mapped.append(mapped)
+        return mapped
+
+    def open_copy_events(self, handles: list[bytes]) -> bool:
+        nbytes = self._mapped[0].tensor.numel()
+        for handle in handles:
+            table, _index, shadow = handle.split(b"|")
+            if self._table is None:
+                self._table = super().open(table, nbytes=16 * len(handles))
+            self._shadows.append(super().open(shadow, nbytes=nbytes))
+        return True
+
+    def copies_landed(self, buffer: int) -> bool:
+        events = self._events()
+        if not events[buffer, 0]:
+            return True
+        events[buffer, 1] += 1
+        if events[buffer, 1] < 2:
+            self.early_polls += 1
+            return False
+        self._mapped[buffer].tensor.copy_(self._shadows[buffer].tensor)
+        events[buffer, 0] = 0
+        return True
+
+    def close_events(self) -> None:
+        for mapped in [*self._shadows, *([self._table] if self._table is not None else [])]:
+            mapped.close()
+
+
 class _Child:
     def __init__(self, entered: Event | None, release: Event | None) -> None:
         self.receiver: WeightReceiver | None = None
+        self.lagging: LaggingCopiesShm | None = None
         self.rogues: list[zmq.Socket[bytes]] = []
         self.ctx = zmq.Context()
         self.entered, self.release = entered, release
 
-    def connect(self, config: dict[str, Any], name: str, timeout: float = 10.0) -> dict[str, Any]:
-        self.receiver = WeightReceiver.from_config(config, name=name, timeout=timeout)
+    def connect(
+        self, config: dict[str, Any], name: str, timeout: float = 10.0, backend: str = ""
+    ) -> dict[str, Any]:
+        """``backend="lagging"``: receive with ``LaggingCopiesShm`` (polling copy events)."""
+        options: dict[str, Any] = {}
+        if backend == "lagging":
+            lagging = self.lagging = LaggingCopiesShm()
+            options["backend_factory"] = lambda _name: lagging
+        self.receiver = WeightReceiver.from_config(config, name=name, timeout=timeout, **options)
         self.receiver.connect()
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
         assert self.receiver is not None
         s = self.receiver.statistics()
-        return {name: getattr(s, name) for name in s.__slots__}
+        out = {name: getattr(s, name) for name in s.__slots__}
+        if self.lagging is not None:
+            out["early_polls"] = self.lagging.early_polls
+        return out
 
     def receive(
         self,
@@ -117,6 +251,8 @@ class _Child:
     def close(self) -> dict[str, Any]:
         assert self.receiver is not None
         self.receiver.close()
+        if self.lagging is not None:
+            self.lagging.close_events()
         return self.stats()
 
     def rogue_open(self, address: str, count: int) -> int:

@@ -4,11 +4,14 @@
 on both sides. CPU tensors; the CI path, and the fallback where CUDA IPC is unavailable.
 
 ``cuda_ipc``: device buffers shared by CUDA IPC handle (torch's ``reduce_tensor``). Copies run
-on a private stream; the sender signals a bucket once its copies are done (by then the next
-bucket's copies are already queued behind them). A receiver on the same GPU does not synchronise
-before it acks: it records an interprocess CUDA event after its loads, one per staging buffer,
-and the sender polls that event from the host before it queues copies into the buffer again.
-The receiver synchronises once, at the end of the push.
+on a private stream. Each direction has one interprocess CUDA event per staging buffer, polled
+from the host by the other side: the sender records its buffer's *copy event* after queuing a
+bucket's copies and signals the bucket at once; the receiver polls that event before it issues
+its loads (so the signal, the receiver's wake-up and the ack all overlap the device's copies).
+The receiver does not synchronise before it acks: it records the buffer's *load event* after
+its loads, and the sender polls that event before it queues copies into the buffer again. The
+receiver synchronises once, at the end of the push. (A receiver that cannot open the copy
+events is signalled once the copies are done, polled by the sender.)
 
 No stream of either side ever waits on the other process's device work: an IPC event recorded by
 a process that then dies never fires (seen on an H100), and a stream waiting on it would be stuck
@@ -135,6 +138,27 @@ class Backend(Protocol):
         """Sender: whether the loads behind a receiver's load event have finished."""
         ...
 
+    def export_copy_events(self, buffers: int) -> list[bytes]:
+        """Sender, once: one event handle per buffer that ``record_copies`` records, for
+        receivers to poll before they read (then a bucket is signalled while its copies
+        still run); [] where copies are synchronous or events cannot be shared."""
+        ...
+
+    def record_copies(self, buffer: int) -> object:
+        """Sender, after queuing a bucket's copies into ``buffer``: record its copy event;
+        returns a marker of the copies so far (for ``copies_done``)."""
+        ...
+
+    def open_copy_events(self, handles: list[bytes]) -> bool:
+        """Receiver, after ``open``: open the sender's copy events; whether it will poll them
+        (False: buckets come only once their copies are done)."""
+        ...
+
+    def copies_landed(self, buffer: int) -> bool:
+        """Receiver: whether the sender's copies into ``buffer`` have finished (never
+        blocks)."""
+        ...
+
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer: ...
 
     def export_load_events(self, buffers: int) -> list[bytes]:
@@ -242,6 +266,18 @@ class ShmBackend:
     def peer_loads_done(self, event: object) -> bool:
         return True
 
+    def export_copy_events(self, buffers: int) -> list[bytes]:
+        return []
+
+    def record_copies(self, buffer: int) -> object:
+        return self.mark_copies()
+
+    def open_copy_events(self, handles: list[bytes]) -> bool:
+        return False
+
+    def copies_landed(self, buffer: int) -> bool:
+        return True
+
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
         path = Path(descriptor.decode())
         if not _SHM_NAME.match(path.name):
@@ -294,6 +330,8 @@ class CudaIpcBackend:
         self._stream: torch.cuda.Stream | None = None
         self._sources_ready: torch.cuda.Event | None = None
         self._load_events: list[torch.cuda.Event] = []  # receiver side, one per buffer
+        self._copy_events: list[torch.cuda.Event] = []  # sender side, one per buffer
+        self._peer_copy_events: list[torch.cuda.Event] = []  # receiver side, the sender's
         self.use_load_events = True
         """Receiver: export load events when the buffers live on our current GPU (else sync)."""
 
@@ -362,6 +400,34 @@ class CudaIpcBackend:
     def peer_loads_done(self, event: object) -> bool:
         assert isinstance(event, torch.cuda.Event)
         return bool(event.query())  # type: ignore[no-untyped-call]
+
+    def export_copy_events(self, buffers: int) -> list[bytes]:
+        with torch.cuda.device(self.device):
+            self._copy_events = [
+                torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+                for _ in range(buffers)
+            ]
+            return [bytes(e.ipc_handle()) for e in self._copy_events]  # type: ignore[no-untyped-call]
+
+    def record_copies(self, buffer: int) -> object:
+        if not self._copy_events:
+            return self.mark_copies()
+        event = self._copy_events[buffer]
+        event.record(self._copy_stream())
+        return event
+
+    def open_copy_events(self, handles: list[bytes]) -> bool:
+        if not handles:
+            return False
+        with torch.cuda.device(self.device):
+            self._peer_copy_events = [
+                torch.cuda.Event.from_ipc_handle(self.device, h)  # type: ignore[no-untyped-call]
+                for h in handles
+            ]
+        return True
+
+    def copies_landed(self, buffer: int) -> bool:
+        return bool(self._peer_copy_events[buffer].query())  # type: ignore[no-untyped-call]
 
     def open(self, descriptor: bytes, *, nbytes: int) -> MappedBuffer:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor

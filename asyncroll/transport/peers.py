@@ -63,6 +63,8 @@ class Peer:
     ready: bool = False
     load_events: list[object] | None = None
     """Device events the peer records after loading each buffer (None: it syncs before acks)."""
+    polls_copies: bool = False
+    """The peer polls our copy events before reading a bucket: it may be signalled early."""
 
     def describe(self) -> str:
         return f"receiver {self.name!r} (pid {self.pid})"
@@ -405,6 +407,7 @@ class ControlPlane:
                 log.warning("%s sent unusable load events: %r", peer.describe(), exc)
                 self._drop(peer.identity, f"{peer.describe()} sent unusable load events")
                 return
+        peer.polls_copies = ready.polls_copies
         peer.ready = True
 
     def _drop(self, identity: bytes, reason: str) -> None:

@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -44,7 +45,7 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.transport import wire
-from asyncroll.transport.backends import Backend, MappedBuffer, make_backend
+from asyncroll.transport.backends import Backend, MappedBuffer, make_backend, poll_until
 from asyncroll.transport.packing import SpanAssembler, dtype_by_name, slot_view
 from asyncroll.transport.plan import Slot
 from asyncroll.transport.security import RateLimitedLog
@@ -74,6 +75,9 @@ class ReceiverBucketTimes:
     bucket: int
     received: float
     """Its signal was read and authenticated."""
+    landed: float
+    """The sender's copies into the buffer were seen finished (its copy event polled; the
+    same as ``received`` for a bucket signalled after its copies)."""
     issued: float
     """The loader returned (on CUDA: its copies are queued)."""
     recorded: float
@@ -123,6 +127,8 @@ class ReceiverStatistics:
     """Device events exported to the sender (one per buffer): acks then precede the loads on
     the device, and the sender polls the events before reusing a buffer. 0: we sync before
     each ack."""
+    polls_copies: bool = False
+    """We poll the sender's copy events: buckets are signalled while their copies run."""
 
 
 class _Batch(list[tuple[str, torch.Tensor]]):
@@ -184,9 +190,12 @@ class WeightReceiver:
         self._auth_failures = self._stale = 0
         self._load_seconds = 0.0
         self._stage = {"wait": 0.0, "record": 0.0, "ack": 0.0, "sync": 0.0}
-        self._issued = self._recorded = 0.0
+        self._issued = self._recorded = self._landed = 0.0
         """When the current bucket's loads were issued and marked (``ReceiverBucketTimes``)."""
         self._load_events = 0
+        self._polls_copies = False
+        """We opened the sender's copy events: buckets may come while their copies run."""
+        self._timeout_now = timeout
         self._auth_log = RateLimitedLog(log)
 
     @classmethod
@@ -228,6 +237,7 @@ class WeightReceiver:
             auth_failures=self._auth_failures,
             stale_messages=self._stale,
             load_events=self._load_events,
+            polls_copies=self._polls_copies,
         )
 
     # ---------------------------------------------------------------- connect
@@ -256,7 +266,11 @@ class WeightReceiver:
             if not isinstance(welcome, wire.Welcome):
                 raise TransportBrokenError(f"expected a welcome, got {type(welcome).__name__}")
             events = self._import(welcome)
-            self._send(lambda seq: wire.Ready(conn=self._conn, seq=seq, events=events))
+            self._send(
+                lambda seq: wire.Ready(
+                    conn=self._conn, seq=seq, events=events, polls_copies=self._polls_copies
+                )
+            )
         except BaseException:
             self.close()
             raise
@@ -271,6 +285,11 @@ class WeightReceiver:
             self._imports += 1
         events = self._backend.export_load_events(len(self._mapped))
         self._load_events = len(events)
+        try:
+            self._polls_copies = self._backend.open_copy_events(welcome.copy_events)
+        except Exception as exc:  # then the sender signals each bucket once it is copied
+            log.warning("%r cannot poll the sender's copy events: %r", self, exc)
+            self._polls_copies = False
         return events
 
     # ---------------------------------------------------------------- receive
@@ -303,7 +322,7 @@ class WeightReceiver:
         """
         if self._closed or self._sock is None:
             raise TransportClosedError(f"{self!r} is not connected")
-        timeout = self._timeout if timeout is None else timeout
+        timeout = self._timeout_now = self._timeout if timeout is None else timeout
         self._spans.clear()
         self._placed.clear()
         self._place = place
@@ -334,7 +353,7 @@ class WeightReceiver:
                 if not isinstance(message, wire.Bucket | wire.Shared):
                     raise TransportBrokenError(f"unexpected {type(message).__name__} during a push")
                 push = message.push
-                self._issued = self._recorded = received
+                self._issued = self._recorded = self._landed = received
                 if failure is None:
                     if isinstance(message, wire.Shared):
                         failure, loaded = self._load_shared(message, load_fn)
@@ -352,6 +371,7 @@ class WeightReceiver:
                     ReceiverBucketTimes(
                         bucket=index,
                         received=received,
+                        landed=max(received, self._landed),
                         issued=self._issued,
                         recorded=self._recorded,
                         acked=acked,
@@ -412,6 +432,8 @@ class WeightReceiver:
         placed = 0
         try:
             buffer = self._mapped[bucket.buffer].tensor
+            if bucket.copying:
+                self._wait_copies(bucket)
             loading = time.perf_counter()
             for entry in bucket.entries:
                 if entry.offset + entry.nbytes > self._bucket_bytes or entry.nbytes < 0:
@@ -457,6 +479,21 @@ class WeightReceiver:
                     self._backend.loads_issued(bucket.buffer)
             return (names, f"{type(exc).__name__}: {exc}"[:2000]), 0
         return None, len(batch) + placed
+
+    def _wait_copies(self, bucket: wire.Bucket) -> None:
+        """Poll (bounded) the copy event of the bucket's buffer: the sender signalled it while
+        its copies into the buffer were still running."""
+        if not self._polls_copies or self._backend is None:
+            raise TransportBrokenError("a bucket still being copied, but we have no copy events")
+        landed = functools.partial(self._backend.copies_landed, bucket.buffer)
+        try:
+            poll_until(landed, within=self._timeout_now)
+        except TimeoutError:
+            raise TransportTimeoutError(
+                f"the sender's copies of bucket {bucket.index} did not finish on the device"
+                f" within {self._timeout_now:g} s"
+            ) from None
+        self._landed = time.perf_counter()
 
     def _target(self, entry: wire.Entry, dtype: torch.dtype) -> torch.Tensor | None:
         """Where a spanning piece goes straight (None: the scratch buffer). ``place`` is asked

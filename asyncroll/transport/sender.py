@@ -12,11 +12,15 @@ Invariants:
   and the device finished their reads (the load events they recorded, polled from the host: no
   stream of ours ever waits on another process's device work);
   packing bucket k+1 into one buffer overlaps receivers loading bucket k from the other;
-* a bucket is signalled only once its copies are done; with asynchronous copies (CUDA) and three
-  or more buffers, one step late: bucket k+1's copies are queued before bucket k is signalled.
-  Never with two: packing k+1 then needs the buffer of k-1, so k's signal would wait for the
-  receiver to finish k-1 and the receiver would idle between buckets (this halved the end-to-end
-  rate of a 7B push on an H100);
+* with asynchronous copies (CUDA), a bucket is signalled as soon as its copies are queued when
+  every receiver of the push polls our copy events (``Backend.export_copy_events``): each
+  receiver reads a buffer only once the buffer's copy event has fired, so signalling, waking
+  and acking all overlap the device's copies. Otherwise a bucket is signalled only once its
+  copies are done; with three or more buffers one step late: bucket k+1's copies are queued
+  before bucket k is signalled. Never with two: packing k+1 then needs the buffer of k-1, so
+  k's signal would wait for the receiver to finish k-1 and the receiver would idle between
+  buckets (this halved the end-to-end rate of a 7B push on an H100); a push returns only once
+  its copies are done, whoever polled them;
 * packing that blocks (shared memory) runs in one private worker thread, FIFO, so a push
   cancelled mid-pack can never race the next push's packing of the same buffer; packing that
   only queues device work (CUDA: ``Backend.inline_packing``) runs on the event loop, in the
@@ -225,6 +229,10 @@ class WeightSender:
                 self._staging.append(
                     self._backend.allocate(nonce=self._identity.nonce, index=i, nbytes=bucket_bytes)
                 )
+            self._copy_events = (
+                self._backend.export_copy_events(buffers) if self._backend.async_copies else []
+            )
+            """Handles of our per-buffer copy events, for the welcome ([]: none)."""
         except BaseException:
             self._release()
             raise
@@ -391,6 +399,10 @@ class WeightSender:
         )
         async with self._pushing(version, buckets=len(plan)) as state:
             self._backend.mark_sources_ready()
+            # Signal each bucket as soon as its copies are queued: every receiver polls the
+            # buffer's copy event before it reads.
+            early = bool(self._copy_events) and all(peer.polls_copies for peer in state.peers)
+            marker: object = None
             for bucket in plan:
                 index = bucket.index % len(self._staging)
                 stamp = {"waited": clock()}
@@ -401,11 +413,11 @@ class WeightSender:
                 previous = unsignalled[2] if unsignalled is not None else None
                 if inline:
                     marker = await self._pack_here(
-                        bucket, index, tensors, readers, previous, stamps
+                        bucket, index, tensors, readers, previous, stamps, early
                     )
                 else:
                     marker = await self._in_packer(
-                        self._pack, bucket, index, tensors, readers, previous, stamps
+                        self._pack, bucket, index, tensors, readers, previous, stamps, early
                     )
                 wait_s += stamp["free"] - stamp["waited"]
                 pack_s += clock() - stamp["free"]
@@ -413,12 +425,17 @@ class WeightSender:
                     await self._send_bucket(unsignalled[0], unsignalled[1], state)
                     stamps[-2]["signalled"] = clock()
                     unsignalled = None
-                if self._late_signals:
+                if self._late_signals and not early:
                     unsignalled = (bucket, index, marker)
                 else:
-                    await self._send_bucket(bucket, index, state)
+                    await self._send_bucket(bucket, index, state, copying=early)
                     stamp["signalled"] = clock()
             t0 = clock()
+            if early and marker is not None:  # our copies are done before the push returns
+                if inline:
+                    await self._poll_copies(marker)
+                else:
+                    await self._in_packer(self._finish_copies, marker)
             if unsignalled is not None:
                 if inline:
                     await self._poll_copies(unsignalled[2])
@@ -562,13 +579,15 @@ class WeightSender:
         readers: list[tuple[bytes, object]],
         previous: object | None,
         stamps: list[dict[str, float]],
+        early: bool = False,
     ) -> object:
         """Wait until the buffer's last readers finished on the device, queue the bucket's
-        copies, then (if given) wait for the previous bucket's. Returns this one's marker.
-        Stamps ``loads_done``, ``queued`` and ``copied`` (the last, of the bucket waited for)."""
+        copies, then (if given) wait for the previous bucket's, or (``early``: receivers poll
+        the copy events) for none. Returns this one's marker. Stamps ``loads_done``,
+        ``queued`` and ``copied`` (the last, of the bucket waited for)."""
         self._wait_loads(readers)
-        marker = self._queue(bucket, index, tensors, stamps)
-        waited, which = self._signal_waits_for(marker, previous)
+        marker = self._queue(bucket, index, tensors, stamps, early)
+        waited, which = self._signal_waits_for(marker, previous, early, stamps)
         if which:
             self._finish_copies(waited)
             stamps[which]["copied"] = time.perf_counter()
@@ -580,19 +599,32 @@ class WeightSender:
         index: int,
         tensors: Mapping[str, torch.Tensor],
         stamps: list[dict[str, float]],
+        early: bool = False,
     ) -> object:
-        """Queue the bucket's copies (its buffer's readers are done); returns its marker.
-        Stamps ``loads_done`` and ``queued``."""
+        """Queue the bucket's copies (its buffer's readers are done); returns its marker (with
+        ``early``, the buffer's copy event, recorded). Stamps ``loads_done`` and ``queued``."""
         stamps[-1]["loads_done"] = time.perf_counter()
         with _packing(), self._backend.copy_context():
             pack_bucket(bucket, self._staging[index].tensor, tensors, self._views[index])
-        marker = self._backend.mark_copies()
+        marker = self._backend.record_copies(index) if early else self._backend.mark_copies()
         stamps[-1]["queued"] = time.perf_counter()
         return marker
 
-    def _signal_waits_for(self, marker: object, previous: object | None) -> tuple[object, int]:
+    def _signal_waits_for(
+        self,
+        marker: object,
+        previous: object | None,
+        early: bool = False,
+        stamps: list[dict[str, float]] | None = None,
+    ) -> tuple[object, int]:
         """The copies to finish now, and whose stamps say so (-1: this bucket's; -2: with late
-        signals, the previous bucket's; 0: none, the first bucket with late signals)."""
+        signals, the previous bucket's; 0: none, the first bucket with late signals, or every
+        bucket with ``early`` signals, whose ``copied`` stamp is then its ``queued`` one: the
+        receivers see the copies land)."""
+        if early:
+            if stamps is not None:
+                stamps[-1]["copied"] = stamps[-1]["queued"]
+            return None, 0
         if not self._late_signals:
             return marker, -1
         return previous, (-2 if previous is not None else 0)
@@ -605,13 +637,14 @@ class WeightSender:
         readers: list[tuple[bytes, object]],
         previous: object | None,
         stamps: list[dict[str, float]],
+        early: bool = False,
     ) -> object:
         """``_pack`` on the event loop, for a backend whose packing only queues device work
         (``inline_packing``): no thread hop a bucket, and the device waits are polls that let
         the loop run (the acks of the other buffer arrive meanwhile)."""
         await self._poll_loads(readers)
-        marker = self._queue(bucket, index, tensors, stamps)
-        waited, which = self._signal_waits_for(marker, previous)
+        marker = self._queue(bucket, index, tensors, stamps, early)
+        waited, which = self._signal_waits_for(marker, previous, early, stamps)
         if which:
             await self._poll_copies(waited)
             stamps[which]["copied"] = time.perf_counter()
@@ -706,7 +739,9 @@ class WeightSender:
             peer.identity for peer in state.peers if peer.identity in self._control.peers
         }
 
-    async def _send_bucket(self, bucket: Bucket, index: int, state: _PushState) -> None:
+    async def _send_bucket(
+        self, bucket: Bucket, index: int, state: _PushState, *, copying: bool = False
+    ) -> None:
         entries = [
             wire.Entry(
                 name=s.name,
@@ -734,6 +769,7 @@ class WeightSender:
                     buffer=index,
                     entries=entries,
                     completes=list(bucket.completes),
+                    copying=copying,
                 ),
             )
 
@@ -762,6 +798,7 @@ class WeightSender:
             backend=self._backend.name,
             bucket_bytes=self._bucket_bytes,
             buffers=[buffer.descriptor for buffer in self._staging],
+            copy_events=self._copy_events,
         )
 
     def _open_load_events(self, handles: list[bytes]) -> list[object] | None:

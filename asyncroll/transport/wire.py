@@ -63,18 +63,25 @@ class Welcome(msgspec.Struct, tag=True, frozen=True):
     backend: str
     bucket_bytes: int
     buffers: list[bytes]
+    copy_events: list[bytes] = []
+    """One device-event handle per buffer that the sender records after queuing a bucket's
+    copies into it: a receiver that can poll them is signalled while the copies still run
+    (``Bucket.copying``). Empty: every bucket is signalled once its copies are done."""
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):
     """Receiver -> sender: every staging buffer is mapped (the sender may now unlink names).
 
     ``events``: one device-event handle per buffer that the receiver records after loading it;
-    the sender's copies into that buffer wait on it. Empty: the receiver syncs before acking.
+    the sender polls it before copying into that buffer again. Empty: the receiver syncs before
+    acking.
     """
 
     conn: bytes
     seq: int
     events: list[bytes] = []
+    polls_copies: bool = False
+    """The receiver opened the welcome's copy events and polls them before reading a bucket."""
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -101,6 +108,8 @@ class Bucket(msgspec.Struct, tag=True, frozen=True):
     buffer: int
     entries: list[Entry]
     completes: list[str]
+    copying: bool = False
+    """The copies into the buffer may still run: read it once its copy event has fired."""
 
 
 class SharedEntry(msgspec.Struct, array_like=True, frozen=True):

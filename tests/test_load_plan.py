@@ -265,6 +265,13 @@ def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again() -> None:
     twins.push(pushed(7))
     stats = twins.plan.statistics()
     assert stats.invalidations == 2 and stats.planned == 0 and stats.learned > 0
+    # Replaced behind torch's registration hooks: the owner no longer holds the old one.
+    twins.push(pushed(8))
+    new = torch.nn.Parameter(twins.planned.norm.detach().clone(), False)
+    twins.planned._parameters["norm"] = new
+    twins.push(pushed(9))
+    stats = twins.plan.statistics()
+    assert stats.invalidations == 3 and stats.planned == 0 and stats.learned > 0
 
 
 @pytest.mark.parametrize("place", [False, True], ids=["reassembled", "placed"])

@@ -7,7 +7,6 @@ pieces for spanning groups (``SpanAssembler``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -17,24 +16,17 @@ from asyncroll.transport.plan import Bucket, Slot, align
 
 __all__ = ["SpanAssembler", "copy_many", "dtype_by_name", "pack_bucket", "slot_view"]
 
-_FOREACH: Final = os.environ.get("ASYNCROLL_FOREACH_COPY", "1") != "0"
-# TODO(issue 12): decided by the GPU measurement, then the switch goes.
-
-
-def copy_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair, in one call (``torch._foreach_copy_``: one C++ loop,
-    on CUDA a fused kernel where dtypes and strides allow; exactly the same bytes)."""
-    if not dsts:
-        return
-    if _FOREACH:
-        torch._foreach_copy_(list(dsts), list(srcs))
-    else:
-        for dst, src in zip(dsts, srcs, strict=True):
-            dst.copy_(src)
-
 _DTYPES: Final = {
     name: value for name in dir(torch) if isinstance(value := getattr(torch, name), torch.dtype)
 }
+
+
+def copy_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair, in order. (One ``torch._foreach_copy_`` instead was
+    measured on an H100: a 7B push 2-4 ms slower end to end, its fused kernel copying slower
+    than ``copy_``'s memcpy, with no gain in the time to issue; docs/benchmarks.md.)"""
+    for dst, src in zip(dsts, srcs, strict=True):
+        dst.copy_(src)
 
 
 def dtype_by_name(name: str) -> torch.dtype:

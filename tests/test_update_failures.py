@@ -120,6 +120,32 @@ async def test_a_failure_after_every_tensor_loaded_restores_the_previous_weights
     assert await greedy(serving_a, "after-late-failure") == FRESH_GREEDY["a"]
 
 
+@pytest.mark.parametrize("skipped", ["", UP1], ids=["every-tensor", "one-tensor"])
+async def test_a_push_the_worker_does_not_load_fails_loudly_and_keeps_the_old_weights(
+    serving_a: VLLMEngine, tiny_model_b: Path, skipped: str
+) -> None:
+    """A worker whose loader takes nothing, or silently skips one name, must not turn a push
+    into a silent no-op: the update fails naming what was lost, the label stays, and the
+    previous weights keep serving."""
+    before = serving_a.global_steps
+    pusher = WeightPusher([serving_a])
+    try:
+        async with inject_fault(serving_a, "skip", tensor=skipped):
+            with pytest.raises(WeightSyncError) as failed:
+                await pusher.update(load_weights(tiny_model_b), global_steps=(before or 0) + 1)
+    finally:
+        await pusher.aclose()
+    message = str(failed.value)
+    assert "every engine serves its previous weights" in message
+    if skipped:
+        assert skipped in message and "never reached the model's loader" in message
+    else:
+        assert "loaded none of them" in message
+    assert serving_a.global_steps == before
+    assert not serving_a.statistics().holding
+    assert await greedy(serving_a, "after-no-op") == FRESH_GREEDY["a"]
+
+
 def _served_a(engine: VLLMEngine) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -9,9 +9,10 @@ Launch the engine with this module's worker extension, then inject around the co
 
 Points: ``load`` (the worker raises before handing the batch holding ``tensor`` to the model's
 loader: a receiver-side failure), ``after_load`` (it raises once every tensor is loaded, before
-the push is acknowledged: the weights are new, the update failed). Production code carries no
-hook of its own; this extension overrides the transfer engine's ``before_load`` and
-``after_load`` extension points on the live instance.
+the push is acknowledged: the weights are new, the update failed), ``skip`` (the worker hands
+``tensor``, or with no tensor every tensor, to nobody: a loader that silently skips names).
+Production code carries no hook of its own; this extension overrides the transfer engine's
+``before_load``, ``to_load`` and ``after_load`` extension points on the live instance.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = ["FAULTS_EXTENSION", "FaultInjectingExtension", "FaultPoint", "inject_
 FAULTS_EXTENSION = "asyncroll.testing.faults.FaultInjectingExtension"
 """Pass as ``worker_extension_cls`` when launching an engine that tests inject faults into."""
 
-FaultPoint = Literal["load", "after_load"]
+FaultPoint = Literal["load", "after_load", "skip"]
 
 
 class FaultInjectingExtension(AsyncrollWorkerExtension):
@@ -39,14 +40,16 @@ class FaultInjectingExtension(AsyncrollWorkerExtension):
         """Arm ``point`` (``load`` with a tensor name, or ``after_load``); an empty ``point``
         clears every fault."""
         engine: Any = self.weight_transfer_engine  # type: ignore[attr-defined]
-        engine.__dict__.pop("before_load", None)
-        engine.__dict__.pop("after_load", None)
+        for point_name in ("before_load", "to_load", "after_load"):
+            engine.__dict__.pop(point_name, None)
         if point == "load":
             if not tensor:
                 raise ValueError("a load fault needs the tensor name to fail on")
             engine.before_load = _fail_loading(tensor)
         elif point == "after_load":
             engine.after_load = _fail_after_load
+        elif point == "skip":
+            engine.to_load = _skipping(tensor)
         elif point:
             raise ValueError(f"unknown fault point {point!r}")
 
@@ -69,6 +72,13 @@ def _fail_loading(tensor: str) -> Any:
             raise RuntimeError(f"injected failure loading {tensor}")
 
     return before_load
+
+
+def _skipping(tensor: str) -> Any:
+    def to_load(batch: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t) for name, t in batch if tensor and name != tensor]
+
+    return to_load
 
 
 def _fail_after_load() -> None:

@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
+from asyncroll.errors import WeightSyncError
 from asyncroll.load_plan import LoadPlan, PlanStatistics
 from asyncroll.transport import WeightReceiver
 from asyncroll.transport.receiver import ReceiveReport
@@ -207,15 +208,23 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if worker_driven:
             self._begin()
         keep = self._keeps_copies()
+        received: set[str] = set()
+        handed: set[str] = set()
+        """Names that arrived, and names that reached the model's loader (or their place):
+        a push where they differ loaded less than it delivered, and fails loudly."""
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+            received.update(name for name, _ in batch)
             self.before_load(batch)
+            batch = self.to_load(batch)
             self._touched = True  # from here on a failure may leave the batch partly loaded
             try:
-                load_batch(batch)
+                if batch:
+                    load_batch(batch)
             except Exception as exc:  # name the tensors: vLLM's loaders often say nothing
                 names = ", ".join(name for name, _ in batch[:4])
                 raise RuntimeError(f"loading [{names}]: {type(exc).__name__}: {exc}") from exc
+            handed.update(name for name, _ in batch)
             for name, tensor in batch:
                 self._pending[name] = tensor.detach().clone() if keep else _LOADED
             if not direct:
@@ -230,13 +239,18 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 says, piece by piece, with no reassembly and no second copy."""
                 target = plan.destination(name, dtype, shape)
                 if target is not None:
+                    received.add(name)
                     self.before_load([(name, target)])
+                    if not self.to_load([(name, target)]):
+                        return torch.empty(0, dtype=torch.uint8)  # dropped: counted below
                     self._touched = True
+                    handed.add(name)
                     self._pending[name] = _LOADED
                 return target
 
         try:
             self.last_report = self._receiver.receive(load, place=place)
+            _check_delivered(self.last_report, received, handed)
             if not direct:
                 self._complete_partial_layers(load_batch)
             self.after_load()
@@ -264,6 +278,12 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         ``asyncroll.testing.faults`` injects failures here). A tensor the load plan places
         piece by piece as it arrives comes alone, before its first piece, with its
         destination as the tensor."""
+
+    def to_load(self, batch: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """The part of a received batch that goes to the model's loader: all of it (an
+        extension point: ``asyncroll.testing.faults`` drops tensors here, as a loader that
+        silently skips names would; the push then fails, naming them)."""
+        return batch
 
     def after_load(self) -> None:
         """Called once every tensor of a push is loaded, before the push is acknowledged (an
@@ -401,6 +421,28 @@ def _outside_device_context() -> Iterator[Callable[[], contextlib.AbstractContex
     finally:
         for mode in reversed(popped):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def _check_delivered(report: ReceiveReport, received: set[str], handed: set[str]) -> None:
+    """Every tensor that arrived reached the model's loader (or the place the load plan put
+    it), and some did.
+
+    Raises:
+        WeightSyncError: a push that loaded nothing, or less than it delivered (naming what
+            was lost): never a silent no-op.
+    """
+    lost = sorted(received - handed)
+    if report.tensors and not handed:
+        raise WeightSyncError(
+            f"push {report.push} (version {report.version}) delivered {report.tensors} tensors"
+            " and the worker loaded none of them"
+        )
+    if lost:
+        shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+        raise WeightSyncError(
+            f"push {report.push} (version {report.version}): {len(lost)} of"
+            f" {len(received)} tensors arrived but never reached the model's loader: {shown}"
+        )
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

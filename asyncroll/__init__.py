@@ -35,6 +35,7 @@ from asyncroll.errors import (
     TransportClosedError,
     TransportError,
     TransportTimeoutError,
+    UnchangedWeightsWarning,
     WeightSyncError,
 )
 from asyncroll.interfaces import (
@@ -111,6 +112,7 @@ __all__ = [
     "TransportClosedError",
     "TransportError",
     "TransportTimeoutError",
+    "UnchangedWeightsWarning",
     "UpdatableEngine",
     "UpdateReport",
     "VLLMEngine",

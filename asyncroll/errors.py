@@ -18,6 +18,9 @@ AsyncrollError
 └── InvalidRequestError         bad input, caught before it reaches an engine (also a ValueError)
 ```
 Third-party errors are mapped onto this tree at the boundary with ``raise ... from exc``.
+
+One warning: ``UnchangedWeightsWarning`` (a ``UserWarning``), an update said to change the
+weights that pushed exactly the previous update's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "TransportClosedError",
     "TransportError",
     "TransportTimeoutError",
+    "UnchangedWeightsWarning",
     "WeightSyncError",
 ]
 
@@ -99,3 +103,9 @@ class ManagerClosedError(AsyncrollError, RuntimeError):
 
 class InvalidRequestError(AsyncrollError, ValueError):
     """Bad input, caught before it reached an engine."""
+
+
+class UnchangedWeightsWarning(UserWarning):
+    """An update called with ``changed=True`` pushed tensors whose fingerprints all equal the
+    previous update's: the trainer probably pushed stale weights (a step that did not apply,
+    the wrong model object). The push itself went through."""

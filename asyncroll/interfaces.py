@@ -180,6 +180,7 @@ class WeightUpdater(Protocol):
         *,
         global_steps: int | None,
         mode: ResumeMode = "abort",
+        changed: bool = False,
     ) -> UpdateReport: ...
 
     async def aclose(self) -> None: ...

@@ -266,11 +266,14 @@ class AsyncServerManager:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         *,
         global_steps: int | None,
+        changed: bool = False,
     ) -> UpdateReport:
         """Push new weights to every live engine; in-flight requests resume transparently.
 
         Pauses every engine (in ``resume_mode``), pushes to all of them at once, labels the
         weights ``global_steps`` and publishes it once every engine succeeded, then resumes.
+        ``changed=True``: warn (``UnchangedWeightsWarning``) if the tensors equal the previous
+        update's (``VersionedUpdater.update``).
 
         Raises:
             InvalidRequestError: bad input, found before any engine paused: ``global_steps``
@@ -298,7 +301,10 @@ class AsyncServerManager:
             self._gate.clear()
             try:
                 report = await self._weights.update(
-                    named_tensors, global_steps=global_steps, mode=self.resume_mode
+                    named_tensors,
+                    global_steps=global_steps,
+                    mode=self.resume_mode,
+                    changed=changed,
                 )
             finally:
                 self._gate.set()

@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
 
-from asyncroll.errors import InvalidRequestError, WeightSyncError
+from asyncroll.errors import InvalidRequestError, UnchangedWeightsWarning, WeightSyncError
 from asyncroll.interfaces import (
     ReceivingEngine,
     ResumeMode,
@@ -99,6 +101,8 @@ class VersionedUpdater:
         self._engines = list(engines)
         self._channel = channel
         self._lock = asyncio.Lock()
+        self._fingerprints: dict[str, bytes] | None = None
+        """The last update's, when it was fingerprinted (``changed=True``)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} engines={[e.name for e in self._engines]}>"
@@ -113,9 +117,16 @@ class VersionedUpdater:
         *,
         global_steps: int | None,
         mode: ResumeMode = "abort",
+        changed: bool = False,
     ) -> UpdateReport:
         """Pause, push to every live engine at once, label ``global_steps``, reset caches,
         resume.
+
+        ``changed=True`` says the weights differ from the previous update's: each tensor is
+        fingerprinted (64 sampled elements, its shape and dtype; a gather and one copy to the
+        host, before the pause), and if every fingerprint equals the previous update's, the
+        push still goes through but ``UnchangedWeightsWarning`` is issued and logged: a
+        trainer pushing stale weights looks like a bad hyperparameter for weeks otherwise.
 
         Raises:
             EngineSleepingError: an engine's weights are asleep; nothing was pushed.
@@ -126,6 +137,7 @@ class VersionedUpdater:
         """
         global_steps = check_global_steps(global_steps)
         tensors = _materialize(named_tensors)
+        prints = fingerprints(tensors) if changed else None
         async with self._lock:
             engines = [engine for engine in self._engines if not engine.is_dead]
             if not engines:
@@ -153,6 +165,15 @@ class VersionedUpdater:
             finally:
                 await asyncio.gather(*(e.resume() for e in pausable), return_exceptions=True)
             marks.append(time.perf_counter())
+            if prints is not None and prints == self._fingerprints:
+                message = (
+                    f"the update to global_steps={global_steps} was said to change the weights,"
+                    f" but all {len(prints)} tensors pushed equal the previous update's"
+                    " (fingerprints): stale weights?"
+                )
+                logger.warning(message)
+                warnings.warn(UnchangedWeightsWarning(message), stacklevel=2)
+            self._fingerprints = prints
         steps = [b - a for a, b in itertools.pairwise(marks)]
         return UpdateReport(
             global_steps=global_steps,
@@ -487,6 +508,36 @@ def _check_versions(engines: Sequence[UpdatableEngine], global_steps: int | None
                 f"global_steps {global_steps} is lower than {engine.name}'s {current}: "
                 "versions never go backwards"
             )
+
+
+_SAMPLES = 64
+
+
+def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+    """A cheap fingerprint of each tensor: a hash of its dtype, its shape and the bytes of 64
+    elements at fixed, evenly spread positions. Equal tensors have equal fingerprints; a
+    trained tensor (every element moved) almost surely a different one. One gather per tensor
+    and one copy to the host in all."""
+    samples = []
+    for tensor in tensors.values():
+        flat = tensor.reshape(-1)
+        n = flat.numel()
+        if n > _SAMPLES:
+            at = torch.arange(_SAMPLES, device=flat.device) * (n // _SAMPLES)
+            flat = flat[at]
+        samples.append(flat.reshape(-1).view(torch.uint8) if flat.numel() else flat.byte())
+    if samples and len({s.device for s in samples}) == 1:
+        joined = torch.cat(samples).cpu()  # the one wait for the device
+        on_host = list(torch.split(joined, [s.numel() for s in samples]))
+    else:
+        on_host = [s.cpu() for s in samples]
+    out = {}
+    for (name, tensor), sample in zip(tensors.items(), on_host, strict=True):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(sample.numpy().tobytes())
+        out[name] = digest.digest()
+    return out
 
 
 def _materialize(

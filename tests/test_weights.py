@@ -275,3 +275,51 @@ async def test_bad_tensors_are_rejected_before_any_push(engine: VLLMEngine) -> N
         twice = [("x", torch.zeros(1)), ("x", torch.zeros(1))]
         await engine.update_weights(twice, global_steps=None)
     assert engine.statistics().in_flight == 0 and not engine.is_paused
+
+
+async def test_an_update_said_to_change_the_weights_warns_when_it_does_not(
+    engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """``changed=True`` fingerprints the tensors: the same tensors twice in a row warn (and
+    still go through, labelled), different ones do not; without the flag nothing is compared."""
+    import warnings
+
+    from asyncroll import AsyncServerManager, UnchangedWeightsWarning
+
+    a, b = load_weights(tiny_model_a), load_weights(tiny_model_b)
+    steps = await _next_steps(engine)
+    async with AsyncServerManager([engine]) as manager:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnchangedWeightsWarning)
+            await manager.update_weights(b, global_steps=steps, changed=True)
+            await manager.update_weights(a, global_steps=steps + 1, changed=True)
+            await manager.update_weights(a, global_steps=steps + 2)  # not compared
+            await manager.update_weights(a, global_steps=steps + 3, changed=True)
+        with pytest.warns(UnchangedWeightsWarning, match=r"all \d+ tensors pushed equal"):
+            await manager.update_weights(
+                {name: t.clone() for name, t in a.items()}, global_steps=steps + 4, changed=True
+            )
+        assert manager.statistics().global_steps == steps + 4
+    assert await greedy(engine, "after-unchanged") == FRESH_GREEDY["a"]
+
+
+def test_fingerprints_tell_equal_tensors_from_changed_ones() -> None:
+    from asyncroll.weights import fingerprints
+
+    g = torch.Generator().manual_seed(0)
+    base = {
+        "w": torch.randn(300, 7, generator=g).to(torch.bfloat16),
+        "strided": torch.randn(50, 40, generator=g)[:, ::3],
+        "small": torch.randn(5, generator=g),
+        "empty": torch.empty(0, 3),
+    }
+    same = {name: t.clone() for name, t in base.items()}
+    assert fingerprints(base) == fingerprints(same)
+    stepped = {**same, "w": base["w"] + 0.5}  # a training step moves every element
+    assert fingerprints(stepped)["w"] != fingerprints(base)["w"]
+    assert fingerprints({**same, "small": base["small"].double()})["small"] != (
+        fingerprints(base)["small"]
+    )
+    assert fingerprints({**same, "empty": torch.empty(3, 0)})["empty"] != (
+        fingerprints(base)["empty"]
+    )

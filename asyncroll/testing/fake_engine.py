@@ -539,8 +539,11 @@ class FakeWeightUpdater(VersionedUpdater):
         *,
         global_steps: int | None,
         mode: ResumeMode = "abort",
+        changed: bool = False,
     ) -> UpdateReport:
-        report = await super().update(named_tensors, global_steps=global_steps, mode=mode)
+        report = await super().update(
+            named_tensors, global_steps=global_steps, mode=mode, changed=changed
+        )
         self.num_updates += 1
         return report
 

@@ -366,8 +366,10 @@ class VLLMEngine:
         *,
         global_steps: int | None,
         mode: Literal["abort", "keep"] = "abort",
+        changed: bool = False,
     ) -> UpdateReport:
-        """Load new weights through vLLM's weight-update protocol and label them.
+        """Load new weights through vLLM's weight-update protocol and label them
+        (``changed``: see ``WeightPusher.update``).
 
         Pauses (``abort``: in-flight requests end with their partial output; ``keep``: they
         freeze and continue with the new weights), pushes, labels the weights ``global_steps``
@@ -383,7 +385,9 @@ class VLLMEngine:
         self._check_alive()
         if self._pusher is None:
             self._pusher = WeightPusher([self])
-        return await self._pusher.update(named_tensors, global_steps=global_steps, mode=mode)
+        return await self._pusher.update(
+            named_tensors, global_steps=global_steps, mode=mode, changed=changed
+        )
 
     async def aclose(self) -> None:
         """Shut the engine's processes down. Idempotent."""

@@ -178,6 +178,25 @@ class LoadPlan:
         than a bucket there piece by piece, instead of reassembling it first
         (``WeightReceiver.receive(place=...)``); counted as planned.
         """
+        target = self.whole_target(name, dtype, shape)
+        if target is None:
+            return None
+        if target.numel() == 0 and self._entries[name].copies == ():
+            self._counts.update(planned=1)
+            return torch.empty(0, dtype=torch.uint8)
+        self._counts.update(planned=1, copies=1)
+        return target.reshape(-1).view(torch.uint8)
+
+    def knows(self, name: str) -> bool:
+        """Whether the plan maps ``name`` (its loads are replayed)."""
+        return name in self._entries
+
+    def whole_target(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """The parameter range a contiguous pushed tensor ``name`` of ``dtype`` and ``shape``
+        is copied to whole and unchanged, as a tensor of that dtype and shape; an empty
+        tensor if its load copies nothing; None if the plan does not map it that simply."""
         entry = self._entries.get(name)
         if (
             entry is None
@@ -189,8 +208,7 @@ class LoadPlan:
         ):
             return None
         if not entry.copies:
-            self._counts.update(planned=1)
-            return torch.empty(0, dtype=torch.uint8)
+            return torch.empty(0, dtype=dtype)
         copy = entry.copies[0]
         dst = copy.dst
         if (
@@ -202,8 +220,7 @@ class LoadPlan:
             or not dst.is_contiguous()
         ):
             return None
-        self._counts.update(planned=1, copies=1)
-        return dst.reshape(-1).view(torch.uint8)
+        return dst
 
     def forget_sources(self) -> None:
         """Drop every reference to pushed tensors (call when their buffers go away)."""

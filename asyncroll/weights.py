@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import time
@@ -38,6 +37,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from asyncroll.errors import InvalidRequestError, UnchangedWeightsWarning, WeightSyncError
+from asyncroll.fingerprints import Fingerprinter, fingerprints
 from asyncroll.interfaces import (
     ReceivingEngine,
     ResumeMode,
@@ -243,12 +243,13 @@ class SenderChannel:
         one_copy: bool = False,
         check_finite: bool = True,
         strict_dtype: bool = False,
+        verify: bool = True,
     ) -> None:
         if backend not in ("auto", "shm", "cuda_ipc"):
             raise InvalidRequestError(f"backend must be auto, shm or cuda_ipc, not {backend!r}")
         if load not in ("auto", "layerwise", "direct"):
             raise InvalidRequestError(f"load must be auto, layerwise or direct, not {load!r}")
-        for option, value in (("load_plan", load_plan), ("one_copy", one_copy)):
+        for option, value in (("load_plan", load_plan), ("one_copy", one_copy), ("verify", verify)):
             if not isinstance(value, bool):
                 raise InvalidRequestError(f"{option} must be True or False, not {value!r}")
         if not isinstance(buffers, int) or isinstance(buffers, bool) or buffers < 1:
@@ -266,6 +267,10 @@ class SenderChannel:
         self._one_copy = one_copy
         self._check_finite = check_finite
         self._strict_dtype = strict_dtype
+        self._verify = verify
+        self._fingerprinter = Fingerprinter()
+        self._fingerprints: dict[str, bytes] | None = None
+        """Of the tensors last checked: they travel with the push that follows."""
         self._schemas: dict[str, Schema | None] = {}
         self._stack: contextlib.AsyncExitStack | None = None
         self._sender: WeightSender | None = None
@@ -305,6 +310,8 @@ class SenderChannel:
                     strict_dtype=self._strict_dtype,
                     check_finite=self._check_finite and index == 0,
                 )
+        # Fingerprints for the workers to check what they loaded; before any pause.
+        self._fingerprints = self._fingerprinter(tensors) if self._verify else None
 
     async def push(
         self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
@@ -351,8 +358,11 @@ class SenderChannel:
     ) -> PushReport:
         """The push and every engine's receive, failing as soon as any of them fails (a dead
         worker's engine fails its call long before the sender's ack deadline)."""
+        prints = self._fingerprints if self._fingerprints is not None else None
+        if prints is not None and prints.keys() != tensors.keys():
+            prints = None  # not the tensors last checked
         push = asyncio.ensure_future(
-            sender.push(tensors, version=version, one_copy=self._one_copy)
+            sender.push(tensors, version=version, one_copy=self._one_copy, fingerprints=prints)
         )
         loads = [asyncio.ensure_future(e.receive(version)) for e in engines]
         tasks = [push, *loads]
@@ -432,6 +442,7 @@ class WeightPusher(VersionedUpdater):
         one_copy: bool = False,
         check_finite: bool = True,
         strict_dtype: bool = False,
+        verify: bool = True,
     ) -> None:
         """Args:
             engines: Engines launched with asyncroll's weight-transfer backend (the default).
@@ -461,6 +472,11 @@ class WeightPusher(VersionedUpdater):
                 reduction a tensor; ``bench/check_cost.py`` measures it).
             strict_dtype: Refuse any tensor whose dtype is not the dtype the engines serve
                 (by default a floating tensor of another width is cast, as vLLM's loaders do).
+            verify: Fingerprint every tensor before the pause (``asyncroll.fingerprints``);
+                each worker checks, after loading, every tensor it can find whole in its
+                model (a parameter of that name, or the one contiguous range the load plan
+                copies it to) against it, and a mismatch fails the push, naming the tensor
+                (then the engines roll back or hold, as for any failed push).
         """
         self._sender_channel = SenderChannel(
             engines,
@@ -474,6 +490,7 @@ class WeightPusher(VersionedUpdater):
             one_copy=one_copy,
             check_finite=check_finite,
             strict_dtype=strict_dtype,
+            verify=verify,
         )
         super().__init__(engines, self._sender_channel)
 
@@ -508,36 +525,6 @@ def _check_versions(engines: Sequence[UpdatableEngine], global_steps: int | None
                 f"global_steps {global_steps} is lower than {engine.name}'s {current}: "
                 "versions never go backwards"
             )
-
-
-_SAMPLES = 64
-
-
-def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
-    """A cheap fingerprint of each tensor: a hash of its dtype, its shape and the bytes of 64
-    elements at fixed, evenly spread positions. Equal tensors have equal fingerprints; a
-    trained tensor (every element moved) almost surely a different one. One gather per tensor
-    and one copy to the host in all."""
-    samples = []
-    for tensor in tensors.values():
-        flat = tensor.reshape(-1)
-        n = flat.numel()
-        if n > _SAMPLES:
-            at = torch.arange(_SAMPLES, device=flat.device) * (n // _SAMPLES)
-            flat = flat[at]
-        samples.append(flat.reshape(-1).view(torch.uint8) if flat.numel() else flat.byte())
-    if samples and len({s.device for s in samples}) == 1:
-        joined = torch.cat(samples).cpu()  # the one wait for the device
-        on_host = list(torch.split(joined, [s.numel() for s in samples]))
-    else:
-        on_host = [s.cpu() for s in samples]
-    out = {}
-    for (name, tensor), sample in zip(tensors.items(), on_host, strict=True):
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-        digest.update(sample.numpy().tobytes())
-        out[name] = digest.digest()
-    return out
 
 
 def _materialize(

@@ -146,6 +146,36 @@ async def test_a_push_the_worker_does_not_load_fails_loudly_and_keeps_the_old_we
     assert await greedy(serving_a, "after-no-op") == FRESH_GREEDY["a"]
 
 
+@pytest.mark.parametrize("backup", [True, False], ids=["backup", "no-backup"])
+async def test_a_tensor_loaded_wrong_fails_the_push_naming_it(
+    serving_a: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, backup: bool
+) -> None:
+    """A worker whose loaded weights differ from the pushed ones after the load (one element
+    of one parameter changed, by a test hook): the fingerprints catch it, the push fails
+    naming the tensor; with a backup the previous weights keep serving, without one the
+    engine holds until a push succeeds."""
+    before = serving_a.global_steps
+    pusher = WeightPusher([serving_a], backup=backup)
+    try:
+        async with inject_fault(serving_a, "corrupt", tensor=NORM):
+            with pytest.raises(WeightSyncError, match=r"differ from what was pushed.*model\.norm"):
+                await pusher.update(load_weights(tiny_model_b), global_steps=(before or 0) + 1)
+        assert serving_a.global_steps == before
+        if backup:
+            assert not serving_a.statistics().holding
+            assert await greedy(serving_a, "after-corrupt") == FRESH_GREEDY["a"]
+        else:
+            assert serving_a.statistics().holding
+        await pusher.update(load_weights(tiny_model_a), global_steps=(before or 0) + 1)
+        (report,) = await serving_a.llm.collective_rpc("asyncroll_last_receive_report")
+        checked, unchecked = report["verified"]
+        assert checked > 0 and checked + unchecked == len(load_weights(tiny_model_a))
+    finally:
+        await pusher.aclose()
+    assert not serving_a.statistics().holding
+    assert await greedy(serving_a, "after-good-push") == FRESH_GREEDY["a"]
+
+
 def _served_a(engine: VLLMEngine) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

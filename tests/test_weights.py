@@ -304,7 +304,7 @@ async def test_an_update_said_to_change_the_weights_warns_when_it_does_not(
 
 
 def test_fingerprints_tell_equal_tensors_from_changed_ones() -> None:
-    from asyncroll.weights import fingerprints
+    from asyncroll.fingerprints import fingerprints
 
     g = torch.Generator().manual_seed(0)
     base = {
@@ -323,3 +323,19 @@ def test_fingerprints_tell_equal_tensors_from_changed_ones() -> None:
     assert fingerprints({**same, "empty": torch.empty(3, 0)})["empty"] != (
         fingerprints(base)["empty"]
     )
+
+
+def test_a_widened_copy_has_the_pushed_fingerprint() -> None:
+    """bf16 served as float32 holds every value exactly: fingerprinted as bf16 it matches;
+    one element moved, it does not; float16 in bfloat16 is not exact and never compared."""
+    from asyncroll.fingerprints import Fingerprinter, fingerprints, holds_exactly
+
+    pushed = {"w": torch.randn(40, 9).to(torch.bfloat16)}
+    served = {"w": pushed["w"].float()}
+    as_bf16 = {"w": torch.bfloat16}
+    assert Fingerprinter()(served, as_bf16) == fingerprints(pushed)
+    served["w"][0, 0] += 1
+    assert Fingerprinter()(served, as_bf16) != fingerprints(pushed)
+    assert holds_exactly(torch.float32, torch.bfloat16)
+    assert not holds_exactly(torch.bfloat16, torch.float16)
+    assert not holds_exactly(torch.bfloat16, torch.float32)

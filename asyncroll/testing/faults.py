@@ -12,7 +12,9 @@ loader: a receiver-side failure), ``after_load`` (it raises once every tensor is
 the push is acknowledged: the weights are new, the update failed), ``skip`` (the worker hands
 ``tensor``, or with no tensor every tensor, to nobody: a loader that silently skips names).
 Production code carries no hook of its own; this extension overrides the transfer engine's
-``before_load``, ``to_load`` and ``after_load`` extension points on the live instance.
+``before_load``, ``to_load`` and ``after_load`` extension points on the live instance. And
+``corrupt``: once every tensor is loaded, the worker changes the first element of parameter
+``tensor`` (a load that went wrong where nobody looked: the fingerprints must see it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ __all__ = ["FAULTS_EXTENSION", "FaultInjectingExtension", "FaultPoint", "inject_
 FAULTS_EXTENSION = "asyncroll.testing.faults.FaultInjectingExtension"
 """Pass as ``worker_extension_cls`` when launching an engine that tests inject faults into."""
 
-FaultPoint = Literal["load", "after_load", "skip"]
+FaultPoint = Literal["load", "after_load", "skip", "corrupt"]
 
 
 class FaultInjectingExtension(AsyncrollWorkerExtension):
@@ -50,6 +52,10 @@ class FaultInjectingExtension(AsyncrollWorkerExtension):
             engine.after_load = _fail_after_load
         elif point == "skip":
             engine.to_load = _skipping(tensor)
+        elif point == "corrupt":
+            if not tensor:
+                raise ValueError("a corrupt fault needs the parameter to corrupt")
+            engine.after_load = _corrupting(engine, tensor)
         elif point:
             raise ValueError(f"unknown fault point {point!r}")
 
@@ -79,6 +85,15 @@ def _skipping(tensor: str) -> Any:
         return [(name, t) for name, t in batch if tensor and name != tensor]
 
     return to_load
+
+
+def _corrupting(engine: Any, tensor: str) -> Any:
+    def after_load() -> None:
+        parameter = engine.model.get_parameter(tensor)
+        with torch.no_grad():
+            parameter.view(-1)[0] += 1
+
+    return after_load
 
 
 def _fail_after_load() -> None:

@@ -23,7 +23,9 @@ Invariants:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -110,6 +112,9 @@ class ReceiveReport:
     """Per bucket (or the one message of a one-copy push), where its time went."""
     began: float = 0.0
     """When ``receive`` was called (``time.perf_counter()``: how late after the sender began)."""
+    fingerprints: Mapping[str, builtins.bytes] = dataclasses.field(default_factory=dict)
+    """The sender's fingerprint of each tensor (empty: not fingerprinted), to check what was
+    loaded against (``asyncroll.fingerprints``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -423,6 +428,7 @@ class WeightReceiver:
             sync_seconds=self._stage["sync"],
             timeline=tuple(timeline),
             began=started,
+            fingerprints=dict(end.fingerprints),
         )
 
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:

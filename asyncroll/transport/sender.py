@@ -200,6 +200,8 @@ class WeightSender:
         self._late_signals = self._backend.async_copies and buffers > 2
         """Signal bucket k once bucket k+1's copies are queued (see ``_run_push``)."""
         self._push: _PushState | None = None
+        self._fingerprints: dict[str, bytes] = {}
+        """The current push's, for its End."""
         self._shared = SharedStorages()
         self._push_ids = 0
         self._pushes = self._failed = self._bytes = 0
@@ -322,8 +324,12 @@ class WeightSender:
         *,
         version: int,
         one_copy: bool = False,
+        fingerprints: Mapping[str, bytes] | None = None,
     ) -> PushReport:
         """Move ``named_tensors`` into every ready receiver; returns once all of them loaded it.
+
+        ``fingerprints`` (``asyncroll.fingerprints``) travel with the push's end, for each
+        receiver's loader to check what it loaded (``ReceiveReport.fingerprints``).
 
         ``one_copy`` (CUDA IPC only): no staging; receivers read the tensors in place, through
         IPC handles of their storages (exported once while the sender keeps them). The tensors
@@ -346,11 +352,13 @@ class WeightSender:
             if self._expected is not None:
                 await self.wait_receivers(self._expected)
             async with self._push_lock:
+                self._fingerprints = dict(fingerprints or {})
                 return await self._run_shared_push(tensors, version)
         plan = self._plan_for(tuple(TensorMeta.of(name, t) for name, t in tensors.items()))
         if self._expected is not None:
             await self.wait_receivers(self._expected)  # immediate once they are in; seals
         async with self._push_lock:
+            self._fingerprints = dict(fingerprints or {})
             return await self._run_push(plan, tensors, version)
 
     async def aclose(self) -> None:
@@ -786,6 +794,7 @@ class WeightSender:
                             version=state.version,
                             buckets=buckets,
                             error=error,
+                            fingerprints={} if error else self._fingerprints,
                         ),
                     )
 

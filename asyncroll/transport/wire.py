@@ -166,6 +166,9 @@ class End(msgspec.Struct, tag=True, frozen=True):
     version: int
     buckets: int
     error: str = ""
+    fingerprints: dict[str, bytes] = {}
+    """The sender's fingerprint of each tensor it pushed (``asyncroll.fingerprints``), for the
+    receiver to check what it loaded against; empty: not fingerprinted."""
 
 
 class Bye(msgspec.Struct, tag=True, frozen=True):

@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
 from asyncroll.errors import WeightSyncError
+from asyncroll.fingerprints import Fingerprinter, holds_exactly
 from asyncroll.load_plan import LoadPlan, PlanStatistics
 from asyncroll.transport import WeightReceiver
 from asyncroll.transport.receiver import ReceiveReport
@@ -102,6 +103,10 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         runs outside it: ``_outside_device_context``)."""
         self.last_report: ReceiveReport | None = None
         self.entered = 0.0
+        self.verified = (0, 0)
+        """The last push's tensors checked against the sender's fingerprints, and those that
+        could not be (not found whole in the model: fused, sharded or converted)."""
+        self._fingerprinter = Fingerprinter()
         """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
         report's ``began``: what preparing the receive cost)."""
         self._info: InitInfo | None = None
@@ -120,6 +125,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._active = False
         self._touched = False
         """The update in progress has handed tensors to the model's loader."""
+        self._finalized = False
+        """The update in progress has finished its layerwise reload (in the receive)."""
         self._plan: LoadPlan | None = None
         self._planning = False
         """The last push loaded through the plan."""
@@ -208,13 +215,13 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if worker_driven:
             self._begin()
         keep = self._keeps_copies()
-        received: set[str] = set()
+        received: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         handed: set[str] = set()
         """Names that arrived, and names that reached the model's loader (or their place):
         a push where they differ loaded less than it delivered, and fails loudly."""
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
-            received.update(name for name, _ in batch)
+            received.update((name, (t.dtype, tuple(t.shape))) for name, t in batch)
             self.before_load(batch)
             batch = self.to_load(batch)
             self._touched = True  # from here on a failure may leave the batch partly loaded
@@ -239,7 +246,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 says, piece by piece, with no reassembly and no second copy."""
                 target = plan.destination(name, dtype, shape)
                 if target is not None:
-                    received.add(name)
+                    received[name] = (dtype, tuple(shape))
                     self.before_load([(name, target)])
                     if not self.to_load([(name, target)]):
                         return torch.empty(0, dtype=torch.uint8)  # dropped: counted below
@@ -250,16 +257,74 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
         try:
             self.last_report = self._receiver.receive(load, place=place)
-            _check_delivered(self.last_report, received, handed)
+            _check_delivered(self.last_report, set(received), handed)
             if not direct:
                 self._complete_partial_layers(load_batch)
             self.after_load()
+            if not direct and not worker_driven:
+                # Finish the layerwise reload here, not in finish_weight_update, so that the
+                # weights are in place to be verified, and a failure still rolls back.
+                with self._device_context():
+                    layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
+                        self.model, self.model_config
+                    )
+                self._finalized = True
+            if direct or not worker_driven:  # (vLLM 0.24 finalizes a layerwise load later)
+                self._verify(self.last_report, received)
         except BaseException:
             with self._device_context():  # a rollback reloads through vLLM, as it expects
                 self.abort_update()
             raise
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
+
+    def _verify(
+        self, report: ReceiveReport, received: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> None:
+        """Check every tensor we can find whole in the model against the sender's fingerprint
+        (``asyncroll.fingerprints``): a parameter of that name, or the one contiguous range
+        the load plan copies it to, of the pushed dtype and shape. Records (checked, not
+        checkable) in ``verified``.
+
+        Raises:
+            WeightSyncError: a loaded tensor differs from the pushed one (names it).
+        """
+        pushed = report.fingerprints
+        if not pushed:
+            self.verified = (0, 0)
+            return
+        found: dict[str, torch.Tensor] = {}
+        as_pushed: dict[str, torch.dtype] = {}
+        for name, (dtype, shape) in received.items():
+            if name in pushed:
+                tensor = self._loaded_whole(name, dtype, shape)
+                if tensor is not None and tensor.numel():
+                    found[name], as_pushed[name] = tensor, dtype
+        loaded = self._fingerprinter(found, as_pushed)
+        self.verified = (len(found), len(pushed) - len(found))
+        wrong = sorted(name for name in found if loaded[name] != pushed[name])
+        if wrong:
+            shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+            raise WeightSyncError(
+                f"push {report.push} (version {report.version}): {len(wrong)} loaded tensors"
+                f" differ from what was pushed (fingerprints): {shown}"
+            )
+
+    def _loaded_whole(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """Where pushed tensor ``name`` sits whole in the model, if it does; else None."""
+        plan = self._plan if self._planning else None
+        if plan is not None and plan.knows(name):
+            return plan.whole_target(name, dtype, shape)
+        try:
+            parameter = self.model.get_parameter(name)
+        except AttributeError:
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            if not holds_exactly(parameter.dtype, dtype) or tuple(parameter.shape) != shape:
+                return None
+            return parameter if parameter.is_contiguous() else None
 
     def _under_device(
         self, loader: Callable[[list[tuple[str, torch.Tensor]]], Any], batch: list[Any]
@@ -290,7 +355,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         extension point, as ``before_load``)."""
 
     def finish_weight_update(self) -> None:
-        if not self.direct:
+        if not self.direct and not self._finalized:
             layerwise.finalize_layerwise_reload(  # type: ignore[no-untyped-call]
                 self.model, self.model_config
             )
@@ -338,6 +403,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         assert self._info is not None
         self._active = True
         self._touched = False
+        self._finalized = False
         self._pending = {}
         self._backup = None
         if not self._info.backup:
@@ -584,6 +650,7 @@ class AsyncrollWorkerExtension:
             "timeline": [dataclasses.asdict(times) for times in report.timeline],
             "began": report.began,
             "entered": getattr(engine, "entered", report.began),
+            "verified": list(getattr(engine, "verified", (0, 0))),
         }
         stats = (
             engine.plan_statistics

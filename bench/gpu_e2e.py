@@ -386,24 +386,32 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
     steps = itertools.count(1)
     async with VLLMEngine.launch(folder, name=f"ours-{size}", load_format="dummy",
                                  **engine_args(gpu_memory_utilization=util)) as engine:
-        # (load, bucket MiB, buffers, compiled load plan, one-copy): the plan against the old
-        # load_weights path, staged against one-copy, two buffers against three
-        variants = [("direct", 512, 2, True, True), ("direct", 512, 2, True, False),
-                    ("direct", 512, 3, True, False), ("direct", 512, 2, False, False),
-                    ("direct", 1024, 2, True, False), ("layerwise", 512, 2, False, False)]
+        # (load, bucket MiB, buffers, compiled load plan, one-copy, verify): the plan against
+        # the old load_weights path, staged against one-copy, two buffers against three, the
+        # fingerprint check against none
+        variants = [("direct", 512, 2, True, True, True), ("direct", 512, 2, True, False, True),
+                    ("direct", 512, 3, True, False, True), ("direct", 512, 2, False, False, True),
+                    ("direct", 512, 2, True, False, False),
+                    ("direct", 1024, 2, True, False, True),
+                    ("layerwise", 512, 2, False, False, True)]
         if size == "7b":
-            variants = variants[:4]
-        for load, bucket_mib, buffers, planned, one_copy in variants:
+            variants = variants[:5]
+        for load, bucket_mib, buffers, planned, one_copy, verify in variants:
             how = "plan" if planned else ("load_weights" if load == "direct" else "reload")
             label = (f"asyncroll one-copy {how}" if one_copy
                      else f"asyncroll {load} {how} {bucket_mib} MiB x{buffers}")
+            if not verify:
+                label += " unverified"
             pusher = WeightPusher([engine], bucket_bytes=bucket_mib << 20, load=load,  # type: ignore[arg-type]
-                                  buffers=buffers, load_plan=planned, one_copy=one_copy)
+                                  buffers=buffers, load_plan=planned, one_copy=one_copy,
+                                  verify=verify)
             last: dict[str, Any] = {}
 
             async def ours(i: int, pusher: WeightPusher = pusher,
                            last: dict[str, Any] = last, buffers: int = buffers) -> dict[str, Any]:
+                called = time.perf_counter()
                 r = await pusher.update(tensors, global_steps=next(steps))
+                call_ms = (time.perf_counter() - called) * 1e3  # checks and fingerprints too
                 (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
                 assert r.push is not None
                 last["timeline"] = summarize_timeline(r.push.timeline, worker["timeline"],
@@ -414,6 +422,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
                     last["timeline"]["worker: vLLM called us after the sender began (ms)"] = (
                         round((worker["entered"] - r.push.timeline[0].waited) * 1e3, 3))
                 return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
+                        "call_ms": call_ms,
                         "total_with_pause_resume_ms": r.seconds * 1e3,
                         "pause_ms": r.pause_seconds * 1e3, "push_ms": r.push_seconds * 1e3,
                         "finish_ms": r.finish_seconds * 1e3,
@@ -428,7 +437,9 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
                         "ack_ms": worker["ack_seconds"] * 1e3,
                         "sync_ms": worker["sync_seconds"] * 1e3,
                         "planned": worker.get("planned", 0), "fallback": worker.get("fallback", 0),
-                        "copies": worker.get("copies", 0), "buckets": r.push.buckets}
+                        "copies": worker.get("copies", 0), "buckets": r.push.buckets,
+                        "verified": worker.get("verified", [0, 0])[0],
+                        "not verifiable": worker.get("verified", [0, 0])[1]}
 
             results[label] = await timed(repeats, ours)
             res.record(s, f"{label} timeline (last push)", last["timeline"])

@@ -118,6 +118,9 @@ class LoadPlan:
         self._failed_part: list[str] = []
         self._layout: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]] = []
         self._walk = _Walk(model)
+        self.generation = 0
+        """Counts changes to what the plan maps (a name learned, the plan dropped): answers
+        of ``whole_target`` hold while it stays the same."""
         self._invalidations = 0
         self._counts: Counter[str] = Counter()
         self._replays: dict[tuple[Any, ...], _Pairs] = {}
@@ -162,6 +165,7 @@ class LoadPlan:
         if self._entries and layout != self._layout:
             logger.info("model parameters moved since the load plan was made: learning it again")
             self._entries.clear()
+            self.generation += 1
             self._invalidations += 1
             self.forget_sources()
         self._layout = layout
@@ -338,6 +342,7 @@ class LoadPlan:
                     self._unplannable[name] = reason
                 logger.info("load plan: %s stays with load_weights (%s)", name, reason)
                 continue
+            self.generation += 1
             self._entries[name] = _Entry(  # no copies: the model skips it (a tied alias)
                 dtype=tensor.dtype,
                 shape=tuple(tensor.shape),

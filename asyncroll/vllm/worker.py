@@ -107,6 +107,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """The last push's tensors checked against the sender's fingerprints, and those that
         could not be (not found whole in the model: fused, sharded or converted)."""
         self._fingerprinter = Fingerprinter()
+        self._verify_key: object = None
+        self._verify_targets: tuple[dict[str, torch.Tensor], dict[str, torch.dtype]] = ({}, {})
         """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
         report's ``began``: what preparing the receive cost)."""
         self._info: InitInfo | None = None
@@ -293,13 +295,21 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if not pushed:
             self.verified = (0, 0)
             return
-        found: dict[str, torch.Tensor] = {}
-        as_pushed: dict[str, torch.dtype] = {}
-        for name, (dtype, shape) in received.items():
-            if name in pushed:
-                tensor = self._loaded_whole(name, dtype, shape)
-                if tensor is not None and tensor.numel():
-                    found[name], as_pushed[name] = tensor, dtype
+        plan = self._plan if self._planning else None
+        key = (id(plan), plan.generation, pushed.keys(), received) if plan is not None else None
+        if key is not None and self._verify_key == key:
+            found, as_pushed = self._verify_targets  # the same mapping: the same objects
+        else:
+            found, as_pushed = {}, {}
+            for name, (dtype, shape) in received.items():
+                if name in pushed:
+                    tensor = self._loaded_whole(name, dtype, shape)
+                    if tensor is not None and tensor.numel():
+                        found[name], as_pushed[name] = tensor, dtype
+            # Cached only with a plan: its targets change only with its generation (the
+            # model's parameters, looked up by name, may be replaced by any reload).
+            self._verify_key = key
+            self._verify_targets = (found, as_pushed)
         loaded = self._fingerprinter(found, as_pushed)
         self.verified = (len(found), len(pushed) - len(found))
         wrong = sorted(name for name in found if loaded[name] != pushed[name])

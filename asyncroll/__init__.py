@@ -39,6 +39,7 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.interfaces import (
+    Delivery,
     Engine,
     ReceivingEngine,
     ResumeMode,
@@ -48,6 +49,7 @@ from asyncroll.interfaces import (
     WeightUpdater,
 )
 from asyncroll.manager import AsyncServerManager
+from asyncroll.metrics import MetricsServer, serve_metrics
 from asyncroll.mismatch import MismatchStats, MismatchSummary, summarize_mismatch
 from asyncroll.transport import (
     PushReport,
@@ -59,6 +61,7 @@ from asyncroll.transport import (
 from asyncroll.types import (
     EngineStatistics,
     FinishReason,
+    HistogramSnapshot,
     ManagerStatistics,
     PauseMode,
     Segment,
@@ -74,6 +77,7 @@ __all__ = [
     "AgentLoopOutput",
     "AsyncServerManager",
     "AsyncrollError",
+    "Delivery",
     "Engine",
     "EngineDeadError",
     "EngineError",
@@ -83,10 +87,12 @@ __all__ = [
     "EngineStatistics",
     "FinishReason",
     "HermesToolCallParser",
+    "HistogramSnapshot",
     "InvalidRequestError",
     "MalformedToolCall",
     "ManagerClosedError",
     "ManagerStatistics",
+    "MetricsServer",
     "MismatchStats",
     "MismatchSummary",
     "NoEngineAvailableError",
@@ -127,5 +133,6 @@ __all__ = [
     "plan_buckets",
     "register_agent_loop",
     "run_agent_loops",
+    "serve_metrics",
     "summarize_mismatch",
 ]

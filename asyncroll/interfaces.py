@@ -14,17 +14,15 @@ Three floors, each typed against the one below only through this module:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from asyncroll.types import EngineStatistics, PauseMode, Segment
+from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment, UpdateReport
 
 if TYPE_CHECKING:
     import torch
 
-    from asyncroll.transport import PushReport
-
 __all__ = [
+    "Delivery",
     "Engine",
     "ReceivingEngine",
     "ResumeMode",
@@ -37,21 +35,6 @@ __all__ = [
 ResumeMode = Literal["abort", "keep"]
 """How an update treats requests in flight: ``abort`` ends them with their partial output (the
 manager resubmits prompt + output), ``keep`` freezes them in their engine until the resume."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpdateReport:
-    """Where the time of one weight update went (seconds), pause to resume."""
-
-    global_steps: int | None
-    engines: int
-    seconds: float
-    pause_seconds: float
-    push_seconds: float
-    finish_seconds: float
-    cache_reset_seconds: float
-    resume_seconds: float
-    push: PushReport | None
 
 
 class Engine(Protocol):
@@ -153,6 +136,9 @@ class ReceivingEngine(UpdatableEngine, Protocol):
     async def end_failed_update(self) -> bool:
         """End a failed push in every worker; True if the previous weights are whole again."""
 
+    async def last_delivery(self) -> Delivery | None:
+        """What the workers took in the last push (None: no push yet, or not known)."""
+
 
 class WeightChannel(Protocol):
     """What moves the bytes of an update (the update sequence does everything else)."""
@@ -167,6 +153,9 @@ class WeightChannel(Protocol):
 
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         """End a failed push; the names of engines left without whole weights."""
+
+    async def deliveries(self, engines: Sequence[Any]) -> dict[str, Delivery]:
+        """After a successful push: engine name -> what its workers took (where known)."""
 
     async def aclose(self) -> None: ...
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from asyncroll.interfaces import (
     UpdateReport,
     WeightUpdater,
 )
+from asyncroll.metrics import STALENESS_BOUNDS, Histogram, UpdateMetrics, staleness_runs
 from asyncroll.routing import EngineLoad, StickyTable, choose_engine
 from asyncroll.types import (
     FinishReason,
@@ -48,6 +50,9 @@ from asyncroll.weights import WeightPusher, check_global_steps
 __all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
 logger = logging.getLogger(__name__)
+
+RECENT_UPDATES = 32
+"""Update reports ``statistics()`` keeps (the last ones)."""
 
 class _Trajectory:
     """The accumulating state of one generate call (owned by its caller's task)."""
@@ -132,6 +137,11 @@ class AsyncServerManager:
         self._num_failovers = 0
         self._num_updates = 0
         self._reprefill_tokens = 0
+        self._num_rejected = 0
+        self._num_failed_updates = 0
+        self._recent_updates: deque[UpdateReport] = deque(maxlen=RECENT_UPDATES)
+        self._update_metrics = UpdateMetrics()
+        self._staleness = Histogram(STALENESS_BOUNDS)
         self._closed = False
         self._live: set[str] = set()
 
@@ -169,6 +179,13 @@ class AsyncServerManager:
             num_updates=self._num_updates,
             sticky_sessions=len(self._sticky),
             num_reprefill_tokens=self._reprefill_tokens,
+            num_rejected=self._num_rejected,
+            num_failed_updates=self._num_failed_updates,
+            recent_updates=tuple(self._recent_updates),
+            update_seconds={k: h.snapshot() for k, h in self._update_metrics.seconds.items()},
+            pushed_bytes=self._update_metrics.pushed_bytes,
+            verified_tensors=self._update_metrics.verified_tensors,
+            token_staleness=self._staleness.snapshot(),
         )
 
     def add_engine(self, engine: Engine) -> None:
@@ -208,15 +225,25 @@ class AsyncServerManager:
             ManagerClosedError: the manager was closed.
         """
         self._check_open()
-        check_request_id(request_id)
-        prompt, params = self._validate(prompt_ids, sampling_params)
-        if request_id in self._live:
-            raise InvalidRequestError(f"request id {request_id!r} is already live")
+        try:
+            check_request_id(request_id)
+            prompt, params = self._validate(prompt_ids, sampling_params)
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already live")
+        except InvalidRequestError:
+            self._num_rejected += 1
+            raise
         self._live.add(request_id)
         try:
-            return await self._generate(request_id, prompt, params, session_key)
+            output = await self._generate(request_id, prompt, params, session_key)
+        except InvalidRequestError:  # an engine's own check refused it
+            self._num_rejected += 1
+            raise
         finally:
             self._live.discard(request_id)
+        for staleness, tokens in staleness_runs(output.global_steps, self._global_steps):
+            self._staleness.observe(staleness, tokens)
+        return output
 
     async def _generate(
         self,
@@ -306,11 +333,16 @@ class AsyncServerManager:
                     mode=self.resume_mode,
                     changed=changed,
                 )
+            except WeightSyncError:
+                self._num_failed_updates += 1
+                raise
             finally:
                 self._gate.set()
             if global_steps is not None:
                 self._global_steps = global_steps
             self._num_updates += 1
+            self._recent_updates.append(report)
+            self._update_metrics.observe(report)
             return report
 
     async def aclose(self) -> None:

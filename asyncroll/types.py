@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from asyncroll.transport import PushReport
 
 __all__ = [
     "EngineStatistics",
+    "Delivery",
     "FinishReason",
+    "HistogramSnapshot",
     "ManagerStatistics",
     "PauseMode",
     "Segment",
     "TokenOutput",
+    "UpdateReport",
     "version_range",
 ]
 
@@ -93,6 +99,83 @@ class TokenOutput:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Delivery:
+    """What one engine's workers took in a push, summed over its workers."""
+
+    version: int
+    """The push's version (``global_steps``; -1 for None)."""
+    workers: int
+    tensors: int
+    """Tensors received (counted once per worker: a tensor-parallel engine of 2 counts each
+    tensor twice)."""
+    bytes: int
+    verified: int
+    """Tensors whose loaded bytes were checked against the trainer's fingerprints (and
+    matched: a mismatch fails the push)."""
+    not_verifiable: int
+    """Tensors the workers could not find whole in the model (fused or sharded pieces loaded
+    by the model's own loaders), so not checked."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateReport:
+    """One weight update: what it published and moved, and where its time went (seconds),
+    pause to resume."""
+
+    global_steps: int | None
+    """The version published (None: the labels were kept)."""
+    engines: int
+    seconds: float
+    pause_seconds: float
+    push_seconds: float
+    finish_seconds: float
+    cache_reset_seconds: float
+    resume_seconds: float
+    push: PushReport | None
+    tensors: int = 0
+    """Tensors pushed (to each engine)."""
+    bytes: int = 0
+    """Bytes pushed (to each engine)."""
+    deliveries: Mapping[str, Delivery] = field(default_factory=dict)
+    """Engine name -> what its workers took (engines whose workers report it; asked after
+    the resume, so not part of ``seconds``)."""
+
+    @property
+    def gb_per_s(self) -> float:
+        """Bytes pushed per second of the push stage (to each engine), in GB/s."""
+        return self.bytes / self.push_seconds / 1e9 if self.push_seconds > 0 else 0.0
+
+    @property
+    def verified(self) -> int:
+        """Tensors checked against the trainer's fingerprints, over every engine's workers."""
+        return sum(d.verified for d in self.deliveries.values())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HistogramSnapshot:
+    """Observations counted into buckets: ``counts[i]`` of them were ``<= bounds[i]`` and
+    above the bound before; ``counts[-1]``, above the last bound (one more count than bounds).
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+    count: int
+
+    def quantile(self, q: float) -> float:
+        """The bucket bound below which a share ``q`` of the observations lie (an upper bound
+        on the quantile; ``inf`` if it lies above the last bound, ``nan`` if none)."""
+        if not self.count:
+            return float("nan")
+        seen = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            seen += n
+            if seen >= q * self.count:
+                return bound
+        return float("inf")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ManagerStatistics:
     """A snapshot of the server manager."""
 
@@ -108,3 +191,20 @@ class ManagerStatistics:
     sticky_sessions: int
     num_reprefill_tokens: int = 0
     """Prompt + partial-output tokens resubmitted (``abort``-mode resumes and failovers)."""
+    num_rejected: int = 0
+    """Calls refused for bad input (``InvalidRequestError``), by the manager or an engine."""
+    num_failed_updates: int = 0
+    recent_updates: tuple[UpdateReport, ...] = ()
+    """The last successful weight updates' reports, oldest first (at most 32)."""
+    update_seconds: Mapping[str, HistogramSnapshot] = field(default_factory=dict)
+    """Every successful update's seconds by stage: ``pause``, ``push``, ``finish``,
+    ``cache_reset``, ``resume`` and ``total``."""
+    pushed_bytes: int = 0
+    """Bytes pushed to each engine, summed over the successful updates."""
+    verified_tensors: int = 0
+    """Tensors whose load was checked against the trainer's fingerprints, over every update
+    and worker."""
+    token_staleness: HistogramSnapshot | None = None
+    """Tokens returned, by staleness: how many versions the weights that produced each were
+    behind the published version when its output was returned (tokens of unknown version
+    are not counted)."""

@@ -39,6 +39,7 @@ import torch
 from asyncroll.errors import InvalidRequestError, UnchangedWeightsWarning, WeightSyncError
 from asyncroll.fingerprints import Fingerprinter, fingerprints
 from asyncroll.interfaces import (
+    Delivery,
     ReceivingEngine,
     ResumeMode,
     UpdatableEngine,
@@ -174,6 +175,7 @@ class VersionedUpdater:
                 logger.warning(message)
                 warnings.warn(UnchangedWeightsWarning(message), stacklevel=2)
             self._fingerprints = prints
+            deliveries = await self._deliveries(engines)
         steps = [b - a for a, b in itertools.pairwise(marks)]
         return UpdateReport(
             global_steps=global_steps,
@@ -185,11 +187,24 @@ class VersionedUpdater:
             cache_reset_seconds=steps[3],
             resume_seconds=steps[4],
             push=push,
+            tensors=len(tensors),
+            bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+            deliveries=deliveries,
         )
 
     async def aclose(self) -> None:
         """Close the channel. Idempotent."""
         await self._channel.aclose()
+
+    async def _deliveries(self, engines: Sequence[UpdatableEngine]) -> dict[str, Delivery]:
+        """What each engine's workers took; asked after the resume (on a GPU each question is
+        an RPC the engine answers between steps), and never failing the update."""
+        try:
+            async with asyncio.timeout(30):
+                return await self._channel.deliveries(engines)
+        except Exception:  # the update succeeded; its report is less detailed, that is all
+            logger.warning("could not ask the engines what they took", exc_info=True)
+            return {}
 
     async def _push(
         self,
@@ -335,6 +350,13 @@ class SenderChannel:
 
         whole = await asyncio.gather(*(abort(e) for e in engines))
         return [e.name for e, ok in zip(engines, whole, strict=True) if not ok]
+
+    async def deliveries(self, engines: Sequence[Any]) -> dict[str, Delivery]:
+        async def ask(engine: ReceivingEngine) -> Delivery | None:
+            return None if engine.is_dead else await engine.last_delivery()
+
+        found = await asyncio.gather(*(ask(e) for e in engines))
+        return {e.name: d for e, d in zip(engines, found, strict=True) if d is not None}
 
     async def aclose(self) -> None:
         """Close the sender (receivers release their mappings first). Idempotent."""

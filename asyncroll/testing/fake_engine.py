@@ -37,7 +37,7 @@ from asyncroll.errors import (
     InvalidRequestError,
     WeightSyncError,
 )
-from asyncroll.interfaces import ResumeMode, UpdateReport
+from asyncroll.interfaces import Delivery, ResumeMode, UpdateReport
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
 from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
@@ -503,6 +503,9 @@ class FakeChannel:
 
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         return [e.name for e in engines if e.name in self.leave_holding]
+
+    async def deliveries(self, engines: Sequence[Any]) -> dict[str, Delivery]:
+        return {}  # nothing moves
 
     async def aclose(self) -> None:
         self.closed = True

@@ -38,7 +38,7 @@ from asyncroll.errors import (
     InvalidRequestError,
     WeightSyncError,
 )
-from asyncroll.interfaces import UpdateReport
+from asyncroll.interfaces import Delivery, UpdateReport
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
 from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
@@ -469,6 +469,23 @@ class VLLMEngine:
         """End the update in every worker; True if each restored its previous weights."""
         whole = await self._llm.collective_rpc("asyncroll_abort_weight_update")
         return all(whole)
+
+    async def last_delivery(self) -> Delivery | None:
+        """What the workers took in the last push, summed (None before the first push, or if a
+        worker's last push is another than the others')."""
+        reports = await self._llm.collective_rpc("asyncroll_last_receive_report")
+        if not reports or any(r is None for r in reports):
+            return None
+        if len({r["version"] for r in reports}) != 1:
+            return None
+        return Delivery(
+            version=reports[0]["version"],
+            workers=len(reports),
+            tensors=sum(r["tensors"] for r in reports),
+            bytes=sum(r["bytes"] for r in reports),
+            verified=sum(r["verified"][0] for r in reports),
+            not_verifiable=sum(r["verified"][1] for r in reports),
+        )
 
     async def commit_version(self, global_steps: int | None) -> None:
         """End the update in vLLM and label the weights ``global_steps`` (None keeps the

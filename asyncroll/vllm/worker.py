@@ -103,14 +103,16 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         runs outside it: ``_outside_device_context``)."""
         self.last_report: ReceiveReport | None = None
         self.entered = 0.0
+        """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
+        report's ``began``: what preparing the receive cost)."""
         self.verified = (0, 0)
         """The last push's tensors checked against the sender's fingerprints, and those that
         could not be (not found whole in the model: fused, sharded or converted)."""
+        self.verify_seconds = 0.0
+        """What that check took (after the receive, before the push's RPC returns)."""
         self._fingerprinter = Fingerprinter()
         self._verify_key: object = None
         self._verify_targets: tuple[dict[str, torch.Tensor], dict[str, torch.dtype]] = ({}, {})
-        """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
-        report's ``began``: what preparing the receive cost)."""
         self._info: InitInfo | None = None
         self._backup: dict[str, torch.Tensor] | None = None
         self._shadow: dict[str, torch.Tensor] | None = None
@@ -272,7 +274,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     )
                 self._finalized = True
             if direct or not worker_driven:  # (vLLM 0.24 finalizes a layerwise load later)
+                verifying = time.perf_counter()
                 self._verify(self.last_report, received)
+                self.verify_seconds = time.perf_counter() - verifying
         except BaseException:
             with self._device_context():  # a rollback reloads through vLLM, as it expects
                 self.abort_update()
@@ -651,6 +655,10 @@ class AsyncrollWorkerExtension:
         if report is None:
             return None
         out: dict[str, Any] = {
+            "version": report.version,
+            "tensors": report.tensors,
+            "bytes": report.bytes,
+            "verify_seconds": getattr(engine, "verify_seconds", 0.0),
             "seconds": report.seconds,
             "load_seconds": report.load_seconds,
             "wait_seconds": report.wait_seconds,

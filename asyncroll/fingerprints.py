@@ -56,6 +56,30 @@ class Fingerprinter:
             found = _to_host(samples, targets)
         return dict(zip(tensors, found, strict=True))
 
+    def differing(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        expected: Mapping[str, bytes],
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> list[str]:
+        """The names (sorted) of ``tensors`` whose fingerprint (as ``dtypes``, see
+        ``__call__``) is not ``expected[name]``: one comparison of all the bytes at once, and
+        a look name by name only if that differs. Every name must be in ``expected``."""
+        if tensors is self._last and dtypes is self._last_dtypes:
+            samples = self._last_samples
+        else:
+            samples = self._samples(tensors)
+            self._last, self._last_dtypes, self._last_samples = tensors, dtypes, samples
+        wanted = b"".join([expected[name] for name in tensors])
+        targets = [(dtypes or {}).get(name, t.dtype) for name, t in tensors.items()]
+        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+            if len({(x.device, x.dtype, d) for x, d in zip(samples, targets, strict=True)}) == 1:
+                if _joined(samples, targets[0]) == wanted:  # one group: no slicing at all
+                    return []
+            found = _to_host(samples, targets)
+        return sorted(name for name, got in zip(tensors, found, strict=True)
+                      if got != expected[name])
+
     def _samples(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         views: dict[_Key, torch.Tensor] = {}
         samples: list[torch.Tensor] = []
@@ -107,6 +131,15 @@ def _sample(tensor: torch.Tensor) -> torch.Tensor:
     return flat[:: n // SAMPLES][:SAMPLES]
 
 
+def _joined(samples: list[torch.Tensor], as_dtype: torch.dtype) -> bytes:
+    """The bytes of every sample in order, as ``as_dtype`` (one gather, one copy to the
+    host)."""
+    joined = torch.cat(samples).cpu() if len(samples) > 1 else samples[0].cpu()
+    if joined.dtype != as_dtype:
+        joined = joined.to(as_dtype)
+    return joined.contiguous().view(torch.uint8).numpy().tobytes()
+
+
 def _to_host(samples: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[bytes]:
     """Each sample's bytes as ``dtypes[i]``, in order: one gather, one copy to the host and
     one conversion to bytes per (device, dtype, as dtype), then slices (no torch call per
@@ -117,11 +150,8 @@ def _to_host(samples: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[byt
     out: list[bytes] = [b""] * len(samples)
     for (_device, _dtype, as_dtype), members in groups.items():
         parts = [samples[i] for i in members]
-        joined = torch.cat(parts).cpu() if len(parts) > 1 else parts[0].cpu()
-        if joined.dtype != as_dtype:
-            joined = joined.to(as_dtype)
-        blob = joined.contiguous().view(torch.uint8).numpy().tobytes()
-        width = joined.element_size()
+        blob = _joined(parts, as_dtype)
+        width = as_dtype.itemsize
         at = 0
         for i, part in zip(members, parts, strict=True):
             end = at + part.numel() * width

@@ -21,6 +21,8 @@ from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment, Upda
 if TYPE_CHECKING:
     import torch
 
+    from asyncroll.transport import PushReport
+
 __all__ = [
     "Delivery",
     "Engine",

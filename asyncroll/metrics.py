@@ -62,7 +62,7 @@ class Observed(Protocol):
 class Histogram:
     """Counts observations into fixed buckets (``HistogramSnapshot`` says which)."""
 
-    __slots__ = ("bounds", "_counts", "_sum", "_count")
+    __slots__ = ("_count", "_counts", "_sum", "bounds")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)
@@ -242,7 +242,8 @@ class _Collector:
 
 
 def _buckets(snapshot: HistogramSnapshot) -> list[tuple[str, float]]:
-    out, seen = [], 0
+    out: list[tuple[str, float]] = []
+    seen = 0
     for bound, n in zip((*snapshot.bounds, float("inf")), snapshot.counts, strict=True):
         seen += n
         out.append(("+Inf" if bound == float("inf") else repr(float(bound)), seen))

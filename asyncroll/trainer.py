@@ -65,6 +65,10 @@ class TrainMetrics:
     clipped_fraction: float
     num_tokens: int = 0
     """Tokens the loss covers (those with ``loss_mask`` 1); 0 where a trainer does not say."""
+    log_probs: tuple[float, ...] = ()
+    """The trainer's log prob of each token the loss covers, before the step, in batch order
+    (sample by sample, mask-1 tokens only): with the rollout's, the mismatch
+    (``asyncroll.mismatch``). Empty where a trainer does not say."""
 
 
 class ReferenceTrainer:
@@ -129,6 +133,7 @@ class ReferenceTrainer:
             mean_ratio=float(ratio.detach().mean()),
             clipped_fraction=float(((ratio - clipped).detach().abs() > 1e-6).float().mean()),
             num_tokens=len(targets),
+            log_probs=tuple(new.detach().tolist()),
         )
 
 

@@ -298,6 +298,16 @@ class SenderChannel:
     def sender(self) -> WeightSender | None:
         return self._sender
 
+    @property
+    def verify(self) -> bool:
+        return self._verify
+
+    @verify.setter
+    def verify(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"verify must be True or False, not {value!r}")
+        self._verify = value
+
     async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Names, shapes, dtypes and finite values, against every engine's checkpoint (in a
         thread: the finite check reads every byte)."""
@@ -332,7 +342,6 @@ class SenderChannel:
         self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
     ) -> PushReport:
         sender = await self._connected(engines, tensors)
-        await asyncio.gather(*(e.begin_update(load=self._load) for e in engines))
         return await self._transfer(engines, sender, tensors, version)
 
     async def abort(self, engines: Sequence[Any]) -> list[str]:
@@ -378,22 +387,25 @@ class SenderChannel:
         tensors: Mapping[str, torch.Tensor],
         version: int,
     ) -> PushReport:
-        """The push and every engine's receive, failing as soon as any of them fails (a dead
-        worker's engine fails its call long before the sender's ack deadline)."""
+        """Every engine's begin, the push and every engine's receive, failing as soon as any
+        of them fails (a dead worker's engine fails its call long before the sender's ack
+        deadline). The sender starts first: it packs its first buckets while the begin RPCs
+        travel (the workers read nothing before their receive)."""
         prints = self._fingerprints if self._fingerprints is not None else None
         if prints is not None and prints.keys() != tensors.keys():
             prints = None  # not the tensors last checked
         push = asyncio.ensure_future(
             sender.push(tensors, version=version, one_copy=self._one_copy, fingerprints=prints)
         )
-        loads = [asyncio.ensure_future(e.receive(version)) for e in engines]
-        tasks = [push, *loads]
+        begun: asyncio.Future[Any] = asyncio.ensure_future(
+            asyncio.gather(*(e.begin_update(load=self._load) for e in engines))
+        )
+        tasks: list[asyncio.Future[Any]] = [push, begun]
         try:
             async with asyncio.timeout(self._timeout * 2):
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-                if failed:
-                    raise failed[0].exception()  # type: ignore[misc]
+                await _until(begun, tasks)
+                tasks += [asyncio.ensure_future(e.receive(version)) for e in engines]
+                await _until(None, tasks)
             return push.result()
         finally:
             for task in tasks:
@@ -524,6 +536,16 @@ class WeightPusher(VersionedUpdater):
     def sender(self) -> WeightSender | None:
         return self._sender_channel.sender
 
+    @property
+    def verify(self) -> bool:
+        """Whether pushes are fingerprinted and checked (``verify`` above); settable between
+        updates (``bench/gpu_e2e.py`` alternates it to measure what the check costs)."""
+        return self._sender_channel.verify
+
+    @verify.setter
+    def verify(self, value: bool) -> None:
+        self._sender_channel.verify = value
+
 
 async def _commit(
     engines: Sequence[UpdatableEngine], global_steps: int | None, marks: list[float]
@@ -561,6 +583,21 @@ def _materialize(
             raise InvalidRequestError(f"tensor {name!r} is given twice")
         tensors[name] = tensor.detach()
     return tensors
+
+
+async def _until(goal: asyncio.Future[Any] | None, tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Wait until ``goal`` is done (None: every task), raising the first failure among
+    ``tasks`` as soon as it happens."""
+    pending = {t for t in tasks if not t.done()}
+    while True:
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        if (goal is not None and goal.done()) or not pending:
+            if goal is not None:
+                goal.result()  # cancelled: raise it
+            return
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
 
 
 async def _shielded(awaitable: Awaitable[_T]) -> _T:

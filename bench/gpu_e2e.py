@@ -438,6 +438,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
                         "sync_ms": worker["sync_seconds"] * 1e3,
                         "planned": worker.get("planned", 0), "fallback": worker.get("fallback", 0),
                         "copies": worker.get("copies", 0), "buckets": r.push.buckets,
+                        "verify_ms": worker.get("verify_seconds", 0.0) * 1e3,
                         "verified": worker.get("verified", [0, 0])[0],
                         "not verifiable": worker.get("verified", [0, 0])[1]}
 
@@ -461,6 +462,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
             res.check(s, f"{label}: engine serves the pushed tensors",
                       math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
             await pusher.aclose()
+        await _verify_cost(res, s, engine, tensors, steps, repeats)
         if size == "0.5b":
             await _plan_bitwise(res, s, engine, tensors, steps)
     gc.collect()
@@ -474,6 +476,50 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
     res.record(s, "results", results)
     for name, r in results.items():
         log(f"  {name}: {r['update_ms']:.1f} ms ({r['vs limit'] * 100:.1f}% of its limit)")
+
+
+async def _verify_cost(res: Results, s: str, engine: VLLMEngine,
+                       tensors: dict[str, torch.Tensor], steps: Any, repeats: int) -> None:
+    """What the fingerprint check costs, measured in pairs: one pusher (staged 512 MiB x2,
+    plan), its check switched on and off push by push in ABBA order, so drift and warm-up
+    hit both sides alike."""
+    pusher = WeightPusher([engine], bucket_bytes=512 << 20, load="direct")
+    runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    try:
+        for _ in range(2):  # warm-up: attach, learn the plan, first fingerprints
+            await pusher.update(tensors, global_steps=next(steps))
+        for i in range(max(repeats, 8) * 2):
+            flag = (i % 4) in (0, 3)
+            pusher.verify = flag
+            called = time.perf_counter()
+            r = await pusher.update(tensors, global_steps=next(steps))
+            call_ms = (time.perf_counter() - called) * 1e3
+            (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+            delivery = r.deliveries.get(engine.name)
+            runs[flag].append({
+                "update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
+                "push_ms": r.push_seconds * 1e3, "call_ms": call_ms,
+                "worker_verify_ms": worker.get("verify_seconds", 0.0) * 1e3,
+                "verified (UpdateReport)": delivery.verified if delivery else -1,
+            })
+    finally:
+        await pusher.aclose()
+    out: dict[str, Any] = {}
+    for flag, label in ((True, "verified"), (False, "unverified")):
+        out[label] = {k: round(statistics.median(r[k] for r in runs[flag]), 3)
+                      for k in runs[flag][0]}
+    pairs = [a["update_ms"] - b["update_ms"] for a, b in zip(runs[True], runs[False], strict=True)]
+    out["pairs"] = len(pairs)
+    out["median paired difference (update ms)"] = round(statistics.median(pairs), 3)
+    out["cost % of the unverified update"] = round(
+        100 * out["median paired difference (update ms)"] / out["unverified"]["update_ms"], 2)
+    res.record(s, "verify cost (ABBA pairs)", out)
+    res.check(s, "every verified push checked every tensor (UpdateReport)",
+              all(r["verified (UpdateReport)"] == len(tensors) for r in runs[True]),
+              out["verified"])
+    log(f"  verify cost: {out['median paired difference (update ms)']:.2f} ms "
+        f"({out['cost % of the unverified update']:.1f}%), worker check "
+        f"{out['verified']['worker_verify_ms']:.2f} ms")
 
 
 async def _plan_bitwise(res: Results, s: str, engine: VLLMEngine,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll import AsyncServerManager, VLLMEngine, serve_metrics
 from asyncroll.recipes import (
     BandTask,
     BandTaskSource,
@@ -32,11 +33,13 @@ async def run_recipe(
     steps: int,
     source: RolloutSource | None = None,
     plot_path: str | None = None,
+    metrics_port: int | None = None,
     **options: object,
 ) -> tuple[list[StepRecord], float]:
     """Run ``recipe`` on CPU with a progress bar; print the per-step table; plot if asked.
 
-    ``source`` makes the rollouts; by default the toy ``BandTask``, one sampled turn each."""
+    ``source`` makes the rollouts; by default the toy ``BandTask``, one sampled turn each.
+    ``metrics_port``: serve the manager's Prometheus metrics there (0: any free port)."""
     task = BandTask()
     baseline = f"random policy {task.random_policy_reward:.3f}, " if source is None else ""
     source = source or BandTaskSource(task)
@@ -47,7 +50,11 @@ async def run_recipe(
         async with (
             VLLMEngine.launch(model, max_model_len=128) as engine,
             AsyncServerManager([engine], resume_mode="abort") as manager,
+            contextlib.AsyncExitStack() as stack,
         ):
+            if metrics_port is not None:
+                server = await stack.enter_async_context(serve_metrics(manager, port=metrics_port))
+                print(f"Prometheus metrics at {server.url}", flush=True)
             started = time.perf_counter()
             with tqdm(total=steps, desc=name, unit="step") as bar:
 
@@ -75,4 +82,6 @@ def arguments(default_steps: int = 30) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=default_steps)
     parser.add_argument("--plot", default=None, help="write the reward/staleness/push plot here")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics on this localhost port (0: any free one)")
     return parser.parse_args()

@@ -96,6 +96,8 @@ async def test_fully_async_bounds_staleness_and_loses_nothing(
     assert len(records) == 4 and manager.checked == 5
     assert all(r.staleness_max <= 1 for r in records)
     assert any(r.staleness_max == 1 for r in records), "rollout must run ahead of training"
+    assert all(0 <= r.kl_k3_fresh < 1e-4 for r in records if not math.isnan(r.kl_k3_fresh))
+    assert all(r.kl_k3 >= 0 for r in records)
     _assert_each_group_once(trainer, groups=8, size=4)
 
 
@@ -125,6 +127,9 @@ async def test_synchronous_is_on_policy(
     assert manager.checked == 3
     assert all(r.staleness_max == 0 for r in records)
     assert all(r.ratio == pytest.approx(1.0, abs=0.05) for r in records)
+    # The mismatch helper on the trainer's own log probs: every token is fresh, and the
+    # engine serves the trainer's weights (bf16-rounded), so the KL is near 0.
+    assert all(r.kl_k3 == r.kl_k3_fresh and 0 <= r.kl_k3 < 1e-4 for r in records)
 
 
 async def test_fully_async_raises_the_reward(

@@ -338,3 +338,29 @@ def test_a_widened_copy_has_the_pushed_fingerprint() -> None:
     assert holds_exactly(torch.float32, torch.bfloat16)
     assert not holds_exactly(torch.bfloat16, torch.float16)
     assert not holds_exactly(torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-dtype", "mixed-dtypes"])
+def test_differing_names_exactly_the_tensors_that_changed(mixed: bool) -> None:
+    """The receiver's check: one comparison of every sampled byte when all match (one dtype),
+    and the names of the changed tensors, no more, when some do not; the same answer the
+    fingerprints compared one by one give, across repeated calls on the same mapping."""
+    from asyncroll.fingerprints import Fingerprinter, fingerprints
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"t{i}": torch.randn(64 + 37 * i, generator=g).to(torch.bfloat16)
+               for i in range(12)}
+    if mixed:
+        tensors["norm"] = torch.randn(100, generator=g)
+    expected = fingerprints(tensors)
+    check = Fingerprinter()
+    assert check.differing(tensors, expected) == []
+    tensors["t3"][0] += 1  # the first element is always sampled
+    tensors["t7"].add_(0.5)
+    assert check.differing(tensors, expected) == ["t3", "t7"]  # the same mapping, cached views
+    changed = {n for n, f in fingerprints(tensors).items() if f != expected[n]}
+    assert changed == {"t3", "t7"}
+    served = {n: t.float() for n, t in tensors.items()}  # widened: checked as the pushed dtype
+    assert check.differing(served, expected, {n: t.dtype for n, t in tensors.items()}) == [
+        "t3", "t7"
+    ]

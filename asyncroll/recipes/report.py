@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncroll.interfaces import UpdateReport
+from asyncroll.mismatch import MismatchSummary, summarize_mismatch
 from asyncroll.recipes.rollout import Batch
-from asyncroll.trainer import TrainMetrics
+from asyncroll.trainer import TrainMetrics, TrainSample
 
-__all__ = ["StepRecord", "format_table", "plot"]
+__all__ = ["StepRecord", "batch_mismatch", "format_table", "plot"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +28,12 @@ class StepRecord:
     ratio: float
     failed: int = 0
     """Rollouts that failed and were left out of the step's batch (agent loops)."""
+    kl_k3: float = float("nan")
+    """The rollout/trainer mismatch over the batch's trained tokens (``batch_mismatch``); nan
+    where the trainer gives no log probs."""
+    kl_k3_fresh: float = float("nan")
+    """The same over the tokens of the trainer's own version (staleness 0): near 0 unless the
+    pushed weights are not the trainer's."""
 
     @classmethod
     def of(
@@ -39,6 +46,8 @@ class StepRecord:
         trainer_version: int,
     ) -> StepRecord:
         staleness = batch.staleness(trainer_version)
+        mismatch = batch_mismatch(batch.samples, metrics, trainer_version=trainer_version)
+        fresh = mismatch.by_staleness.get(0) if mismatch is not None else None
         return cls(
             step=step,
             reward=batch.reward,
@@ -50,32 +59,54 @@ class StepRecord:
             samples=len(batch.samples),
             ratio=metrics.mean_ratio,
             failed=batch.failed,
+            kl_k3=mismatch.overall.kl_k3 if mismatch is not None else float("nan"),
+            kl_k3_fresh=fresh.kl_k3 if fresh is not None else float("nan"),
         )
+
+
+def batch_mismatch(
+    samples: Sequence[TrainSample], metrics: TrainMetrics, *, trainer_version: int
+) -> MismatchSummary | None:
+    """The rollout/trainer mismatch of a trained batch, by token staleness (the trainer's
+    version minus each token's); None where the trainer gave no log probs."""
+    rollout: list[float] = []
+    staleness: list[int | None] = []
+    for sample in samples:
+        for log_prob, version, bit in zip(
+            sample.log_probs, sample.global_steps, sample.loss_mask, strict=True
+        ):
+            if bit:
+                rollout.append(log_prob)
+                staleness.append(None if version is None else trainer_version - version)
+    if not metrics.log_probs or len(metrics.log_probs) != len(rollout):
+        return None
+    return summarize_mismatch(rollout, metrics.log_probs, staleness=staleness)
 
 
 def format_table(records: Sequence[StepRecord]) -> str:
     """One line a step; a ``failed`` column only if some rollout failed."""
     failures = any(r.failed for r in records)
-    lines = ["step  reward  stale p50/max  push ms  update ms  resumed  ratio"
+    lines = ["step  reward  stale p50/max  push ms  update ms  resumed  ratio   k3 KL  fresh KL"
              + ("  failed" if failures else "")]
     for r in records:
         lines.append(
             f"{r.step:>4}  {r.reward:6.3f}  {r.staleness_p50:>5.1f}/{r.staleness_max:<3}"
             f"      {r.push_seconds * 1e3:7.1f}  {r.update_seconds * 1e3:9.1f}  {r.resumed:>7}"
-            f"  {r.ratio:5.3f}" + (f"  {r.failed:>6}" if failures else "")
+            f"  {r.ratio:5.3f}  {r.kl_k3:6.1e}  {r.kl_k3_fresh:8.1e}"
+            + (f"  {r.failed:>6}" if failures else "")
         )
     return "\n".join(lines)
 
 
 def plot(records: Sequence[StepRecord], path: str | Path, *, title: str) -> Path:
-    """Reward, staleness and push time per step, as a PNG."""
+    """Reward, staleness, push time and rollout/trainer mismatch per step, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r.step for r in records]
-    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    figure, axes = plt.subplots(1, 4, figsize=(18, 4))
     axes[0].plot(steps, [r.reward for r in records], marker="o")
     axes[0].set(title="mean reward", xlabel="trainer step")
     axes[1].plot(steps, [r.staleness_p50 for r in records], label="p50")
@@ -86,6 +117,10 @@ def plot(records: Sequence[StepRecord], path: str | Path, *, title: str) -> Path
     axes[2].plot(steps, [r.update_seconds * 1e3 for r in records], color="k", label="update")
     axes[2].set(title="weight update (ms)", xlabel="trainer step")
     axes[2].legend()
+    axes[3].plot(steps, [r.kl_k3 for r in records], marker="o", label="all tokens")
+    axes[3].plot(steps, [r.kl_k3_fresh for r in records], marker="x", label="staleness 0")
+    axes[3].set(title="rollout/trainer k3 KL", xlabel="trainer step")
+    axes[3].legend()
     figure.suptitle(title)
     figure.tight_layout()
     out = Path(path)

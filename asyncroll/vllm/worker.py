@@ -314,9 +314,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             # model's parameters, looked up by name, may be replaced by any reload).
             self._verify_key = key
             self._verify_targets = (found, as_pushed)
-        loaded = self._fingerprinter(found, as_pushed)
+        wrong = self._fingerprinter.differing(found, pushed, as_pushed)
         self.verified = (len(found), len(pushed) - len(found))
-        wrong = sorted(name for name in found if loaded[name] != pushed[name])
         if wrong:
             shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
             raise WeightSyncError(

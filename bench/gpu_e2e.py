@@ -502,6 +502,16 @@ async def _verify_cost(res: Results, s: str, engine: VLLMEngine,
                 "worker_verify_ms": worker.get("verify_seconds", 0.0) * 1e3,
                 "verified (UpdateReport)": delivery.verified if delivery else -1,
             })
+        pusher.verify = True
+        failed = ""
+        async with inject_fault(engine, "corrupt", tensor="model.norm.weight"):
+            try:
+                await pusher.update(tensors, global_steps=next(steps))
+            except WeightSyncError as exc:
+                failed = str(exc)
+        await pusher.update(tensors, global_steps=next(steps))  # whole again: serves
+        res.check(s, "a load corrupted after the push fails it, naming the tensor",
+                  "model.norm.weight" in failed and "fingerprints" in failed, failed[:300])
     finally:
         await pusher.aclose()
     out: dict[str, Any] = {}

@@ -33,17 +33,13 @@ _Key = tuple[int, torch.Size, tuple[int, ...], torch.dtype, torch.device]
 
 class Fingerprinter:
     """``fingerprinter(tensors) -> {name: fingerprint}``; reuses the sample views of the
-    tensors it saw in its last call."""
+    tensors it saw in its last call, and everything else it worked out about them."""
 
     def __init__(self) -> None:
         self._views: dict[_Key, torch.Tensor] = {}
-        self._last: Mapping[str, torch.Tensor] | None = None
-        """The mapping of the last call: passed again (the same object, unchanged: a caller
-        that caches it says so), its sample views are reused without a look."""
-        self._last_dtypes: Mapping[str, torch.dtype] | None = None
-        self._last_samples: list[torch.Tensor] = []
-        self._table: tuple[list[torch.Tensor], _AddressTable] | None = None
-        """The gather kernel's table of the last samples (``_gathered``)."""
+        self._last: _Prepared | None = None
+        """The last call's mapping and what was worked out for it: passed again (the same
+        object, unchanged: a caller that caches it says so), reused without a look."""
         self._no_kernel = False
 
     def __call__(
@@ -53,23 +49,14 @@ class Fingerprinter:
     ) -> dict[str, bytes]:
         """``dtypes``: fingerprint a tensor as that dtype (its samples cast on the host), for
         a destination that holds a pushed tensor widened exactly (bf16 served as float32)."""
-        if tensors is self._last and dtypes is self._last_dtypes:
-            samples = self._last_samples  # the same tensors as last time: the same views
-        else:
-            samples = self._samples(tensors)
-            self._last, self._last_dtypes, self._last_samples = tensors, dtypes, samples
-        targets = [(dtypes or {}).get(name, t.dtype) for name, t in tensors.items()]
+        prepared = self._prepared(tensors, dtypes)
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            blob = None
-            if samples and all(x.dtype == d == targets[0] for x, d in zip(samples, targets,
-                                                                          strict=True)):
-                blob = self._gathered(samples)  # one dtype on a GPU: one kernel
+            blob = self._gathered(prepared) if prepared.uniform is not None else None
             if blob is None:
-                found = _to_host(samples, targets)
-            else:
-                width, found, at = targets[0].itemsize, [], 0
-                for sample in samples:
-                    end = at + sample.numel() * width
+                found = _to_host(prepared.samples, prepared.targets)
+            else:  # one dtype on a GPU: one kernel, then slices
+                found, at = [], 0
+                for end in prepared.ends:
                     found.append(blob[at:end])
                     at = end
         return dict(zip(tensors, found, strict=True))
@@ -83,41 +70,56 @@ class Fingerprinter:
         """The names (sorted) of ``tensors`` whose fingerprint (as ``dtypes``, see
         ``__call__``) is not ``expected[name]``: one comparison of all the bytes at once, and
         a look name by name only if that differs. Every name must be in ``expected``."""
-        if tensors is self._last and dtypes is self._last_dtypes:
-            samples = self._last_samples
-        else:
-            samples = self._samples(tensors)
-            self._last, self._last_dtypes, self._last_samples = tensors, dtypes, samples
+        prepared = self._prepared(tensors, dtypes)
         wanted = b"".join([expected[name] for name in tensors])
-        targets = [(dtypes or {}).get(name, t.dtype) for name, t in tensors.items()]
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            if len({(x.device, x.dtype, d) for x, d in zip(samples, targets, strict=True)}) == 1:
-                # One group: no slicing at all; on a GPU one kernel reads every sample.
-                joined = self._gathered(samples) if samples[0].dtype == targets[0] else None
-                if (joined if joined is not None else _joined(samples, targets[0])) == wanted:
+            if prepared.uniform is not None:  # one group: no slicing at all
+                joined = self._gathered(prepared)
+                if joined is None:
+                    joined = _joined(prepared.samples, prepared.uniform)
+                if joined == wanted:
                     return []
-            found = _to_host(samples, targets)
+            found = _to_host(prepared.samples, prepared.targets)
         return sorted(name for name, got in zip(tensors, found, strict=True)
                       if got != expected[name])
 
-    def _gathered(self, samples: list[torch.Tensor]) -> bytes | None:
+    def _prepared(
+        self, tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None
+    ) -> _Prepared:
+        last = self._last
+        if last is not None and tensors is last.tensors and dtypes is last.dtypes:
+            return last  # the same tensors as last time: the same views, the same table
+        samples = self._samples(tensors)
+        targets = [(dtypes or {}).get(name, t.dtype) for name, t in tensors.items()]
+        uniform = None
+        if samples and len({(x.device, x.dtype, d)
+                            for x, d in zip(samples, targets, strict=True)}) == 1:
+            uniform = targets[0]
+        ends, at = [], 0
+        for sample, target in zip(samples, targets, strict=True):
+            at += sample.numel() * target.itemsize
+            ends.append(at)
+        self._last = _Prepared(tensors, dtypes, samples, targets, uniform, ends)
+        return self._last
+
+    def _gathered(self, prepared: _Prepared) -> bytes | None:
         """The bytes of every sample in order, read on a CUDA device by one Triton kernel
         from a table of their addresses (kept with the samples). ``torch.cat`` of a 7B
-        model's 339 strided samples cost 0.5-1 ms of host time in vLLM's worker, most of the
-        check; the kernel, about 0.05. None where it does not apply (CPU, no Triton, an
-        element size it does not read): the caller joins them with ``torch.cat``."""
-        if not samples[0].is_cuda or self._no_kernel:
+        model's 339 strided samples cost 0.5-1 ms of host time in vLLM's worker; the kernel
+        about 0.05. None where it does not apply (CPU, no Triton, samples of several devices
+        or dtypes, a widened dtype): the caller joins them with ``torch.cat``."""
+        samples = prepared.samples
+        if (self._no_kernel or prepared.uniform is None or not samples[0].is_cuda
+                or samples[0].dtype != prepared.uniform):
             return None
-        if self._table is None or self._table[0] is not samples:
-            if any(x.device != samples[0].device for x in samples):
-                return None  # the kernel reads one device's memory
+        if prepared.table is None:
             try:
-                self._table = (samples, _AddressTable(samples))
+                prepared.table = _AddressTable(samples)
             except Exception as exc:  # no Triton here, or a dtype it does not read
                 logger.info("fingerprints: no gather kernel (%s); using torch.cat", exc)
                 self._no_kernel = True
                 return None
-        return self._table[1].read()
+        return prepared.table.read()
 
     def _samples(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         views: dict[_Key, torch.Tensor] = {}
@@ -140,8 +142,27 @@ class Fingerprinter:
 
     def clear(self) -> None:
         self._views.clear()
-        self._last, self._last_dtypes, self._last_samples = None, None, []
-        self._table = None
+        self._last = None
+
+
+class _Prepared:
+    """One mapping's samples, the dtype each is fingerprinted as, the one dtype they share on
+    one device (None if not), where each one's bytes end, and the kernel's table."""
+
+    __slots__ = ("dtypes", "ends", "samples", "table", "targets", "tensors", "uniform")
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        dtypes: Mapping[str, torch.dtype] | None,
+        samples: list[torch.Tensor],
+        targets: list[torch.dtype],
+        uniform: torch.dtype | None,
+        ends: list[int],
+    ) -> None:
+        self.tensors, self.dtypes, self.samples, self.targets = tensors, dtypes, samples, targets
+        self.uniform, self.ends = uniform, ends
+        self.table: _AddressTable | None = None
 
 
 _WIDER: Final = {

@@ -500,6 +500,9 @@ async def _verify_cost(res: Results, s: str, engine: VLLMEngine,
                 "update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
                 "push_ms": r.push_seconds * 1e3, "call_ms": call_ms,
                 "worker_verify_ms": worker.get("verify_seconds", 0.0) * 1e3,
+                "sender_ms": r.push.seconds * 1e3 if r.push else 0.0,
+                "recv_total_ms": worker["seconds"] * 1e3,
+                "worker prep ms": (worker["began"] - worker["entered"]) * 1e3,
                 "verified (UpdateReport)": delivery.verified if delivery else -1,
             })
         pusher.verify = True
@@ -520,6 +523,9 @@ async def _verify_cost(res: Results, s: str, engine: VLLMEngine,
                       for k in runs[flag][0]}
     pairs = [a["update_ms"] - b["update_ms"] for a, b in zip(runs[True], runs[False], strict=True)]
     out["pairs"] = len(pairs)
+    for key in ("push_ms", "sender_ms", "recv_total_ms", "worker_verify_ms"):
+        out[f"median paired difference ({key})"] = round(statistics.median(
+            a[key] - b[key] for a, b in zip(runs[True], runs[False], strict=True)), 3)
     out["median paired difference (update ms)"] = round(statistics.median(pairs), 3)
     out["cost % of the unverified update"] = round(
         100 * out["median paired difference (update ms)"] / out["unverified"]["update_ms"], 2)

@@ -21,9 +21,9 @@ def test_cuda_gather_kernel_reads_what_cat_reads(dtype: torch.dtype) -> None:
     tensors["strided"] = (torch.randn(40, 50, device="cuda") * 50).to(dtype)[:, ::3]
     check = Fingerprinter()
     expected = check(tensors)  # through the kernel (one dtype, one device)
-    samples = check._last_samples
-    assert check._table is not None and check._table[0] is samples  # the kernel ran
-    plain = _joined(samples, dtype)
+    prepared = check._last
+    assert prepared is not None and prepared.table is not None  # the kernel ran
+    plain = _joined(prepared.samples, dtype)
     assert b"".join(expected.values()) == plain
     assert all(len(f) <= SAMPLES * tensors[n].element_size() for n, f in expected.items())
     assert check.differing(tensors, expected) == []
@@ -37,4 +37,4 @@ def test_cuda_tensors_on_two_devices_or_cpu_skip_the_kernel() -> None:
     mixed = {"gpu": torch.ones(100, device="cuda"), "cpu": torch.ones(100)}
     check = Fingerprinter()
     assert check(mixed)["gpu"] == check(mixed)["cpu"]
-    assert check._table is None
+    assert check._last is not None and check._last.table is None

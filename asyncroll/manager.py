@@ -241,9 +241,19 @@ class AsyncServerManager:
             raise
         finally:
             self._live.discard(request_id)
-        for staleness, tokens in staleness_runs(output.global_steps, self._global_steps):
-            self._staleness.observe(staleness, tokens)
+        self._count_staleness(output.global_steps)
         return output
+
+    def _count_staleness(self, steps: tuple[int | None, ...]) -> None:
+        published = self._global_steps
+        if published is None or not steps:
+            return
+        first = steps[0]
+        if first is not None and first == steps[-1] and None not in steps:
+            self._staleness.observe(max(published - first, 0), len(steps))  # one version
+            return
+        for staleness, tokens in staleness_runs(steps, published):
+            self._staleness.observe(staleness, tokens)
 
     async def _generate(
         self,

@@ -368,7 +368,8 @@ async def timed(repeats: int, push: Callable[[int], Awaitable[dict[str, float]]]
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> None:
+async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
+                         pairs: int = 40) -> None:
     s = f"push {size}"
     shape = SHAPES[size]
     folder = write_config(work / size, shape)
@@ -462,7 +463,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
             res.check(s, f"{label}: engine serves the pushed tensors",
                       math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
             await pusher.aclose()
-        await _verify_cost(res, s, engine, tensors, steps, repeats)
+        await _verify_cost(res, s, engine, tensors, steps, pairs)
         if size == "0.5b":
             await _plan_bitwise(res, s, engine, tensors, steps)
     gc.collect()
@@ -479,16 +480,16 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int) -> N
 
 
 async def _verify_cost(res: Results, s: str, engine: VLLMEngine,
-                       tensors: dict[str, torch.Tensor], steps: Any, repeats: int) -> None:
-    """What the fingerprint check costs, measured in pairs: one pusher (staged 512 MiB x2,
-    plan), its check switched on and off push by push in ABBA order, so drift and warm-up
-    hit both sides alike."""
+                       tensors: dict[str, torch.Tensor], steps: Any, pairs: int) -> None:
+    """What the fingerprint check costs, measured in ``pairs`` pairs: one pusher (staged
+    512 MiB x2, plan), its check switched on and off push by push in ABBA order, so drift and
+    warm-up hit both sides alike; the mean paired difference with its standard error."""
     pusher = WeightPusher([engine], bucket_bytes=512 << 20, load="direct")
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     try:
         for _ in range(2):  # warm-up: attach, learn the plan, first fingerprints
             await pusher.update(tensors, global_steps=next(steps))
-        for i in range(max(repeats, 8) * 2):
+        for i in range(pairs * 2):
             flag = (i % 4) in (0, 3)
             pusher.verify = flag
             called = time.perf_counter()
@@ -521,12 +522,18 @@ async def _verify_cost(res: Results, s: str, engine: VLLMEngine,
     for flag, label in ((True, "verified"), (False, "unverified")):
         out[label] = {k: round(statistics.median(r[k] for r in runs[flag]), 3)
                       for k in runs[flag][0]}
-    pairs = [a["update_ms"] - b["update_ms"] for a, b in zip(runs[True], runs[False], strict=True)]
-    out["pairs"] = len(pairs)
+    diffs = [a["update_ms"] - b["update_ms"] for a, b in zip(runs[True], runs[False], strict=True)]
+    out["pairs"] = len(diffs)
+    mean = statistics.fmean(diffs)
+    sem = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    out["mean paired difference (update ms)"] = round(mean, 3)
+    out["standard error of that mean (ms)"] = round(sem, 3)
+    out["mean cost % of the unverified update"] = round(
+        100 * mean / out["unverified"]["update_ms"], 2)
     for key in ("push_ms", "sender_ms", "recv_total_ms", "worker_verify_ms"):
         out[f"median paired difference ({key})"] = round(statistics.median(
             a[key] - b[key] for a, b in zip(runs[True], runs[False], strict=True)), 3)
-    out["median paired difference (update ms)"] = round(statistics.median(pairs), 3)
+    out["median paired difference (update ms)"] = round(statistics.median(diffs), 3)
     out["cost % of the unverified update"] = round(
         100 * out["median paired difference (update ms)"] / out["unverified"]["update_ms"], 2)
     res.record(s, "verify cost (ABBA pairs)", out)
@@ -666,6 +673,8 @@ async def main() -> int:
     parser.add_argument("--sections", default="correctness,hybrid,manager,push,rollout")
     parser.add_argument("--sizes", default="0.5b,1.5b,7b")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--verify-pairs", type=int, default=40,
+                        help="ABBA pairs measuring the fingerprint check's cost (push section)")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--policies", default="none,abort,keep,drain")
     parser.add_argument("--slow-turns", action="store_true",
@@ -690,7 +699,8 @@ async def main() -> int:
         if "push" in sections:
             for size in args.sizes.split(","):
                 steps.append((f"push {size}",
-                              lambda size=size: push_benchmark(res, work, size, args.repeats)))
+                              lambda size=size: push_benchmark(res, work, size, args.repeats,
+                                                                 args.verify_pairs)))
         if "rollout" in sections:
             steps.append(("rollout", lambda: rollout(res, work, args.interval,
                                                      args.policies.split(","),

@@ -1,12 +1,17 @@
-"""The GPU side of fingerprints: one Triton kernel reads every sample from a table of their
-addresses, and must read exactly what ``torch.cat`` of the samples reads."""
+"""Fingerprints on the wire and on the GPU: they reach every receiver whole, whatever the
+number of buckets (sent mid-push, after the middle bucket's signal); on a GPU one Triton kernel
+reads every sample from a table of their addresses, exactly what ``torch.cat`` reads."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 
-from asyncroll.fingerprints import SAMPLES, Fingerprinter, _joined
+from asyncroll.fingerprints import SAMPLES, Fingerprinter, _joined, fingerprints
+from asyncroll.transport import ShmBackend, WeightReceiver
+from asyncroll.transport.sender import open_weight_sender
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,3 +43,38 @@ def test_cuda_tensors_on_two_devices_or_cpu_skip_the_kernel() -> None:
     check = Fingerprinter()
     assert check(mixed)["gpu"] == check(mixed)["cpu"]
     assert check._last is not None and check._last.table is None
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096], ids=["one-bucket", "many-buckets"])
+async def test_fingerprints_reach_the_receiver_whole_once_a_push(bucket_bytes: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"w{i}": torch.randn(300 + 11 * i, generator=g).to(torch.bfloat16)
+               for i in range(20)}
+    prints = fingerprints(tensors)
+    async with open_weight_sender(backend=ShmBackend(), bucket_bytes=bucket_bytes,
+                                  receivers=1) as sender:
+        receiver = WeightReceiver.from_config(sender.receiver_config(), name="prints")
+        loaded: dict[str, torch.Tensor] = {}
+
+        def serve() -> list[object]:
+            receiver.connect()
+            return [
+                receiver.receive(lambda batch: loaded.update((n, t.clone()) for n, t in batch))
+                for _ in range(3)
+            ]
+
+        worker = asyncio.ensure_future(asyncio.to_thread(serve))
+        try:
+            first = await sender.push(tensors, version=1, fingerprints=prints)
+            changed = {**tensors, "w3": tensors["w3"] + 1}
+            await sender.push(changed, version=2, fingerprints=fingerprints(changed))
+            await sender.push(tensors, version=3)  # not fingerprinted
+            reports = await worker
+        finally:
+            await asyncio.to_thread(receiver.close)
+    assert (first.buckets == 1) is (bucket_bytes == 1 << 20) and first.buckets >= 1
+    got = [r.fingerprints for r in reports]  # type: ignore[attr-defined]
+    assert got[0] == prints
+    assert got[1] == fingerprints(changed) and got[1]["w3"] != prints["w3"]
+    assert got[2] == {}
+    assert fingerprints(loaded) == prints  # what arrived is what was fingerprinted

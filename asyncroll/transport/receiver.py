@@ -338,6 +338,7 @@ class WeightReceiver:
         started = time.perf_counter()
         push, buckets, tensors, nbytes = 0, 0, 0, 0
         failure: tuple[str, str] | None = None
+        prints: dict[str, builtins.bytes] = {}
         try:
             while True:
                 waiting = clock()
@@ -347,10 +348,13 @@ class WeightReceiver:
                 received = clock()
                 stage["wait"] += received - waiting
                 if (
-                    isinstance(message, wire.Bucket | wire.Shared | wire.End)
+                    isinstance(message, wire.Bucket | wire.Shared | wire.Prints | wire.End)
                     and message.push <= self._finished_push
                 ):
                     self._discard_stale(message)
+                    continue
+                if isinstance(message, wire.Prints):
+                    prints = message.fingerprints  # mid-push; checked after the last load
                     continue
                 if isinstance(message, wire.End):
                     push, end = message.push, message
@@ -393,7 +397,9 @@ class WeightReceiver:
             self._backend.finish_loads()
             stage["sync"] = clock() - syncing
             self._load_seconds += stage["sync"]
-        return self._finish(end, failure, buckets, tensors, nbytes, started, timeline)
+        return self._finish(
+            end, failure, buckets, tensors, nbytes, started, timeline, end.fingerprints or prints
+        )
 
     def _finish(
         self,
@@ -404,6 +410,7 @@ class WeightReceiver:
         nbytes: int,
         started: float,
         timeline: list[ReceiverBucketTimes],
+        prints: Mapping[str, builtins.bytes],
     ) -> ReceiveReport:
         if failure is not None or end.error:
             self._failed += 1
@@ -428,7 +435,7 @@ class WeightReceiver:
             sync_seconds=self._stage["sync"],
             timeline=tuple(timeline),
             began=started,
-            fingerprints=dict(end.fingerprints),
+            fingerprints=prints,
         )
 
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:
@@ -599,7 +606,7 @@ class WeightReceiver:
             tensor=tensor,
         )
 
-    def _discard_stale(self, message: wire.Bucket | wire.Shared | wire.End) -> None:
+    def _discard_stale(self, message: wire.Bucket | wire.Shared | wire.Prints | wire.End) -> None:
         """A message of a push we already gave up on: release its buffer, load nothing."""
         self._stale += 1
         if isinstance(message, wire.Bucket | wire.Shared):

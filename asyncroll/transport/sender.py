@@ -163,6 +163,8 @@ class _PushState:
     peers: list[Peer]
     """The receivers ready when the push began: each is sent every bucket and the End."""
     failure: BaseException | None = None
+    prints_after: int = 0
+    """The bucket whose signal the push's fingerprints follow (``wire.Prints``)."""
 
 
 class WeightSender:
@@ -501,6 +503,7 @@ class WeightSender:
                         storages=storages, entries=entries,
                     ),
                 )
+            await self._send_prints(state)
             t1 = time.perf_counter()
             await self._wait_buffer_free(0, state)
             wait_s = time.perf_counter() - t1
@@ -518,7 +521,9 @@ class WeightSender:
         if not peers:
             raise WeightSyncError("no receiver is connected")
         self._push_ids += 1
-        state = self._push = _PushState(id=self._push_ids, version=version, peers=peers)
+        state = self._push = _PushState(
+            id=self._push_ids, version=version, peers=peers, prints_after=buckets // 2
+        )
         try:
             yield state
             await self._send_end(state, buckets, error="")
@@ -780,6 +785,21 @@ class WeightSender:
                     copying=copying,
                 ),
             )
+        if bucket.index == state.prints_after:
+            await self._send_prints(state)
+
+    async def _send_prints(self, state: _PushState) -> None:
+        """The push's fingerprints, once: after a signal, so the receiver decodes them while it
+        waits for the next bucket (58 KB for a 7B model: about 0.4 ms at the end of a push)."""
+        if not self._fingerprints:
+            return
+        for peer in state.peers:
+            await self._control.send(
+                peer,
+                lambda p, seq: wire.Prints(
+                    conn=p.conn, seq=seq, push=state.id, fingerprints=self._fingerprints
+                ),
+            )
 
     async def _send_end(self, state: _PushState, buckets: int, *, error: str) -> None:
         for peer in state.peers:
@@ -794,7 +814,6 @@ class WeightSender:
                             version=state.version,
                             buckets=buckets,
                             error=error,
-                            fingerprints={} if error else self._fingerprints,
                         ),
                     )
 

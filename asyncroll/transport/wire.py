@@ -167,8 +167,19 @@ class End(msgspec.Struct, tag=True, frozen=True):
     buckets: int
     error: str = ""
     fingerprints: dict[str, bytes] = {}
-    """The sender's fingerprint of each tensor it pushed (``asyncroll.fingerprints``), for the
-    receiver to check what it loaded against; empty: not fingerprinted."""
+    """Fingerprints not sent in a ``Prints`` (empty: sent there, or not fingerprinted)."""
+
+
+class Prints(msgspec.Struct, tag=True, frozen=True):
+    """Sender -> receiver: the sender's fingerprint of each tensor of push ``push``
+    (``asyncroll.fingerprints``), for the receiver to check what it loaded against. Sent once
+    a push, after the signal of its middle bucket (after a shared push's one message), so that
+    the receiver decodes it while it waits for the next bucket, not after the last one."""
+
+    conn: bytes
+    seq: int
+    push: int
+    fingerprints: dict[str, bytes]
 
 
 class Bye(msgspec.Struct, tag=True, frozen=True):
@@ -178,7 +189,7 @@ class Bye(msgspec.Struct, tag=True, frozen=True):
     seq: int
 
 
-Message = Hello | Welcome | Ready | Bucket | Shared | Ack | End | Bye
+Message = Hello | Welcome | Ready | Bucket | Shared | Ack | Prints | End | Bye
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)

@@ -158,8 +158,12 @@ def serve_metrics(
     see ``MetricsServer.url``) from a daemon thread. Localhost by default.
 
     Raises:
-        InvalidRequestError: ``prometheus_client`` is not installed.
+        InvalidRequestError: ``port`` is not an int in [0, 65535], or ``prometheus_client`` is
+            not installed.
+        OSError: the address cannot be bound (the port is taken).
     """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidRequestError(f"port must be an int in [0, 65535], not {port!r}")
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError as exc:

@@ -42,6 +42,23 @@ def test_staleness_runs_count_tokens_per_version_behind() -> None:
     assert list(staleness_runs((7,), 5)) == [(0, 1)]  # never negative
 
 
+@pytest.mark.parametrize("port", [-1, 65536, "9400", 1.5, True])
+def test_a_bad_metrics_port_is_refused_before_anything_binds(port: object) -> None:
+    from asyncroll.testing import FakeEngine
+
+    manager = AsyncServerManager([FakeEngine(name="fake")])
+    with pytest.raises(InvalidRequestError, match="port must be an int"):
+        serve_metrics(manager, port=port)  # type: ignore[arg-type]
+
+
+def test_a_taken_port_is_an_os_error() -> None:
+    from asyncroll.testing import FakeEngine
+
+    manager = AsyncServerManager([FakeEngine(name="fake")])
+    with serve_metrics(manager) as first, pytest.raises(OSError):
+        serve_metrics(manager, port=first.port)
+
+
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     out = {}
     for family in text_string_to_metric_families(text):

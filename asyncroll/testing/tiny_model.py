@@ -1,8 +1,14 @@
-"""Seeded random-weight Qwen2-style models, built locally (no hub).
+"""Seeded random-weight Qwen2-style models, built locally (no hub), with a real tokenizer.
 
-Invariant: the same arguments give the same bytes on disk, so two engines started on two builds
-with one seed serve the same model, and two seeds give two models of one architecture (the
-weight-push tests push the weights of one into an engine started on the other).
+Invariants:
+- The same arguments give the same bytes on disk, so two engines started on two builds with one
+  seed serve the same model, and two seeds give two models of one architecture (the weight-push
+  tests push the weights of one into an engine started on the other).
+- The tokenizer (``tokenizer.json``, ``tokenizer_config.json``) is a byte-level BPE trained here
+  on a fixed text, with exactly ``vocab_size`` ids (a vocabulary larger than the text fills is
+  padded with ``<|extra_N|>`` special tokens): every id the model can sample decodes, every text
+  encodes, and ``decode(encode(text)) == text``. Its chat template is ChatML with Hermes
+  tool calls (``CHAT_TEMPLATE``); ``<|im_end|>`` (id 1) is the end-of-turn and EOS token.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["TINY_CONFIG", "make_tiny_model"]
+__all__ = ["CHAT_TEMPLATE", "REASONING_DROPPING_TEMPLATE", "TINY_CONFIG", "make_tiny_model"]
 
 TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 512,
@@ -49,7 +55,8 @@ def make_tiny_model(
         init_std: Standard deviation of the random weights (larger makes sampling more peaked).
 
     Returns:
-        The folder, ready for ``VLLMEngine.launch(path, skip_tokenizer_init=True)``.
+        The folder, ready for ``VLLMEngine.launch(path, skip_tokenizer_init=True)``; its
+        tokenizer loads with ``transformers.AutoTokenizer.from_pretrained(path)``.
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -88,7 +95,108 @@ def make_tiny_model(
         out / "generation_config.json",
         {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True},
     )
+    _write_tokenizer(out, vocab_size=vocab_size, max_len=max_position_embeddings)
     return out
+
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>", "<think>",
+    "</think>", "<tool_response>", "</tool_response>",
+)
+"""Ids 0 to 8, in this order: id 0 is BOS and padding, id 1 is EOS (as in the config)."""
+
+_CORPUS = """\
+You are a helpful assistant. Answer the question, call a tool when it helps, and think first.
+The user asks what two plus three is; the assistant calls the add tool with a equal to two and b
+equal to three. The tool returns five, and the assistant says that the answer is five.
+Reinforcement learning trains a policy from rewards: the policy samples a response, a reward
+function scores it, and the trainer raises the probability of responses that scored well.
+Rollout engines generate the responses; the trainer pushes new weights into them after a step.
+Weather in Paris is sunny with a light breeze; in London it rains. What time is it now?
+Search the web, read the file, run the code, list the directory, write the answer, check again.
+{"name": "search", "arguments": {"query": "weather in Paris"}} {"name": "clock"}
+system user assistant tool function arguments name content role reasoning
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 42 100 256 512 1024
+"""
+"""What the BPE merges are learnt from: chat, tool calls and numbers, so such text encodes in
+few tokens. Long enough to fill a 512-id vocabulary."""
+
+_NL = "{{ '\\n' }}"
+
+
+def _chat_template(*, drop_reasoning: bool) -> str:
+    drop = (
+        "{%- if loop.index0 < ns.last_user and '</think>' in content %}"
+        "{%- set content = content.split('</think>')[-1] %}{%- endif %}"
+    )
+    return "".join([
+        "{%- if messages and messages[0].role == 'system' %}",
+        "{%- set system = messages[0].content %}{%- set rest = messages[1:] %}",
+        "{%- else %}{%- set system = none %}{%- set rest = messages %}{%- endif %}",
+        "{%- set ns = namespace(last_user=-1) %}{%- for message in rest %}",
+        "{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}",
+        "{%- endfor %}",
+        "{%- if system is not none or tools %}<|im_start|>system", _NL,
+        "{%- if system is not none %}{{ system }}{%- if tools %}", _NL, _NL,
+        "{%- endif %}{%- endif %}",
+        "{%- if tools %}<tools>{%- for tool in tools %}", _NL,
+        "{{ tool | tojson }}{%- endfor %}", _NL, "</tools>{%- endif %}<|im_end|>", _NL,
+        "{%- endif %}",
+        "{%- for message in rest %}",
+        "{%- if message.role == 'tool' %}<|im_start|>user", _NL, "<tool_response>", _NL,
+        "{{ message.content }}", _NL, "</tool_response><|im_end|>", _NL,
+        "{%- elif message.role == 'assistant' %}<|im_start|>assistant", _NL,
+        "{%- set content = message.content or '' %}",
+        drop if drop_reasoning else "",
+        "{{ content }}",
+        "{%- for call in message.tool_calls or [] %}",
+        '<tool_call>{"name": {{ call.function.name | tojson }}, "arguments": ',
+        "{% if call.function.arguments is string %}{{ call.function.arguments }}",
+        "{%- else %}{{ call.function.arguments | tojson }}{%- endif %}}</tool_call>",
+        "{%- endfor %}<|im_end|>", _NL,
+        "{%- else %}<|im_start|>{{ message.role }}", _NL,
+        "{{ message.content }}<|im_end|>", _NL,
+        "{%- endif %}{%- endfor %}",
+        "{%- if add_generation_prompt %}<|im_start|>assistant", _NL, "{%- endif %}",
+    ])
+
+
+CHAT_TEMPLATE = _chat_template(drop_reasoning=False)
+"""ChatML with a ``<tools>`` system block, Hermes ``<tool_call>`` JSON in assistant turns and
+tool results as ``<tool_response>`` user turns. Earlier turns render exactly as given."""
+
+REASONING_DROPPING_TEMPLATE = _chat_template(drop_reasoning=True)
+"""The same, but like Qwen3's it drops ``<think>...</think>`` from assistant turns before the
+last user turn: it rewrites history, so a trajectory re-rendered with it drifts."""
+
+
+def _write_tokenizer(out: Path, *, vocab_size: int, max_len: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer)
+    learnt = tokenizer.get_vocab_size()  # a large vocabulary outgrows the corpus: pad it
+    tokenizer.add_special_tokens([f"<|extra_{i}|>" for i in range(vocab_size - learnt)])
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "model_max_length": max_len,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

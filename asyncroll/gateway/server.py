@@ -1,0 +1,464 @@
+"""The OpenAI-compatible HTTP gateway over an ``AsyncServerManager``.
+
+```python
+async with open_gateway(manager, tokenizer=model_dir, model="policy") as gateway:
+    session = gateway.open_session()
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="-")
+    reply = await client.chat.completions.create(model="policy", messages=[...], tools=[...])
+    ...
+    result = await gateway.finish_session(session.id, reward=1.0)  # exact tokens, mask, versions
+```
+
+Routes: ``POST /v1/chat/completions`` (streaming with ``"stream": true``), ``GET /v1/models``,
+the same under ``/s/{session_id}/v1/`` (a base URL per session, so an agent needs no change),
+``POST /sessions`` and ``POST /sessions/{session_id}/finish``. A request names its session by the
+path or an ``X-Session-Id`` header; without one the gateway opens a session and answers its id
+in ``X-Session-Id``.
+
+Invariants:
+- A session runs one turn at a time (a per-session lock); sessions run concurrently.
+- A refused request (bad JSON, unknown model, unsupported parameter, over-long conversation,
+  unknown session, wrong API key) is a 4xx in OpenAI's error format; it reaches no engine and
+  changes no session.
+- The server lives in a task owned by ``open_gateway``'s block; leaving the block stops it and
+  closes its socket, whatever happened inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from asyncroll.errors import InvalidRequestError, ManagerClosedError, NoEngineAvailableError
+from asyncroll.gateway.chat import (
+    AssistantReply,
+    ChatRequest,
+    ChatRequestError,
+    assistant_reply,
+    parse_chat_request,
+)
+from asyncroll.gateway.render import HFChatRenderer
+from asyncroll.gateway.session import ChatRenderer, PreparedTurn, Session, SessionResult
+from asyncroll.types import TokenOutput, version_range
+
+if TYPE_CHECKING:
+    from asyncroll.manager import AsyncServerManager
+
+__all__ = ["Gateway", "GatewaySession", "GatewayStatistics", "open_gateway"]
+
+logger = logging.getLogger(__name__)
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,96}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewaySession:
+    """How an agent reaches its session: point an OpenAI client at ``base_url``."""
+
+    id: str
+    base_url: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """For clients that keep one base URL: send these with each request."""
+        return {"X-Session-Id": self.id}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GatewayStatistics:
+    open_sessions: int
+    finished_sessions: int
+    num_requests: int
+    num_turns: int
+    num_refused: int
+    """Requests answered with a 4xx."""
+    num_failed: int
+    """Requests answered with a 5xx (no engine, closed manager, a bug)."""
+    num_forks: int
+    """Turns whose rendered prompt did not extend the recorded tokens (template drift)."""
+
+
+class Gateway:
+    """Serves OpenAI chat requests from a manager and records each session's exact tokens.
+
+    Made by ``open_gateway``; its ``app`` is a FastAPI application you may also mount yourself.
+    """
+
+    def __init__(
+        self,
+        manager: AsyncServerManager,
+        renderer: ChatRenderer,
+        *,
+        model: str,
+        api_key: str | None = None,
+        auto_sessions: bool = True,
+        max_sessions: int = 4096,
+    ) -> None:
+        """Args:
+            manager: Where turns are generated.
+            renderer: The model's chat template and tokenizer (``HFChatRenderer``).
+            model: The name clients pass as ``model``.
+            api_key: If set, every request must carry ``Authorization: Bearer <api_key>``.
+            auto_sessions: Open a session for a request that names none.
+            max_sessions: Most open sessions; opening one more is refused (429).
+        """
+        if not model:
+            raise InvalidRequestError("the gateway needs a model name")
+        self.manager = manager
+        self.renderer = renderer
+        self.model = model
+        self.url = ""
+        """``http://host:port`` once serving (set by ``open_gateway``)."""
+        self._api_key = api_key
+        self._auto_sessions = auto_sessions
+        self._max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._finished = 0
+        self._requests = 0
+        self._refused = 0
+        self._failed = 0
+        self._forks = 0
+        self._turns = 0
+        self.app = self._make_app()
+
+    def __repr__(self) -> str:
+        return (f"<Gateway {self.url or 'not serving'} model={self.model} "
+                f"sessions={len(self._sessions)}>")
+
+    def statistics(self) -> GatewayStatistics:
+        return GatewayStatistics(
+            open_sessions=len(self._sessions), finished_sessions=self._finished,
+            num_requests=self._requests, num_turns=self._turns, num_refused=self._refused,
+            num_failed=self._failed, num_forks=self._forks,
+        )
+
+    def open_session(self, session_id: str | None = None, *, data: Mapping[str, Any] | None = None
+                     ) -> GatewaySession:
+        """Open a session (a fresh unguessable id by default).
+
+        Raises:
+            ChatRequestError: a malformed or taken id (400/409), or too many sessions (429).
+        """
+        if session_id is None:
+            session_id = uuid.uuid4().hex
+        elif not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+            raise ChatRequestError(
+                f"a session id is 1-96 characters of [A-Za-z0-9_.-], not {session_id!r}",
+                param="session_id",
+            )
+        if session_id in self._sessions:
+            raise ChatRequestError(f"session {session_id!r} is already open", status=409,
+                                   code="session_exists")
+        if len(self._sessions) >= self._max_sessions:
+            raise ChatRequestError(f"{self._max_sessions} sessions are open already",
+                                   status=429, code="too_many_sessions")
+        budget = min(engine.max_model_len for engine in self.manager.engines)
+        self._sessions[session_id] = Session(session_id, self.renderer, budget=budget,
+                                             data=dict(data or {}))
+        self._locks[session_id] = asyncio.Lock()
+        return GatewaySession(id=session_id, base_url=f"{self.url}/s/{session_id}/v1")
+
+    async def finish_session(self, session_id: str, *, reward: float | None = None
+                             ) -> SessionResult:
+        """Close a session (after its running turn, if any) and return its training data.
+
+        Raises:
+            ChatRequestError: no open session has this id (404).
+        """
+        self._session(session_id)
+        async with self._locks[session_id]:
+            session = self._session(session_id)  # a concurrent finish may have won
+            del self._sessions[session_id], self._locks[session_id]
+            self._finished += 1
+        return session.result(reward)
+
+    async def chat(self, body: object, *, session_id: str | None = None
+                   ) -> tuple[ChatRequest, Session, TokenOutput, AssistantReply, bool]:
+        """One turn, without HTTP: check, render, generate, record.
+
+        Returns:
+            The checked request, its session, the output, the parsed reply, and whether the
+            turn forked the session's trajectory.
+
+        Raises:
+            ChatRequestError: a refused request (see the module invariants).
+            NoEngineAvailableError, ManagerClosedError: no engine can serve.
+        """
+        request = parse_chat_request(body, models=(self.model,))
+        if session_id is None:
+            if not self._auto_sessions:
+                raise ChatRequestError("name a session: /s/<id>/v1/... or X-Session-Id",
+                                       code="session_required")
+            session_id = self.open_session().id
+        self._session(session_id)
+        async with self._locks[session_id]:
+            session = self._session(session_id)
+            turn = self._prepare(session, request)
+            started = time.perf_counter()
+            try:
+                output = await self.manager.generate(
+                    f"{session.id}/{session.num_turns}", prompt_ids=turn.prompt_ids,
+                    sampling_params=request.sampling_params, session_key=session.id,
+                )
+            except ChatRequestError:
+                raise
+            except InvalidRequestError as exc:
+                raise ChatRequestError(str(exc)) from exc
+            reply = assistant_reply(session.generated_text(output.token_ids),
+                                    tools=bool(request.tools))
+            session.commit(turn, output, reply, seconds=time.perf_counter() - started)
+        self._turns += 1
+        self._forks += turn.fork
+        return request, session, output, reply, turn.fork
+
+    def _prepare(self, session: Session, request: ChatRequest) -> PreparedTurn:
+        try:
+            turn = session.prepare(request.messages, request.tools)
+        except Exception as exc:  # jinja raises its own errors on conversations it rejects
+            raise ChatRequestError(
+                f"the chat template could not render the conversation: {exc}", param="messages"
+            ) from exc
+        limit = min(engine.max_model_len for engine in self.manager.engines)
+        if len(turn.prompt_ids) >= limit:
+            raise ChatRequestError(
+                f"the conversation is {len(turn.prompt_ids)} tokens; the model's context is "
+                f"{limit}", code="context_length_exceeded", param="messages",
+            )
+        return turn
+
+    def _session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise ChatRequestError(f"no open session {session_id!r} on this gateway",
+                                   status=404, code="session_not_found")
+        return session
+
+    def _authorize(self, headers: Mapping[str, str]) -> None:
+        if self._api_key is None:
+            return
+        given = headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self._api_key.encode()):
+            raise ChatRequestError("a valid API key is required", status=401,
+                                   code="invalid_api_key")
+
+    def _make_app(self) -> FastAPI:
+        app = FastAPI(title="asyncroll gateway", docs_url=None, redoc_url=None,
+                      openapi_url=None)
+
+        @app.exception_handler(ChatRequestError)
+        async def refused(request: Request, exc: ChatRequestError) -> Response:
+            self._refused += 1
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(Exception)
+        async def failed(request: Request, exc: Exception) -> Response:
+            self._failed += 1
+            logger.error("gateway request failed: %r", exc, exc_info=exc)
+            error = ChatRequestError(f"internal error: {type(exc).__name__}", status=500,
+                                     type="server_error", code="internal_error")
+            return JSONResponse(error.body(), status_code=500)
+
+        async def models(request: Request) -> Response:
+            self._authorize(request.headers)
+            return JSONResponse({"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": 0, "owned_by": "asyncroll"}]})
+
+        async def completions(request: Request) -> Response:
+            self._requests += 1
+            self._authorize(request.headers)
+            session_id = request.path_params.get("session_id") or request.headers.get(
+                "x-session-id")
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ChatRequestError(f"the body is not valid JSON: {exc}") from exc
+            try:
+                chat, session, output, reply, fork = await self.chat(body, session_id=session_id)
+            except (NoEngineAvailableError, ManagerClosedError) as exc:
+                self._failed += 1
+                error = ChatRequestError(str(exc), status=503, type="server_error",
+                                         code="unavailable")
+                return JSONResponse(error.body(), status_code=503)
+            headers = {"X-Session-Id": session.id}
+            completion = _completion(self, chat, session, output, reply, fork)
+            if chat.stream:
+                return StreamingResponse(_sse(completion, chat), headers=headers,
+                                         media_type="text/event-stream")
+            return JSONResponse(completion, headers=headers)
+
+        async def open_session(request: Request) -> Response:
+            self._authorize(request.headers)
+            session = self.open_session()
+            return JSONResponse({"id": session.id, "base_url": session.base_url})
+
+        async def finish(request: Request) -> Response:
+            self._authorize(request.headers)
+            raw = await request.body()
+            try:
+                body = json.loads(raw) if raw else {}
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ChatRequestError(f"the body is not valid JSON: {exc}") from exc
+            reward = body.get("reward") if isinstance(body, dict) else None
+            if reward is not None and (isinstance(reward, bool)
+                                       or not isinstance(reward, int | float)):
+                raise ChatRequestError("'reward' must be a number", param="reward")
+            result = await self.finish_session(request.path_params["session_id"], reward=reward)
+            return JSONResponse(_result_json(result))
+
+        for prefix in ("", "/s/{session_id}"):
+            app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
+            app.add_api_route(f"{prefix}/v1/chat/completions", completions, methods=["POST"])
+        app.add_api_route("/sessions", open_session, methods=["POST"])
+        app.add_api_route("/sessions/{session_id}/finish", finish, methods=["POST"])
+        return app
+
+
+def _completion(gateway: Gateway, chat: ChatRequest, session: Session, output: TokenOutput,
+                reply: AssistantReply, fork: bool) -> dict[str, Any]:
+    low, high = version_range(output.global_steps)
+    finish = "tool_calls" if reply.tool_calls else (
+        "length" if output.finish_reason == "length" else "stop")
+    choice: dict[str, Any] = {"index": 0, "message": reply.message(), "finish_reason": finish,
+                              "logprobs": None}
+    if chat.logprobs:
+        choice["logprobs"] = {"content": [
+            {"token": gateway.renderer.decode([token]), "logprob": log_prob, "bytes": None,
+             "top_logprobs": []}
+            for token, log_prob in zip(output.token_ids, output.log_probs, strict=True)
+        ]}
+    return {
+        "id": f"chatcmpl-{session.id}-{session.num_turns - 1}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": gateway.model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": output.num_prompt_tokens,
+                  "completion_tokens": len(output.token_ids),
+                  "total_tokens": output.num_prompt_tokens + len(output.token_ids)},
+        "asyncroll": {"session_id": session.id, "min_global_steps": low,
+                      "max_global_steps": high, "num_preempted": output.num_preempted,
+                      "fork": fork},
+    }
+
+
+async def _sse(completion: dict[str, Any], chat: ChatRequest) -> AsyncIterator[bytes]:
+    """The finished turn as OpenAI's stream of ``chat.completion.chunk`` events."""
+    base = {key: completion[key] for key in ("id", "created", "model")}
+    base["object"] = "chat.completion.chunk"
+    choice = completion["choices"][0]
+    message = choice["message"]
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    if message.get("reasoning_content") is not None:
+        deltas.append({"reasoning_content": message["reasoning_content"]})
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    for index, call in enumerate(message.get("tool_calls") or ()):
+        deltas.append({"tool_calls": [{"index": index, **call}]})
+    for delta in deltas:
+        yield _event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                           "logprobs": None}]})
+    yield _event({**base, "choices": [{"index": 0, "delta": {},
+                                       "finish_reason": choice["finish_reason"],
+                                       "logprobs": choice["logprobs"]}]})
+    if chat.include_usage:
+        yield _event({**base, "choices": [], "usage": completion["usage"]})
+    yield b"data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _result_json(result: SessionResult) -> dict[str, Any]:
+    return {
+        "session_id": result.session_id,
+        "reward": result.reward,
+        "num_forks": result.num_forks,
+        "trajectories": [
+            {"prompt_ids": list(t.prompt_ids), "response_ids": list(t.response_ids),
+             "response_mask": list(t.response_mask),
+             "response_log_probs": list(t.response_log_probs),
+             "global_steps": list(t.global_steps), "num_turns": t.num_turns,
+             "stop_reason": t.stop_reason}
+            for t in result.trajectories
+        ],
+    }
+
+
+@contextlib.asynccontextmanager
+async def open_gateway(
+    manager: AsyncServerManager,
+    *,
+    tokenizer: Any,
+    model: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    renderer: ChatRenderer | None = None,
+    auto_sessions: bool = True,
+    max_sessions: int = 4096,
+) -> AsyncIterator[Gateway]:
+    """Serve a ``Gateway`` over HTTP for the block's duration.
+
+    Args:
+        manager: Where turns are generated.
+        tokenizer: A Hugging Face tokenizer, or the folder of one (the model's folder).
+        model: The model name clients pass.
+        host: Interface to bind; localhost by default (reachable from this machine only).
+        port: TCP port; 0 picks a free one (``gateway.url`` tells which).
+        api_key: Require ``Authorization: Bearer <api_key>``.
+        chat_template: Overrides the tokenizer's chat template.
+        renderer: Overrides ``tokenizer`` and ``chat_template`` altogether.
+        auto_sessions: Open a session for a request that names none.
+        max_sessions: Most open sessions at once.
+
+    Raises:
+        InvalidRequestError: a bad port.
+        OSError: the address is taken or cannot be bound.
+    """
+    import uvicorn
+
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidRequestError(f"port must be an int in [0, 65535], not {port!r}")
+    if renderer is None:
+        renderer = HFChatRenderer(tokenizer if not isinstance(tokenizer, Path) else str(tokenizer),
+                                  chat_template=chat_template)
+    gateway = Gateway(manager, renderer, model=model, api_key=api_key,
+                      auto_sessions=auto_sessions, max_sessions=max_sessions)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)  # connections queue here until the server accepts: no start-up wait
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        gateway.url = f"http://{shown}:{bound}"
+        config = uvicorn.Config(gateway.app, lifespan="off", log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[sock]), name="asyncroll-gateway")
+        try:
+            yield gateway
+        finally:
+            server.should_exit = True
+            await asyncio.shield(serving)
+    finally:
+        sock.close()
+

@@ -1,0 +1,204 @@
+"""A gateway session: one agent's conversation, recorded as the exact tokens the engines saw.
+
+How a turn is prepared (``Session.prepare``):
+1. Assistant messages the agent sends back unchanged (same content and tool calls as the gateway
+   returned) are replaced by the text of the tokens the model generated for them, so the model's
+   own tokens are never re-tokenized and a template's re-formatting of tool calls cannot drift.
+2. The conversation is rendered with the chat template. If the text starts with the text the
+   current trajectory's tokens stand for, only the rest (the end of the last turn, tool results,
+   new user turns, the generation prompt) is tokenized and appended with loss mask 0.
+3. Otherwise the template rewrote history (it dropped a reasoning block, the agent edited an
+   earlier turn): the trajectory forks. The current one is kept as it is, finished, and a new
+   one starts from the newly rendered prompt. Forks are counted.
+
+Invariants:
+- ``prepare`` changes nothing; ``commit`` applies a prepared turn together with its generated
+  output, so a request that fails (bad parameters, an over-long conversation) leaves the session
+  as it was.
+- Every trajectory's ``text`` is exactly the decoding of its tokens, piece by piece, and its
+  response mask is 1 on the generated tokens only (``ResponseBuilder``'s invariants).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from asyncroll.agent_loop import AgentLoopMetrics, AgentLoopOutput, ResponseBuilder, StopReason
+from asyncroll.gateway.chat import AssistantReply, message_key
+from asyncroll.types import TokenOutput
+
+__all__ = ["ChatRenderer", "PreparedTurn", "Session", "SessionResult"]
+
+
+class ChatRenderer(Protocol):
+    """Text and tokens of one model: its chat template and tokenizer."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+               ) -> str:
+        """The conversation as the template renders it, with the generation prompt."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Special tokens kept."""
+        ...
+
+
+@dataclass(slots=True, kw_only=True)
+class _Trajectory:
+    prompt_ids: list[int]
+    text: str
+    response: ResponseBuilder
+    num_turns: int = 0
+    stop_reason: StopReason = "stop"
+    generate_time_s: float = 0.0
+    num_interrupted: int = 0
+    num_tool_calls: int = 0
+    num_cached_tokens: int = 0
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.response.token_ids
+
+    def output(self, reward: float | None) -> AgentLoopOutput:
+        metrics = AgentLoopMetrics(
+            generate_time_s=self.generate_time_s, tool_time_s=0.0,
+            num_interrupted=self.num_interrupted, num_tool_calls=self.num_tool_calls,
+            num_tool_errors=0, num_cached_tokens=self.num_cached_tokens,
+        )
+        out = self.response.build(prompt_ids=self.prompt_ids, num_turns=self.num_turns,
+                                  stop_reason=self.stop_reason, metrics=metrics)
+        return out if reward is None else out.with_reward(reward)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedTurn:
+    """What ``Session.prepare`` decided; ``prompt_ids`` go to the engines."""
+
+    prompt_ids: list[int]
+    rendered: str
+    suffix_ids: list[int]
+    """Tokens appended to the current trajectory (empty on a fork or a first turn)."""
+    fork: bool
+    """The current trajectory does not prefix the rendered prompt: a new one starts."""
+    epoch: int
+    """The session's number of commits when prepared; a commit of a stale turn is refused."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionResult:
+    """A finished session as training data: one ``AgentLoopOutput`` per trajectory, in order
+    (more than one only where the session forked), each carrying the session's reward."""
+
+    session_id: str
+    trajectories: tuple[AgentLoopOutput, ...]
+    num_forks: int
+    reward: float | None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Session:
+    """One conversation's recorded tokens. Owned by the gateway; one turn at a time."""
+
+    def __init__(self, session_id: str, renderer: ChatRenderer, *, budget: int,
+                 data: dict[str, Any] | None = None) -> None:
+        self.id = session_id
+        self.data = dict(data or {})
+        self.renderer = renderer
+        self._budget = budget
+        self._finished: list[_Trajectory] = []
+        self._current: _Trajectory | None = None
+        self._replies: dict[str, str] = {}
+        """message_key of a returned assistant message -> the text of its generated tokens."""
+        self.num_forks = 0
+        self.num_turns = 0
+        self.created = time.monotonic()
+
+    def __repr__(self) -> str:
+        return (f"<Session {self.id} turns={self.num_turns} "
+                f"trajectories={len(self._finished) + (self._current is not None)} "
+                f"forks={self.num_forks}>")
+
+    def prepare(self, messages: Sequence[dict[str, Any]],
+                tools: Sequence[dict[str, Any]] | None) -> PreparedTurn:
+        """The prompt for the next turn (see the module docstring); changes nothing."""
+        rendered = self.renderer.render(self._substituted(messages), tools)
+        current = self._current
+        if current is not None and rendered.startswith(current.text):
+            suffix = self.renderer.encode(rendered[len(current.text):])
+            return PreparedTurn(prompt_ids=current.all_ids() + suffix, rendered=rendered,
+                                suffix_ids=suffix, fork=False, epoch=self.num_turns)
+        prompt = self.renderer.encode(rendered)
+        return PreparedTurn(prompt_ids=prompt, rendered=rendered, suffix_ids=[],
+                            fork=current is not None, epoch=self.num_turns)
+
+    def commit(self, turn: PreparedTurn, output: TokenOutput, reply: AssistantReply,
+               *, seconds: float) -> None:
+        """Record a generated turn and the reply the agent was given.
+
+        Raises:
+            RuntimeError: another turn was committed since ``turn`` was prepared.
+        """
+        if turn.epoch != self.num_turns:
+            raise RuntimeError("the session moved on since this turn was prepared")
+        current = self._current
+        if current is None or turn.fork:
+            if current is not None:
+                self._finished.append(current)
+                self.num_forks += 1
+            current = self._current = _Trajectory(
+                prompt_ids=list(turn.prompt_ids), text=turn.rendered,
+                response=ResponseBuilder(budget=self._budget),
+            )
+        elif turn.suffix_ids:
+            current.response.add_environment(turn.suffix_ids)
+            current.text = turn.rendered
+        generated = self._generated_text(output.token_ids)
+        current.response.add_model(output)
+        current.text += generated
+        current.num_turns += 1
+        current.stop_reason = "length" if output.finish_reason == "length" else "stop"
+        current.generate_time_s += seconds
+        current.num_interrupted += output.num_preempted
+        current.num_tool_calls += len(reply.tool_calls)
+        current.num_cached_tokens += output.num_cached_tokens
+        self._replies[message_key(reply.message())] = self._without_eos(output.token_ids)
+        self.num_turns += 1
+
+    def generated_text(self, token_ids: Sequence[int]) -> str:
+        """A turn's text without its end-of-turn token, as the reply is parsed from."""
+        return self._without_eos(token_ids)
+
+    def result(self, reward: float | None) -> SessionResult:
+        trajectories = [*self._finished, *([self._current] if self._current else [])]
+        return SessionResult(
+            session_id=self.id,
+            trajectories=tuple(t.output(reward) for t in trajectories),
+            num_forks=self.num_forks, reward=reward, data=self.data,
+        )
+
+    def _substituted(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for message in messages:
+            raw = None
+            if message["role"] == "assistant":
+                raw = self._replies.get(message_key(message))
+            out.append(message if raw is None else {"role": "assistant", "content": raw})
+        return out
+
+    def _generated_text(self, token_ids: Sequence[int]) -> str:
+        """The text ``token_ids`` stand for, consistent with ``_without_eos``."""
+        if token_ids and token_ids[-1] in self.renderer.eos_token_ids:
+            return self._without_eos(token_ids) + self.renderer.decode(token_ids[-1:])
+        return self.renderer.decode(token_ids)
+
+    def _without_eos(self, token_ids: Sequence[int]) -> str:
+        if token_ids and token_ids[-1] in self.renderer.eos_token_ids:
+            token_ids = token_ids[:-1]
+        return self.renderer.decode(token_ids)

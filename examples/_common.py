@@ -24,6 +24,10 @@ from asyncroll.testing import make_tiny_model
 from asyncroll.trainer import ReferenceTrainer
 
 Recipe = Callable[..., Awaitable[list[StepRecord]]]
+SourceFactory = Callable[
+    [AsyncServerManager, Path, contextlib.AsyncExitStack], Awaitable[RolloutSource]
+]
+"""Makes the rollout source once the manager serves: (manager, model folder, exit stack)."""
 
 
 async def run_recipe(
@@ -31,14 +35,15 @@ async def run_recipe(
     name: str,
     *,
     steps: int,
-    source: RolloutSource | None = None,
+    source: RolloutSource | SourceFactory | None = None,
     plot_path: str | None = None,
     metrics_port: int | None = None,
     **options: object,
 ) -> tuple[list[StepRecord], float]:
     """Run ``recipe`` on CPU with a progress bar; print the per-step table; plot if asked.
 
-    ``source`` makes the rollouts; by default the toy ``BandTask``, one sampled turn each.
+    ``source`` makes the rollouts; by default the toy ``BandTask``, one sampled turn each. A
+    ``SourceFactory`` makes it once the engine is up (e.g. to open a gateway in front of it).
     ``metrics_port``: serve the manager's Prometheus metrics there (0: any free port)."""
     task = BandTask()
     baseline = f"random policy {task.random_policy_reward:.3f}, " if source is None else ""
@@ -55,6 +60,8 @@ async def run_recipe(
             if metrics_port is not None:
                 server = await stack.enter_async_context(serve_metrics(manager, port=metrics_port))
                 print(f"Prometheus metrics at {server.url}", flush=True)
+            if callable(source):
+                source = await source(manager, model, stack)
             started = time.perf_counter()
             with tqdm(total=steps, desc=name, unit="step") as bar:
 

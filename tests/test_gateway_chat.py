@@ -167,3 +167,11 @@ def test_an_edited_assistant_turn_is_rendered_as_sent(model: Path) -> None:
     prepared = session.prepare(messages, None)
     assert prepared.fork
     assert "edited" in session.renderer.decode(prepared.prompt_ids)
+
+
+def test_an_empty_turn_round_trips() -> None:
+    reply = assistant_reply("", tools=True)
+    assert reply.message() == {"role": "assistant", "content": ""}
+    echoed = {"role": "assistant"}  # a client dropping the empty content
+    request = parse_chat_request({**OK, "messages": [*OK["messages"], echoed]}, models=["m"])
+    assert message_key(request.messages[1]) == message_key(reply.message())

@@ -41,7 +41,8 @@ def test_the_chat_template_renders_tools_and_calls(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(make_tiny_model(tmp_path / "m", seed=0)))
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        [{"role": "user", "content": "q"},
+         {"role": "assistant", "content": "", "tool_calls": [call]},
          {"role": "tool", "tool_call_id": "c", "content": "r"}],
         tools=[{"type": "function", "function": {"name": "f"}}],
         add_generation_prompt=True, tokenize=False,

@@ -194,6 +194,8 @@ def _message(raw: object, index: int) -> dict[str, Any]:
     message["content"] = _content(raw.get("content"), f"{param}.content")
     if role == "assistant" and raw.get("tool_calls"):
         message["tool_calls"] = _tool_calls(raw["tool_calls"], f"{param}.tool_calls")
+    elif role == "assistant" and message["content"] is None:
+        message["content"] = ""  # an empty turn, as some clients send it back
     elif message["content"] is None:
         raise ChatRequestError(f"{param} has no content", param=f"{param}.content")
     if role == "tool":
@@ -302,7 +304,7 @@ def assistant_reply(text: str, *, tools: bool) -> AssistantReply:
             return ""
 
         text = _CALL.sub(take, text)
-    content = text.strip("\n") or None
+    content = text.strip("\n") or (None if calls else "")  # as OpenAI: null only beside calls
     return AssistantReply(content=content, reasoning=reasoning, tool_calls=calls)
 
 

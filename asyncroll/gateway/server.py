@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import re
 import socket
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -283,10 +283,7 @@ class Gateway:
             self._authorize(request.headers)
             session_id = request.path_params.get("session_id") or request.headers.get(
                 "x-session-id")
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ChatRequestError(f"the body is not valid JSON: {exc}") from exc
+            body = _decode(await request.body())
             try:
                 chat, session, output, reply, fork = await self.chat(body, session_id=session_id)
             except (NoEngineAvailableError, ManagerClosedError) as exc:
@@ -299,7 +296,8 @@ class Gateway:
             if chat.stream:
                 return StreamingResponse(_sse(completion, chat), headers=headers,
                                          media_type="text/event-stream")
-            return JSONResponse(completion, headers=headers)
+            return Response(msgspec.json.encode(completion), headers=headers,
+                            media_type="application/json")
 
         async def open_session(request: Request) -> Response:
             self._authorize(request.headers)
@@ -309,10 +307,7 @@ class Gateway:
         async def finish(request: Request) -> Response:
             self._authorize(request.headers)
             raw = await request.body()
-            try:
-                body = json.loads(raw) if raw else {}
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ChatRequestError(f"the body is not valid JSON: {exc}") from exc
+            body = _decode(raw) if raw else {}
             reward = body.get("reward") if isinstance(body, dict) else None
             if reward is not None and (isinstance(reward, bool)
                                        or not isinstance(reward, int | float)):
@@ -381,7 +376,14 @@ async def _sse(completion: dict[str, Any], chat: ChatRequest) -> AsyncIterator[b
 
 
 def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ChatRequestError(f"the body is not valid JSON: {exc}") from exc
 
 
 def _result_json(result: SessionResult) -> dict[str, Any]:

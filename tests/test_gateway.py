@@ -336,3 +336,31 @@ async def test_gateway_source_scores_sessions_as_train_samples(gateway: Gateway)
     with pytest.raises(ExceptionGroup):
         await source.rollout(gateway.manager, broken, group=8, size=2)  # type: ignore[arg-type]
     assert gateway.statistics().open_sessions == 0
+
+
+async def test_a_request_without_session_gets_one_and_a_custom_reply_parser(
+    recording: RecordingManager, tiny_model_a: Path
+) -> None:
+    from asyncroll.gateway.chat import AssistantReply
+
+    def shouting(text: str, *, tools: bool) -> AssistantReply:
+        return AssistantReply(content=text.upper(), reasoning=None, tool_calls=[])
+
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+          "temperature": 0.0}
+    async with open_gateway(recording, tokenizer=tiny_model_a, model=MODEL,  # type: ignore[arg-type]
+                            reply_parser=shouting) as gateway, httpx.AsyncClient(
+            base_url=gateway.url) as http:
+        refused = await http.post("/v1/chat/completions", json={**ok, "temperature": -1})
+        assert refused.status_code == 400
+        assert gateway.statistics().open_sessions == 0, "a failed first turn keeps no session"
+        first = await http.post("/v1/chat/completions", json=ok)
+        session_id = first.headers["x-session-id"]
+        message = first.json()["choices"][0]["message"]
+        assert message["content"] == message["content"].upper()
+        second = await http.post("/v1/chat/completions", headers={"X-Session-Id": session_id},
+                                 json={**ok, "messages": [*ok["messages"], message,
+                                                          {"role": "user", "content": "again"}]})
+        assert second.json()["asyncroll"]["fork"] is False
+        result = await gateway.finish_session(session_id)
+    assert result.trajectories[0].num_turns == 2

@@ -354,3 +354,45 @@ async def test_one_step_off_leaves_nothing_running(
     assert trainer.finished.is_set(), "the recipe returned only after the step's thread"
     assert sorted(source.cancelled) == [2, 3], "the overlapping rollout was cancelled"
     assert manager.statistics().in_flight == 0
+
+
+# -- an OpenAI-API agent through the gateway, trained fully async ------------------------------
+
+
+@pytest.mark.engine
+async def test_fully_async_trains_an_openai_agent_through_the_gateway(
+    setup: tuple[CheckingManager, RecordingTrainer], tiny_model_a: Path
+) -> None:
+    import openai
+
+    from asyncroll.gateway import GatewaySession, GatewaySource, open_gateway
+
+    manager, trainer = setup
+
+    async def agent(session: GatewaySession, sample: Sample) -> float:
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key="-",
+                                      max_retries=0) as client:
+            messages: list[dict[str, Any]] = [{"role": "user", "content": sample.data["q"]}]
+            for _ in range(2):
+                reply = await client.chat.completions.create(
+                    model="policy", messages=messages, max_tokens=6,  # type: ignore[arg-type]
+                    extra_body={"ignore_eos": True})
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "more"}]
+        return 1.0
+
+    async with open_gateway(manager, tokenizer=tiny_model_a, model="policy") as gateway:
+        source = GatewaySource(gateway, agent, prompts=lambda rng: Sample(
+            prompt_ids=(), data={"q": f"question {rng.randrange(100)}"}))
+        records = await run_fully_async(manager, trainer, source, steps=3, batch_groups=2,
+                                        group_size=2, max_staleness=1)
+        statistics = gateway.statistics()
+    assert statistics.open_sessions == 0 and statistics.num_forks == 0
+    assert statistics.num_turns == 2 * statistics.finished_sessions >= 2 * 12
+    assert len(records) == 3 and all(r.samples == 4 and r.failed == 0 for r in records)
+    assert all(r.staleness_max <= 1 for r in records)
+    for sample in (s for batch in trainer.batches for s in batch):
+        assert sum(sample.loss_mask) == 12 and 0 in sample.loss_mask
+        assert sample.reward == 1.0
+        versions = [v for v in sample.global_steps if v is not None]
+        assert versions == sorted(versions)

@@ -37,7 +37,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -58,9 +58,16 @@ from asyncroll.types import TokenOutput, version_range
 if TYPE_CHECKING:
     from asyncroll.manager import AsyncServerManager
 
-__all__ = ["Gateway", "GatewaySession", "GatewayStatistics", "open_gateway"]
+__all__ = ["Gateway", "GatewaySession", "GatewayStatistics", "ReplyParser", "open_gateway"]
 
 logger = logging.getLogger(__name__)
+
+
+
+
+class ReplyParser(Protocol):
+    def __call__(self, text: str, *, tools: bool) -> AssistantReply: ...
+
 
 _SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,96}")
 
@@ -107,6 +114,7 @@ class Gateway:
         api_key: str | None = None,
         auto_sessions: bool = True,
         max_sessions: int = 4096,
+        reply_parser: ReplyParser = assistant_reply,
     ) -> None:
         """Args:
             manager: Where turns are generated.
@@ -115,6 +123,9 @@ class Gateway:
             api_key: If set, every request must carry ``Authorization: Bearer <api_key>``.
             auto_sessions: Open a session for a request that names none.
             max_sessions: Most open sessions; opening one more is refused (429).
+            reply_parser: Turns a generated turn's text into the reply (reasoning, content, tool
+                calls): Hermes by default; wrap another model family's parser (e.g. one of
+                vLLM's tool parsers) in the same signature.
         """
         if not model:
             raise InvalidRequestError("the gateway needs a model name")
@@ -125,6 +136,7 @@ class Gateway:
         """``http://host:port`` once serving (set by ``open_gateway``)."""
         self._api_key = api_key
         self._auto_sessions = auto_sessions
+        self._parse_reply = reply_parser
         self._max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -200,11 +212,21 @@ class Gateway:
             NoEngineAvailableError, ManagerClosedError: no engine can serve.
         """
         request = parse_chat_request(body, models=(self.model,))
-        if session_id is None:
-            if not self._auto_sessions:
-                raise ChatRequestError("name a session: /s/<id>/v1/... or X-Session-Id",
-                                       code="session_required")
-            session_id = self.open_session().id
+        if session_id is not None:
+            return await self._turn(request, session_id)
+        if not self._auto_sessions:
+            raise ChatRequestError("name a session: /s/<id>/v1/... or X-Session-Id",
+                                   code="session_required")
+        session_id = self.open_session().id
+        try:
+            return await self._turn(request, session_id)
+        except BaseException:
+            self._sessions.pop(session_id, None)  # its first turn failed: nothing to keep
+            self._locks.pop(session_id, None)
+            raise
+
+    async def _turn(self, request: ChatRequest, session_id: str
+                    ) -> tuple[ChatRequest, Session, TokenOutput, AssistantReply, bool]:
         self._session(session_id)
         async with self._locks[session_id]:
             session = self._session(session_id)
@@ -219,8 +241,8 @@ class Gateway:
                 raise
             except InvalidRequestError as exc:
                 raise ChatRequestError(str(exc)) from exc
-            reply = assistant_reply(session.generated_text(output.token_ids),
-                                    tools=bool(request.tools))
+            reply = self._parse_reply(session.generated_text(output.token_ids),
+                                      tools=bool(request.tools))
             session.commit(turn, output, reply, seconds=time.perf_counter() - started)
         self._turns += 1
         self._forks += turn.fork
@@ -415,6 +437,7 @@ async def open_gateway(
     renderer: ChatRenderer | None = None,
     auto_sessions: bool = True,
     max_sessions: int = 4096,
+    reply_parser: ReplyParser = assistant_reply,
 ) -> AsyncIterator[Gateway]:
     """Serve a ``Gateway`` over HTTP for the block's duration.
 
@@ -429,6 +452,7 @@ async def open_gateway(
         renderer: Overrides ``tokenizer`` and ``chat_template`` altogether.
         auto_sessions: Open a session for a request that names none.
         max_sessions: Most open sessions at once.
+        reply_parser: Generated text -> reply (Hermes tool calls by default).
 
     Raises:
         InvalidRequestError: a bad port.
@@ -442,7 +466,8 @@ async def open_gateway(
         renderer = HFChatRenderer(tokenizer if not isinstance(tokenizer, Path) else str(tokenizer),
                                   chat_template=chat_template)
     gateway = Gateway(manager, renderer, model=model, api_key=api_key,
-                      auto_sessions=auto_sessions, max_sessions=max_sessions)
+                      auto_sessions=auto_sessions, max_sessions=max_sessions,
+                      reply_parser=reply_parser)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

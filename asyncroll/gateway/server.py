@@ -99,6 +99,16 @@ class GatewayStatistics:
     """Turns whose rendered prompt did not extend the recorded tokens (template drift)."""
 
 
+@dataclass(slots=True)
+class _Counts:
+    finished: int = 0
+    requests: int = 0
+    refused: int = 0
+    failed: int = 0
+    forks: int = 0
+    turns: int = 0
+
+
 class Gateway:
     """Serves OpenAI chat requests from a manager and records each session's exact tokens.
 
@@ -140,12 +150,7 @@ class Gateway:
         self._max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._finished = 0
-        self._requests = 0
-        self._refused = 0
-        self._failed = 0
-        self._forks = 0
-        self._turns = 0
+        self._counts = _Counts()
         self.app = self._make_app()
 
     def __repr__(self) -> str:
@@ -153,10 +158,11 @@ class Gateway:
                 f"sessions={len(self._sessions)}>")
 
     def statistics(self) -> GatewayStatistics:
+        counts = self._counts
         return GatewayStatistics(
-            open_sessions=len(self._sessions), finished_sessions=self._finished,
-            num_requests=self._requests, num_turns=self._turns, num_refused=self._refused,
-            num_failed=self._failed, num_forks=self._forks,
+            open_sessions=len(self._sessions), finished_sessions=counts.finished,
+            num_requests=counts.requests, num_turns=counts.turns, num_refused=counts.refused,
+            num_failed=counts.failed, num_forks=counts.forks,
         )
 
     def open_session(self, session_id: str | None = None, *, data: Mapping[str, Any] | None = None
@@ -196,7 +202,7 @@ class Gateway:
         async with self._locks[session_id]:
             session = self._session(session_id)  # a concurrent finish may have won
             del self._sessions[session_id], self._locks[session_id]
-            self._finished += 1
+            self._counts.finished += 1
         return session.result(reward)
 
     async def chat(self, body: object, *, session_id: str | None = None
@@ -244,8 +250,8 @@ class Gateway:
             reply = self._parse_reply(session.generated_text(output.token_ids),
                                       tools=bool(request.tools))
             session.commit(turn, output, reply, seconds=time.perf_counter() - started)
-        self._turns += 1
-        self._forks += turn.fork
+        self._counts.turns += 1
+        self._counts.forks += turn.fork
         return request, session, output, reply, turn.fork
 
     def _prepare(self, session: Session, request: ChatRequest) -> PreparedTurn:
@@ -284,12 +290,12 @@ class Gateway:
 
         @app.exception_handler(ChatRequestError)
         async def refused(request: Request, exc: ChatRequestError) -> Response:
-            self._refused += 1
+            self._counts.refused += 1
             return JSONResponse(exc.body(), status_code=exc.status)
 
         @app.exception_handler(Exception)
         async def failed(request: Request, exc: Exception) -> Response:
-            self._failed += 1
+            self._counts.failed += 1
             logger.error("gateway request failed: %r", exc, exc_info=exc)
             error = ChatRequestError(f"internal error: {type(exc).__name__}", status=500,
                                      type="server_error", code="internal_error")
@@ -301,7 +307,7 @@ class Gateway:
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "asyncroll"}]})
 
         async def completions(request: Request) -> Response:
-            self._requests += 1
+            self._counts.requests += 1
             self._authorize(request.headers)
             session_id = request.path_params.get("session_id") or request.headers.get(
                 "x-session-id")
@@ -309,7 +315,7 @@ class Gateway:
             try:
                 chat, session, output, reply, fork = await self.chat(body, session_id=session_id)
             except (NoEngineAvailableError, ManagerClosedError) as exc:
-                self._failed += 1
+                self._counts.failed += 1
                 error = ChatRequestError(str(exc), status=503, type="server_error",
                                          code="unavailable")
                 return JSONResponse(error.body(), status_code=503)

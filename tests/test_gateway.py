@@ -364,3 +364,23 @@ async def test_a_request_without_session_gets_one_and_a_custom_reply_parser(
         assert second.json()["asyncroll"]["fork"] is False
         result = await gateway.finish_session(session_id)
     assert result.trajectories[0].num_turns == 2
+
+
+async def test_a_client_that_leaves_mid_turn_aborts_it_and_nothing_is_recorded(
+    gateway: Gateway, recording: RecordingManager
+) -> None:
+    session = gateway.open_session()
+    long_turn = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
+                 "max_tokens": 400, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        post = asyncio.create_task(http.post(f"/s/{session.id}/v1/chat/completions",
+                                             json=long_turn))
+        await until_decoding(recording.manager, 1)
+        post.cancel()  # the client gives up: its connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await post
+        result = await gateway.finish_session(session.id)  # waits for the turn to end
+        assert result.trajectories == () and recording.calls == []
+        assert recording.manager.statistics().in_flight == 0
+        missing = await http.get("/v1/no-such-route")
+        assert missing.status_code == 404 and missing.json()["error"]["message"]

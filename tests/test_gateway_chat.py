@@ -175,3 +175,26 @@ def test_an_empty_turn_round_trips() -> None:
     echoed = {"role": "assistant"}  # a client dropping the empty content
     request = parse_chat_request({**OK, "messages": [*OK["messages"], echoed]}, models=["m"])
     assert message_key(request.messages[1]) == message_key(reply.message())
+
+
+def test_null_means_not_given_and_logit_bias_keys_become_ids() -> None:
+    request = parse_chat_request(
+        {**OK, "n": None, "tool_choice": None, "temperature": None, "logit_bias": {"5": 1.0}},
+        models=["m"],
+    )
+    assert request.sampling_params == {"logit_bias": {5: 1.0}}
+
+
+def test_two_replies_that_read_the_same_keep_their_own_tokens(model: Path) -> None:
+    session = Session("s", HFChatRenderer(model), budget=1024)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+    first = _turn(session, messages, "<think>a</think>OK")
+    messages += [{"role": "assistant", "content": first["content"]},  # reasoning dropped
+                 {"role": "user", "content": "again"}]
+    second = _turn(session, messages, "<think>b</think>OK")
+    messages += [{"role": "assistant", "content": second["content"]},
+                 {"role": "user", "content": "more"}]
+    prepared = session.prepare(messages, None)
+    assert not prepared.fork
+    text = session.renderer.decode(prepared.prompt_ids)
+    assert text.index("<think>a</think>") < text.index("<think>b</think>")

@@ -388,7 +388,7 @@ async def test_fully_async_trains_an_openai_agent_through_the_gateway(
                                         group_size=2, max_staleness=1)
         statistics = gateway.statistics()
     assert statistics.open_sessions == 0 and statistics.num_forks == 0
-    assert statistics.num_turns == 2 * statistics.finished_sessions >= 2 * 12
+    assert statistics.num_turns >= 2 * 12  # rollouts still running at the end were cancelled
     assert len(records) == 3 and all(r.samples == 4 and r.failed == 0 for r in records)
     assert all(r.staleness_max <= 1 for r in records)
     for sample in (s for batch in trainer.batches for s in batch):

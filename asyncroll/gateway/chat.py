@@ -71,6 +71,7 @@ SAMPLING_KEYS = {
     "max_completion_tokens": "max_tokens",
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
+    "logit_bias": "logit_bias",
 }
 """Request key -> vLLM sampling argument; the manager checks the values."""
 
@@ -103,6 +104,7 @@ def parse_chat_request(body: object, *, models: Sequence[str]) -> ChatRequest:
     """
     if not isinstance(body, dict):
         raise ChatRequestError("the request body must be a JSON object")
+    body = {key: value for key, value in body.items() if value is not None}  # null: not given
     known = {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "n",
              "logprobs", "top_logprobs", "stop", "response_format", *SAMPLING_KEYS}
     for key in body:
@@ -130,11 +132,23 @@ def parse_chat_request(body: object, *, models: Sequence[str]) -> ChatRequest:
         model=model,
         messages=_messages(body.get("messages")),
         tools=tools,
-        sampling_params={SAMPLING_KEYS[k]: v for k, v in body.items() if k in SAMPLING_KEYS},
+        sampling_params=_sampling_params(body),
         stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
         logprobs=_flag(body, "logprobs"),
     )
+
+
+def _sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    params = {SAMPLING_KEYS[k]: v for k, v in body.items() if k in SAMPLING_KEYS}
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):  # OpenAI's keys are token ids as strings
+        try:
+            params["logit_bias"] = {int(token): value for token, value in bias.items()}
+        except ValueError as exc:
+            raise ChatRequestError("logit_bias keys must be token ids", param="logit_bias"
+                                   ) from exc
+    return params
 
 
 def _check_unsupported(body: Mapping[str, Any]) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["HFChatRenderer"]
+
+logger = logging.getLogger(__name__)
 
 
 class HFChatRenderer:
@@ -25,15 +29,21 @@ class HFChatRenderer:
             chat_template: Overrides the tokenizer's template.
             eos_token_ids: Tokens that end a turn; the tokenizer's EOS by default.
         """
+        folder = None
         if isinstance(tokenizer, str | Path):
             from transformers import AutoTokenizer
 
+            folder = Path(tokenizer)
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
         self._template = chat_template
-        ids = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
+        ids = eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, folder)
         self._eos = frozenset(int(i) for i in ids if i is not None)
+        if not self._pieces_round_trip():
+            logger.warning(
+                "%r: text encoded piece by piece does not decode back to itself; sessions "
+                "will fork where a turn's suffix is tokenized apart from the turn", self)
 
     def __repr__(self) -> str:
         return f"<HFChatRenderer {type(self.tokenizer).__name__} eos={sorted(self._eos)}>"
@@ -55,3 +65,21 @@ class HFChatRenderer:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._backend.decode(list(token_ids), skip_special_tokens=False))
+
+    def _pieces_round_trip(self) -> bool:
+        """Whether tokens of separately encoded texts decode to the texts joined, as the
+        session's suffix-only tokenization needs (byte-level BPE does; a tokenizer that adds a
+        prefix space to every encode does not)."""
+        pieces = ["Hello", " world", "\n<tool_call>{}</tool_call>", "done."]
+        tokens = [token for piece in pieces for token in self.encode(piece)]
+        return self.decode(tokens) == "".join(pieces)
+
+
+def _eos_ids(tokenizer: Any, folder: Path | None) -> list[int]:
+    """The tokenizer's EOS and the model's generation-config EOS tokens (vLLM stops on both)."""
+    ids = [tokenizer.eos_token_id]
+    config = folder / "generation_config.json" if folder is not None else None
+    if config is not None and config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int)]

@@ -34,14 +34,15 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncroll.errors import InvalidRequestError, ManagerClosedError, NoEngineAvailableError
 from asyncroll.gateway.chat import (
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["Gateway", "GatewaySession", "GatewayStatistics", "ReplyParser", "open_gateway"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 
@@ -125,6 +128,7 @@ class Gateway:
         auto_sessions: bool = True,
         max_sessions: int = 4096,
         reply_parser: ReplyParser = assistant_reply,
+        auto_session_idle_s: float = 600.0,
     ) -> None:
         """Args:
             manager: Where turns are generated.
@@ -136,6 +140,8 @@ class Gateway:
             reply_parser: Turns a generated turn's text into the reply (reasoning, content, tool
                 calls): Hermes by default; wrap another model family's parser (e.g. one of
                 vLLM's tool parsers) in the same signature.
+            auto_session_idle_s: A session the gateway opened for a request that named none
+                is dropped once it has been idle this long (checked when another opens).
         """
         if not model:
             raise InvalidRequestError("the gateway needs a model name")
@@ -147,6 +153,8 @@ class Gateway:
         self._api_key = api_key
         self._auto_sessions = auto_sessions
         self._parse_reply = reply_parser
+        self._auto_idle = auto_session_idle_s
+        self._auto: set[str] = set()
         self._max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -201,7 +209,7 @@ class Gateway:
         self._session(session_id)
         async with self._locks[session_id]:
             session = self._session(session_id)  # a concurrent finish may have won
-            del self._sessions[session_id], self._locks[session_id]
+            self._drop(session_id)
             self._counts.finished += 1
         return session.result(reward)
 
@@ -223,25 +231,51 @@ class Gateway:
         if not self._auto_sessions:
             raise ChatRequestError("name a session: /s/<id>/v1/... or X-Session-Id",
                                    code="session_required")
+        self._drop_idle_auto_sessions()
         session_id = self.open_session().id
+        self._auto.add(session_id)
         try:
             return await self._turn(request, session_id)
         except BaseException:
-            self._sessions.pop(session_id, None)  # its first turn failed: nothing to keep
-            self._locks.pop(session_id, None)
+            self._drop(session_id)  # its first turn failed: nothing to keep
             raise
+
+    def _drop_idle_auto_sessions(self) -> None:
+        """Auto sessions nobody finishes (a plain OpenAI client) must not fill the table."""
+        now = time.monotonic()
+        for session_id in list(self._auto):
+            session = self._sessions.get(session_id)
+            lock = self._locks.get(session_id)
+            if session is None:
+                self._auto.discard(session_id)
+            elif now - session.last_used > self._auto_idle and lock is not None \
+                    and not lock.locked():
+                logger.info("dropping idle auto session %s", session_id)
+                self._drop(session_id)
+
+    def _drop(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        self._locks.pop(session_id, None)
+        self._auto.discard(session_id)
 
     async def _turn(self, request: ChatRequest, session_id: str
                     ) -> tuple[ChatRequest, Session, TokenOutput, AssistantReply, bool]:
         self._session(session_id)
-        async with self._locks[session_id]:
+        lock = self._locks[session_id]
+        async with lock:
             session = self._session(session_id)
+            if self._locks.get(session_id) is not lock:  # finished and opened anew meanwhile
+                raise ChatRequestError(f"session {session_id!r} was finished",
+                                       status=404, code="session_not_found")
             turn = self._prepare(session, request)
+            params = dict(request.sampling_params)
+            if not params.get("ignore_eos"):  # end turns where the renderer ends them
+                params["stop_token_ids"] = sorted(self.renderer.eos_token_ids)
             started = time.perf_counter()
             try:
                 output = await self.manager.generate(
                     f"{session.id}/{session.num_turns}", prompt_ids=turn.prompt_ids,
-                    sampling_params=request.sampling_params, session_key=session.id,
+                    sampling_params=params, session_key=session.id,
                 )
             except ChatRequestError:
                 raise
@@ -293,6 +327,13 @@ class Gateway:
             self._counts.refused += 1
             return JSONResponse(exc.body(), status_code=exc.status)
 
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+            self._counts.refused += 1
+            error = ChatRequestError(f"{request.method} {request.url.path}: {exc.detail}",
+                                     status=exc.status_code)
+            return JSONResponse(error.body(), status_code=exc.status_code)
+
         @app.exception_handler(Exception)
         async def failed(request: Request, exc: Exception) -> Response:
             self._counts.failed += 1
@@ -313,7 +354,10 @@ class Gateway:
                 "x-session-id")
             body = _decode(await request.body())
             try:
-                chat, session, output, reply, fork = await self.chat(body, session_id=session_id)
+                turn = await _unless_disconnected(request, self.chat(body, session_id=session_id))
+                if turn is None:  # the client left: the turn was aborted and not recorded
+                    return Response(status_code=499)
+                chat, session, output, reply, fork = turn
             except (NoEngineAvailableError, ManagerClosedError) as exc:
                 self._counts.failed += 1
                 error = ChatRequestError(str(exc), status=503, type="server_error",
@@ -351,11 +395,33 @@ class Gateway:
         return app
 
 
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """``work``'s result, or None (with ``work`` cancelled) if the client disconnects first:
+    once the body is read, the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    left = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait([task, left], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _completion(gateway: Gateway, chat: ChatRequest, session: Session, output: TokenOutput,
                 reply: AssistantReply, fork: bool) -> dict[str, Any]:
     low, high = version_range(output.global_steps)
     finish = "tool_calls" if reply.tool_calls else (
-        "length" if output.finish_reason == "length" else "stop")
+        output.finish_reason if output.finish_reason in ("length", "abort") else "stop")
     choice: dict[str, Any] = {"index": 0, "message": reply.message(), "finish_reason": finish,
                               "logprobs": None}
     if chat.logprobs:
@@ -412,6 +478,19 @@ def _decode(body: bytes) -> Any:
         return msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise ChatRequestError(f"the body is not valid JSON: {exc}") from exc
+
+
+def _server_class() -> type[Any]:
+    """A uvicorn server that leaves the process's signal handlers alone: Ctrl-C belongs to the
+    program the gateway serves in, not to the gateway."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server
 
 
 def _result_json(result: SessionResult) -> dict[str, Any]:
@@ -485,7 +564,7 @@ async def open_gateway(
         gateway.url = f"http://{shown}:{bound}"
         config = uvicorn.Config(gateway.app, lifespan="off", log_level="warning",
                                 access_log=False, timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
+        server = _server_class()(config)
         serving = asyncio.create_task(server.serve(sockets=[sock]), name="asyncroll-gateway")
         try:
             yield gateway

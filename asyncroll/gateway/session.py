@@ -51,6 +51,9 @@ class ChatRenderer(Protocol):
         ...
 
 
+_STOP_REASONS: dict[str, StopReason] = {"length": "length", "abort": "abort"}
+
+
 @dataclass(slots=True, kw_only=True)
 class _Trajectory:
     prompt_ids: list[int]
@@ -114,11 +117,12 @@ class Session:
         self._budget = budget
         self._finished: list[_Trajectory] = []
         self._current: _Trajectory | None = None
-        self._replies: dict[str, str] = {}
-        """message_key of a returned assistant message -> the text of its generated tokens."""
+        self._replies: dict[str, list[str]] = {}
+        """message_key of a returned assistant message -> the texts of the generated tokens of
+        each reply with that key, in order (two replies may read the same to the agent)."""
         self.num_forks = 0
         self.num_turns = 0
-        self.created = time.monotonic()
+        self.created = self.last_used = time.monotonic()
 
     def __repr__(self) -> str:
         return (f"<Session {self.id} turns={self.num_turns} "
@@ -163,12 +167,14 @@ class Session:
         current.response.add_model(output)
         current.text += generated
         current.num_turns += 1
-        current.stop_reason = "length" if output.finish_reason == "length" else "stop"
+        current.stop_reason = _STOP_REASONS.get(output.finish_reason, "stop")
         current.generate_time_s += seconds
         current.num_interrupted += output.num_preempted
         current.num_tool_calls += len(reply.tool_calls)
         current.num_cached_tokens += output.num_cached_tokens
-        self._replies[message_key(reply.message())] = self._without_eos(output.token_ids)
+        key = message_key(reply.message())
+        self._replies.setdefault(key, []).append(self._without_eos(output.token_ids))
+        self.last_used = time.monotonic()
         self.num_turns += 1
 
     def generated_text(self, token_ids: Sequence[int]) -> str:
@@ -185,10 +191,14 @@ class Session:
 
     def _substituted(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         out = []
+        seen: dict[str, int] = {}
         for message in messages:
             raw = None
             if message["role"] == "assistant":
-                raw = self._replies.get(message_key(message))
+                key = message_key(message)
+                texts = self._replies.get(key, ())
+                index = seen[key] = seen.get(key, -1) + 1
+                raw = texts[index] if index < len(texts) else None
             out.append(message if raw is None else {"role": "assistant", "content": raw})
         return out
 

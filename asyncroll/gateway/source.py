@@ -17,6 +17,7 @@ import random
 from collections.abc import Awaitable, Callable
 
 from asyncroll.agent_loop import Sample, ServerManager
+from asyncroll.gateway.chat import ChatRequestError
 from asyncroll.gateway.server import Gateway, GatewaySession
 from asyncroll.gateway.session import SessionResult
 from asyncroll.trainer import TrainSample
@@ -99,7 +100,11 @@ class GatewaySource:
         ]
 
     async def _episode(self, prompt: Sample) -> SessionResult | Exception:
-        session = self.gateway.open_session(data={"sample": prompt.data})
+        """One agent's session; any failure comes back as the exception (the group goes on)."""
+        try:
+            session = self.gateway.open_session(data={"sample": prompt.data})
+        except ChatRequestError as exc:  # too many sessions open
+            return exc
         returned: float | None = None
         error: Exception | None = None
         try:
@@ -107,11 +112,17 @@ class GatewaySource:
         except Exception as exc:
             error = exc
         finally:
-            result = await asyncio.shield(self.gateway.finish_session(session.id))
-        if error is not None:
-            return error
+            result = await asyncio.shield(self._finish(session.id))
+        if error is not None or isinstance(result, Exception):
+            return error or result
         reward = self.reward(prompt, result) if self.reward is not None else returned
         return SessionResult(session_id=result.session_id,
                              trajectories=tuple(t.with_reward(reward or 0.0)
                                                 for t in result.trajectories),
                              num_forks=result.num_forks, reward=reward, data=result.data)
+
+    async def _finish(self, session_id: str) -> SessionResult | Exception:
+        try:
+            return await self.gateway.finish_session(session_id)
+        except ChatRequestError as exc:  # the agent finished it itself: its data is gone
+            return exc

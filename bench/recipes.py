@@ -35,7 +35,7 @@ async def main(steps: int) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         model = make_tiny_model(Path(folder) / "policy", seed=0)
-        async with VLLMEngine.launch(model, max_model_len=128) as engine:
+        async with VLLMEngine.launch(model, max_model_len=128, skip_tokenizer_init=True) as engine:
             for name, (recipe, options, mode) in RECIPES.items():
                 trainer = ReferenceTrainer(model, threads=1)
                 async with AsyncServerManager([engine], resume_mode=mode) as manager:

@@ -296,7 +296,7 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model = make_tiny_model(Path(folder) / "m", seed=0)
         weights = load_file(str(model / "model.safetensors"))
-        async with VLLMEngine.launch(model, max_model_len=512) as engine:
+        async with VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True) as engine:
             await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
             gc.collect()
             gc.freeze()  # start-up's objects live forever: keep full collections off the loop

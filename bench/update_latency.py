@@ -51,7 +51,7 @@ def memcpy_gbps(nbytes: int) -> float:
 async def measure(path: Path, repeats: int) -> dict[str, float]:
     weights = load_file(str(path / "model.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    async with VLLMEngine.launch(path, max_model_len=512) as engine:
+    async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True) as engine:
         await engine.update_weights(weights, global_steps=1)  # connect, warm up
         reports = []
         for i in range(repeats):

@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -38,13 +39,15 @@ async def run_recipe(
     source: RolloutSource | SourceFactory | None = None,
     plot_path: str | None = None,
     metrics_port: int | None = None,
+    use_ray: bool = False,
     **options: object,
 ) -> tuple[list[StepRecord], float]:
     """Run ``recipe`` on CPU with a progress bar; print the per-step table; plot if asked.
 
     ``source`` makes the rollouts; by default the toy ``BandTask``, one sampled turn each. A
     ``SourceFactory`` makes it once the engine is up (e.g. to open a gateway in front of it).
-    ``metrics_port``: serve the manager's Prometheus metrics there (0: any free port)."""
+    ``metrics_port``: serve the manager's Prometheus metrics there (0: any free port).
+    ``use_ray``: start a local Ray cluster and put the engine in a Ray actor (``RayEngine``)."""
     task = BandTask()
     baseline = f"random policy {task.random_policy_reward:.3f}, " if source is None else ""
     source = source or BandTaskSource(task)
@@ -52,8 +55,9 @@ async def run_recipe(
         model = make_tiny_model(Path(folder) / "policy", seed=0)
         trainer = ReferenceTrainer(model)
         print("starting a vLLM CPU engine on a tiny random Qwen2 (20-40 s)...", flush=True)
+        launch = _ray_launch() if use_ray else VLLMEngine.launch
         async with (
-            VLLMEngine.launch(model, max_model_len=128) as engine,
+            launch(model, max_model_len=128, skip_tokenizer_init=True) as engine,
             AsyncServerManager([engine], resume_mode="abort") as manager,
             contextlib.AsyncExitStack() as stack,
         ):
@@ -85,10 +89,22 @@ async def run_recipe(
     return records, elapsed
 
 
+def _ray_launch() -> Callable[..., Any]:
+    import ray
+
+    from asyncroll.ray import RayEngine
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    print("started a local Ray cluster: the engine runs in a Ray actor", flush=True)
+    return RayEngine.launch
+
+
 def arguments(default_steps: int = 30) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=default_steps)
     parser.add_argument("--plot", default=None, help="write the reward/staleness/push plot here")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics on this localhost port (0: any free one)")
+    parser.add_argument("--ray", action="store_true",
+                        help="run the engine in an actor of a local Ray cluster (the ray extra)")
     return parser.parse_args()

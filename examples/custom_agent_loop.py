@@ -52,7 +52,7 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model = make_tiny_model(folder, seed=0)
         async with (
-            VLLMEngine.launch(model, max_model_len=512) as engine,
+            VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True) as engine,
             AsyncServerManager([engine]) as manager,
         ):
             samples = [Sample(prompt_ids=(2 + i, 3, 4)) for i in range(8)]

@@ -19,6 +19,6 @@ if __name__ == "__main__":
     uvloop.run(
         run_recipe(
             run_fully_async, "fully-async", steps=args.steps, plot_path=args.plot or "demo.png",
-            metrics_port=args.metrics_port, max_staleness=2,
+            metrics_port=args.metrics_port, use_ray=args.ray, max_staleness=2,
         )
     )

@@ -14,6 +14,6 @@ if __name__ == "__main__":
     args = arguments()
     uvloop.run(
         run_recipe(run_fully_async, "fully-async", steps=args.steps, plot_path=args.plot,
-                   metrics_port=args.metrics_port,
+                   metrics_port=args.metrics_port, use_ray=args.ray,
                    max_staleness=2)
     )

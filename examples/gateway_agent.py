@@ -67,5 +67,6 @@ if __name__ == "__main__":
     args = arguments(default_steps=40)
     uvloop.run(
         run_recipe(run_fully_async, "gateway agent", steps=args.steps, source=gateway_source,
-                   plot_path=args.plot, metrics_port=args.metrics_port, max_staleness=2)
+                   plot_path=args.plot, metrics_port=args.metrics_port, use_ray=args.ray,
+                   max_staleness=2)
     )

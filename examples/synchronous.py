@@ -20,6 +20,6 @@ if __name__ == "__main__":
     args = arguments()
     uvloop.run(
         run_recipe(run_synchronous, "synchronous", steps=args.steps, plot_path=args.plot,
-                   metrics_port=args.metrics_port,
+                   metrics_port=args.metrics_port, use_ray=args.ray,
                    hybrid=hybrid)
     )

@@ -21,13 +21,16 @@ PROMPT_PARAMS: dict[str, Any] = {"max_tokens": 8, "ignore_eos": True}
 ENGINE_ARGS: dict[str, Any] = {
     "max_model_len": 512,
     "dtype": "float32",
+    "skip_tokenizer_init": True,
     "worker_extension_cls": FAULTS_EXTENSION,
 }
 """How every test engine starts (with the fault-injection extension of asyncroll.testing.faults,
 for the tests that inject failures). float32, not the adapter's bf16 default: tests compare greedy
 outputs token for token across batches, resumes (a re-prefill computes the KV with other kernels
 than decoding did) and engines, and a random tiny model's logits have near-ties that bf16 rounding
-flips; float32 keeps the comparisons about our code, not about rounding."""
+flips; float32 keeps the comparisons about our code, not about rounding. No tokenizer: the tiny
+models carry one (for the gateway, which tokenizes in our process), the engines stay token-in,
+token-out."""
 
 FRESH_GREEDY: dict[str, list[tuple[int, ...]]] = {}
 """Greedy outputs of each model, recorded on its engine before any push reached it."""

@@ -1,0 +1,119 @@
+"""``RayEngine`` on a local Ray cluster started here: a vLLM CPU engine in a Ray actor.
+
+One actor for the module (an engine start costs tens of seconds); the last test kills it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, load_weights
+
+from asyncroll import AsyncServerManager, EngineDeadError, VLLMEngine, WeightPusher
+from asyncroll.testing.contract import ENGINE_CHECKS, UPDATE_CHECKS
+
+ray = pytest.importorskip("ray")
+
+from asyncroll.ray import RayEngine  # noqa: E402 - after the skip
+
+pytestmark = pytest.mark.engine
+
+PARAMS: dict[str, Any] = {"max_tokens": 48, "temperature": 1.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """A local Ray cluster; on the way out, nothing of it or of the pushes may be left."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    segments = set(glob.glob("/dev/shm/asyncroll-*"))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             namespace="asyncroll-tests")
+    yield ray
+    ray.shutdown()
+    left = [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"Ray left processes behind: {left}"
+    assert set(glob.glob("/dev/shm/asyncroll-*")) <= segments, "a push left shared memory"
+
+
+@pytest.fixture(scope="module")
+async def remote(cluster: Any, tiny_model_a: Path, engine: VLLMEngine
+                 ) -> AsyncIterator[RayEngine]:
+    """A Ray engine on model A (``engine``, the local one, recorded model A's greedy outputs)."""
+    started = await RayEngine.start(tiny_model_a, name="ray", **ENGINE_ARGS)
+    yield started
+    await started.aclose()
+
+
+@pytest.fixture(scope="module")
+async def pusher(remote: RayEngine) -> AsyncIterator[WeightPusher]:
+    updater = WeightPusher([remote])
+    yield updater
+    await updater.aclose()
+
+
+async def test_greedy_outputs_equal_a_local_engine_on_the_same_weights(remote: RayEngine
+                                                                       ) -> None:
+    assert await greedy(remote, "ray") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("check", ENGINE_CHECKS)
+async def test_ray_engine_keeps_the_engine_contract(remote: RayEngine, check: str) -> None:
+    await ENGINE_CHECKS[check](remote)
+    assert await remote.remote_unfinished() == 0
+
+
+@pytest.mark.parametrize("check", UPDATE_CHECKS)
+async def test_ray_engine_keeps_the_update_contract(
+    remote: RayEngine, pusher: WeightPusher, tiny_model_a: Path, check: str
+) -> None:
+    await UPDATE_CHECKS[check](remote, pusher, load_weights(tiny_model_a))
+    assert await greedy(remote, f"ray-after-{check}") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
+    remote: RayEngine, engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, mode: str
+) -> None:
+    weights_a, weights_b = load_weights(tiny_model_a), load_weights(tiny_model_b)
+    async with AsyncServerManager([engine, remote], resume_mode=mode) as manager:  # type: ignore[arg-type]
+        calls = [asyncio.ensure_future(manager.generate(f"mix-{mode}-{i}", prompt_ids=[5, i + 2],
+                                                        sampling_params=PARAMS))
+                 for i in range(8)]
+        steps = (manager.global_steps or 0) + 1
+        report = await manager.update_weights(weights_b, global_steps=steps)
+        outputs = await asyncio.gather(*calls)
+        assert set(report.deliveries) == {engine.name, remote.name}
+        assert {o.engines[0] for o in outputs} == {engine.name, remote.name}
+        for output in outputs:
+            assert len(output.token_ids) == 48
+            versions = [v for v in output.global_steps if v is not None]
+            assert versions == sorted(versions) and versions[-1] == steps
+        await manager.update_weights(weights_a, global_steps=steps + 1)
+    assert await greedy(remote, f"ray-back-{mode}") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
+
+
+async def test_a_killed_actor_is_dead_and_its_requests_finish_locally(
+    remote: RayEngine, engine: VLLMEngine
+) -> None:
+    """Last in the module: it kills the actor."""
+    async with AsyncServerManager([remote, engine]) as manager:  # type: ignore[list-item]
+        calls = [asyncio.ensure_future(manager.generate(
+            f"kill-{i}", prompt_ids=[7, i + 2], sampling_params={**PARAMS, "max_tokens": 200},
+            session_key=f"kill-{i}")) for i in range(4)]
+        while remote.statistics().in_flight < 1:  # noqa: ASYNC110 - a call reaches the actor
+            await asyncio.sleep(0.005)
+        ray.kill(remote.actor)
+        outputs = await asyncio.gather(*calls)
+        assert all(len(o.token_ids) == 200 for o in outputs)
+        moved = [o for o in outputs if o.engines[0] == remote.name]
+        assert moved and all(o.engines[-1] == engine.name for o in moved)
+        assert remote.is_dead and manager.statistics().num_engine_failovers >= len(moved)
+    with pytest.raises(EngineDeadError):
+        await remote.generate("after-death", prompt_ids=[5], sampling_params=PARAMS)

@@ -112,8 +112,7 @@ async def test_a_killed_actor_is_dead_and_its_requests_finish_locally(
         ray.kill(remote.actor)
         outputs = await asyncio.gather(*calls)
         assert all(len(o.token_ids) == 200 for o in outputs)
-        moved = [o for o in outputs if o.engines[0] == remote.name]
-        assert moved and all(o.engines[-1] == engine.name for o in moved)
-        assert remote.is_dead and manager.statistics().num_engine_failovers >= len(moved)
+        assert all(o.engines[-1] == engine.name for o in outputs)  # finished locally
+        assert remote.is_dead and manager.statistics().num_engine_failovers >= 1
     with pytest.raises(EngineDeadError):
         await remote.generate("after-death", prompt_ids=[5], sampling_params=PARAMS)

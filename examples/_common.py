@@ -94,8 +94,9 @@ def _ray_launch() -> Callable[..., Any]:
 
     from asyncroll.ray import RayEngine
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    print("started a local Ray cluster: the engine runs in a Ray actor", flush=True)
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        print("started a local Ray cluster: the engine runs in a Ray actor", flush=True)
     return RayEngine.launch
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
-from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, load_weights
+from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, load_weights, until_decoding
 
 from asyncroll import AsyncServerManager, EngineDeadError, VLLMEngine, WeightPusher
 from asyncroll.testing.contract import ENGINE_CHECKS, UPDATE_CHECKS
@@ -36,8 +36,8 @@ def cluster() -> Iterator[Any]:
              namespace="asyncroll-tests")
     yield ray
     ray.shutdown()
-    left = [p for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, left = psutil.wait_procs(started, timeout=60)  # exiting processes get time, not a pass
     assert not left, f"Ray left processes behind: {left}"
     assert set(glob.glob("/dev/shm/asyncroll-*")) <= segments, "a push left shared memory"
 
@@ -83,18 +83,24 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
 ) -> None:
     weights_a, weights_b = load_weights(tiny_model_a), load_weights(tiny_model_b)
     async with AsyncServerManager([engine, remote], resume_mode=mode) as manager:  # type: ignore[arg-type]
-        calls = [asyncio.ensure_future(manager.generate(f"mix-{mode}-{i}", prompt_ids=[5, i + 2],
-                                                        sampling_params=PARAMS))
-                 for i in range(8)]
+        calls = [asyncio.ensure_future(manager.generate(
+            f"mix-{mode}-{i}", prompt_ids=[5, i + 2],
+            sampling_params={**PARAMS, "max_tokens": 200})) for i in range(8)]
+        await until_decoding(manager, 8)  # every call is inside an engine, both engines busy
         steps = (manager.global_steps or 0) + 1
         report = await manager.update_weights(weights_b, global_steps=steps)
         outputs = await asyncio.gather(*calls)
         assert set(report.deliveries) == {engine.name, remote.name}
         assert {o.engines[0] for o in outputs} == {engine.name, remote.name}
+        spanning = 0
         for output in outputs:
-            assert len(output.token_ids) == 48
+            assert len(output.token_ids) == 200
             versions = [v for v in output.global_steps if v is not None]
-            assert versions == sorted(versions) and versions[-1] == steps
+            assert versions == sorted(versions) and versions[-1] in (steps - 1, steps)
+            spanning += versions[0] < steps == versions[-1]
+        assert spanning, "the update landed inside no call"
+        if mode == "abort":
+            assert any(o.num_preempted for o in outputs)
         await manager.update_weights(weights_a, global_steps=steps + 1)
     assert await greedy(remote, f"ray-back-{mode}") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
 
@@ -110,6 +116,8 @@ async def test_a_killed_actor_is_dead_and_its_requests_finish_locally(
         while remote.statistics().in_flight < 1:  # noqa: ASYNC110 - a call reaches the actor
             await asyncio.sleep(0.005)
         ray.kill(remote.actor)
+        await remote.wait_dead()  # seen by the engine's watch, whatever the calls do
+        assert remote.is_dead
         outputs = await asyncio.gather(*calls)
         assert all(len(o.token_ids) == 200 for o in outputs)
         assert all(o.engines[-1] == engine.name for o in outputs)  # finished locally

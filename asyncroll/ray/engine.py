@@ -31,7 +31,11 @@ import torch
 from asyncroll.errors import EngineDeadError, EngineSleepingError
 from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment
 
-__all__ = ["EngineHost", "RayEngine"]
+__all__ = ["CANCEL_WAIT_S", "EngineHost", "RayEngine"]
+
+CANCEL_WAIT_S = 30.0
+"""How long a cancelled call waits for the actor to confirm the call ended (a process
+boundary's deadline; past it the cancellation goes on regardless)."""
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ class EngineHost:
 
     def __init__(self) -> None:
         self.engine: Any = None
+        self._closed = asyncio.Event()
 
     async def start(self, model_path: str, name: str, global_steps: int | None,
                     engine_args: dict[str, Any]) -> dict[str, Any]:
@@ -60,18 +65,38 @@ class EngineHost:
                                                       sampling_params=sampling_params)
         return segment
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """An async method of the engine."""
-        return await getattr(self.engine, method)(*args, **kwargs)
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        """An async method of the engine; its result and the engine's state after it."""
+        return await getattr(self.engine, method)(*args, **kwargs), self.state()
 
-    def call_sync(self, method: str, *args: Any) -> Any:
+    def call_sync(self, method: str, *args: Any) -> tuple[Any, dict[str, Any]]:
         """A plain method of the engine (``hold``, ``release_hold``, ``statistics``)."""
-        return getattr(self.engine, method)(*args)
+        return getattr(self.engine, method)(*args), self.state()
 
-    async def attach(self, config: dict[str, Any]) -> None:
+    async def attach(self, config: dict[str, Any]) -> tuple[None, dict[str, Any]]:
         await self.engine.attach(config, owner=self)
+        return None, self.state()
+
+    def state(self) -> dict[str, Any]:
+        """What the proxy mirrors, read from the engine."""
+        engine = self.engine
+        stats = engine.statistics()
+        try:
+            engine.check_weights_awake()
+            weights_asleep = False
+        except Exception:
+            weights_asleep = True
+        return {"paused": stats.paused, "asleep": stats.asleep, "holding": stats.holding,
+                "weights_asleep": weights_asleep, "global_steps": engine.global_steps,
+                "dead": engine.is_dead}
+
+    async def wait_closed(self) -> None:
+        """Returns when the engine is closed; the proxy keeps one pending to see the actor
+        die (the call then fails with Ray's actor error)."""
+        await self._closed.wait()
 
     async def aclose(self) -> None:
+        self._closed.set()
         if self.engine is not None:
             await self.engine.aclose()
 
@@ -111,6 +136,8 @@ class RayEngine:
         self._num_requests = 0
         self._num_aborted = 0
         self._num_rejected = 0
+        self._actor_gone = False
+        self._watch: asyncio.Future[None] | None = None
         self._gate = asyncio.Event()
         """Open while requests may enter (not paused, asleep or holding), as the actor's engine
         gates admission; mirrored here so that ``in_flight`` counts admitted requests."""
@@ -154,7 +181,7 @@ class RayEngine:
         if not ray.is_initialized():
             raise RuntimeError("RayEngine needs a Ray cluster: call ray.init() first")
         name = name or f"ray-engine-{os.urandom(3).hex()}"
-        options = {"num_cpus": 0, "max_concurrency": 1000, **(actor_options or {})}
+        options = {"num_cpus": 0, "max_concurrency": 100_000, **(actor_options or {})}
         host: Any = ray.remote(EngineHost)
         actor = host.options(**options).remote()
         try:
@@ -164,6 +191,7 @@ class RayEngine:
             ray.kill(actor)
             raise
         engine = cls(actor, info, name=name, global_steps=global_steps)
+        engine._watch = asyncio.ensure_future(engine._watch_actor())
         logger.info("started %r", engine)
         return engine
 
@@ -213,13 +241,19 @@ class RayEngine:
 
     async def remote_statistics(self) -> EngineStatistics:
         """The actor's engine's own statistics."""
-        stats: EngineStatistics = await self._remote(self.actor.call_sync.remote("statistics"))
+        stats: EngineStatistics = await self._call_sync("statistics")
         return stats
 
     async def remote_unfinished(self) -> int:
         """Requests the actor's vLLM still tracks (0 once aborts have landed)."""
-        count: int = await self._remote(self.actor.call_sync.remote("num_unfinished_in_vllm"))
+        count: int = await self._call_sync("num_unfinished_in_vllm")
         return count
+
+    async def wait_dead(self) -> None:
+        """Return once the actor is gone (killed, its node lost) or the engine closed; the
+        engine notices a death this way even while no call is running."""
+        if self._watch is not None:
+            await asyncio.shield(self._watch)
 
     def check_weights_awake(self) -> None:
         self._check_alive()
@@ -238,12 +272,9 @@ class RayEngine:
         self._in_flight += 1
         self._num_requests += 1
         try:
-            ref = self.actor.generate.remote(request_id, prompt_ids, sampling_params)
-            try:
-                segment: Segment = await self._remote(ref)
-            except asyncio.CancelledError:
-                await _cancelled(ref)
-                raise
+            await self._sent()
+            segment: Segment = await self._await(
+                self.actor.generate.remote(request_id, prompt_ids, sampling_params))
         except EngineDeadError:
             raise
         except ValueError:
@@ -258,17 +289,14 @@ class RayEngine:
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if ids and not self.is_dead:
-            await self._remote(self.actor.call.remote("abort", ids))
+            await self._call("abort", ids)
 
     async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
-        self._paused = True
-        self._gate.clear()
-        await self._remote(self.actor.call.remote("pause", mode, clear_cache=clear_cache))
+        self._check_alive()
+        await self._call("pause", mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
-        await self._remote(self.actor.call.remote("resume"))
-        self._paused = False
-        self._open_gate_if_ready()
+        await self._call("resume")
 
     async def aclose(self) -> None:
         """Close the actor's engine, then end the actor. Idempotent."""
@@ -278,70 +306,150 @@ class RayEngine:
         self._gate.set()  # waiters wake and find the engine closed
         import ray
 
-        if self._dead is None:
-            with contextlib.suppress(Exception):
-                await _unwrapped(self.actor.aclose.remote())
-        ray.kill(self.actor)
-        for pending in list(self._pending):
-            pending.cancel()
-        logger.info("closed %s", self.name)
+        try:
+            if not self._actor_gone:
+                with contextlib.suppress(Exception):
+                    await _unwrapped(self.actor.aclose.remote())
+        finally:
+            ray.kill(self.actor)
+            for pending in [*self._pending, *([self._watch] if self._watch else [])]:
+                pending.cancel()
+            logger.info("closed %s", self.name)
 
     # -- UpdatableEngine and ReceivingEngine ---------------------------------------------------
 
     async def sleep(self, level: int = 1, *, mode: PauseMode = "abort") -> None:
-        self._gate.clear()
-        self._asleep = self._asleep_weights = True
-        await self._remote(self.actor.call.remote("sleep", level, mode=mode))
+        self._check_alive()
+        await self._call("sleep", level, mode=mode)
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        await self._remote(self.actor.call.remote("wake_up", list(tags) if tags else tags))
-        stats = await self.remote_statistics()
-        self._asleep = stats.asleep
-        if tags is None or "weights" in tags:
-            self._asleep_weights = False
-        self._open_gate_if_ready()
+        await self._call("wake_up", list(tags) if tags is not None else None)
 
     def hold(self, reason: str) -> None:
         self._holding = reason
         self._gate.clear()
-        self._fire(self.actor.call_sync.remote("hold", reason))
+        self._fire("hold", reason)
 
     def release_hold(self) -> None:
         self._holding = None
-        self._fire(self.actor.call_sync.remote("release_hold"))
+        self._fire("release_hold")
         self._open_gate_if_ready()
 
     async def commit_version(self, global_steps: int | None) -> None:
-        await self._remote(self.actor.call.remote("commit_version", global_steps))
-        if global_steps is not None:
-            self._global_steps = global_steps
+        await self._call("commit_version", global_steps)
 
     async def reset_prefix_cache(self) -> None:
-        await self._remote(self.actor.call.remote("reset_prefix_cache"))
+        await self._call("reset_prefix_cache")
 
     async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
-        await self._remote(self.actor.attach.remote(dict(config)))
+        await self._sent()
+        self._mirror(await self._await(self.actor.attach.remote(dict(config))))
         self._attached_to = owner
 
     async def detach(self) -> None:
         self._attached_to = None
-        await self._remote(self.actor.call.remote("detach"))
+        await self._call("detach")
 
     async def begin_update(self, *, load: str) -> None:
-        await self._remote(self.actor.call.remote("begin_update", load=load))
+        await self._call("begin_update", load=load)
 
     async def receive(self, version: int) -> None:
-        await self._remote(self.actor.call.remote("receive", version))
+        await self._call("receive", version)
 
     async def end_failed_update(self) -> bool:
-        whole: bool = await self._remote(self.actor.call.remote("end_failed_update"))
+        whole: bool = await self._call("end_failed_update")
         return whole
 
     async def last_delivery(self) -> Delivery | None:
-        delivery: Delivery | None = await self._remote(self.actor.call.remote("last_delivery"))
+        delivery: Delivery | None = await self._call("last_delivery")
         return delivery
 
     # -- internals -------------------------------------------------------------------------
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """An async method of the actor's engine, after every call sent before it; the
+        mirrored state follows the engine's, whether the call succeeded or not."""
+        await self._sent()
+        try:
+            return self._mirror(await self._await(self.actor.call.remote(method, *args,
+                                                                         **kwargs)))
+        except EngineDeadError:
+            raise
+        except Exception:
+            await self._resync()
+            raise
+
+    async def _call_sync(self, method: str, *args: Any) -> Any:
+        await self._sent()
+        return self._mirror(await self._await(self.actor.call_sync.remote(method, *args)))
+
+    def _mirror(self, reply: tuple[Any, dict[str, Any]]) -> Any:
+        result, state = reply
+        self._paused = state["paused"]
+        self._asleep = state["asleep"]
+        self._asleep_weights = state["weights_asleep"]
+        self._global_steps = state["global_steps"]
+        if not state["holding"]:
+            self._holding = None
+        elif self._holding is None:
+            self._holding = "held in the actor"
+        if state["dead"]:
+            self._died(EngineDeadError(f"{self.name}: the actor's engine is dead"))
+        if self._gate.is_set() and (self._paused or self._asleep or self._holding):
+            self._gate.clear()
+        self._open_gate_if_ready()
+        return result
+
+    async def _resync(self) -> None:
+        """After a failed call: read the engine's state again (best effort)."""
+        with contextlib.suppress(Exception):
+            self._mirror((None, await self._await(self.actor.state.remote())))
+
+    async def _sent(self) -> None:
+        """Wait for the fire-and-forget calls (``hold``, ``release_hold``) sent before: Ray
+        may run an async actor's calls out of order, so a later call must not overtake them."""
+        while self._pending:
+            await asyncio.wait(list(self._pending))
+
+    async def _await(self, ref: Any) -> Any:
+        """Await an actor call; cancelling the caller cancels the call in the actor."""
+        self._check_alive()
+        try:
+            return await _unwrapped(ref)
+        except asyncio.CancelledError:
+            await _cancelled(ref)
+            raise
+        except EngineDeadError as exc:
+            self._died(exc)
+            raise
+
+    def _died(self, exc: BaseException) -> None:
+        if self._dead is None:
+            self._dead = exc
+            logger.warning("%s is dead: %s", self.name, exc)
+        self._gate.set()  # waiters wake and find the engine dead
+
+    def _fire(self, method: str, *args: Any) -> None:
+        """Send a call whose result nobody awaits; later calls wait for it (``_sent``)."""
+        future = asyncio.ensure_future(self._await(self.actor.call_sync.remote(method, *args)))
+        self._pending.add(future)
+        future.add_done_callback(self._fired)
+
+    def _fired(self, future: asyncio.Future[Any]) -> None:
+        self._pending.discard(future)
+        if future.cancelled() or future.exception() is None:
+            if not future.cancelled():
+                self._mirror(future.result())
+            return
+        logger.warning("%s: a background call failed: %r", self.name, future.exception())
+
+    async def _watch_actor(self) -> None:
+        """Pending for the actor's life: its death marks the engine dead even while idle."""
+        with contextlib.suppress(EngineDeadError):
+            await _unwrapped(self.actor.wait_closed.remote())
+        if not self._closed:
+            self._actor_gone = True
+            self._died(EngineDeadError(f"{self.name}: its Ray actor is gone"))
 
     def _open_gate_if_ready(self) -> None:
         if not self._paused and not self._asleep and self._holding is None:
@@ -353,35 +461,18 @@ class RayEngine:
         if self._dead is not None:
             raise EngineDeadError(f"{self.name} is dead: its actor is gone") from self._dead
 
-    async def _remote(self, ref: Awaitable[Any]) -> Any:
-        self._check_alive()
-        try:
-            return await _unwrapped(ref)
-        except EngineDeadError as exc:
-            self._dead = exc
-            raise
-
-    def _fire(self, ref: Any) -> None:
-        """Send a call whose result nobody awaits; its failure is logged, not lost."""
-        future = asyncio.ensure_future(_unwrapped(ref))
-        self._pending.add(future)
-        future.add_done_callback(self._fired)
-
-    def _fired(self, future: asyncio.Future[Any]) -> None:
-        self._pending.discard(future)
-        if not future.cancelled() and future.exception() is not None:
-            logger.warning("%s: a background call failed: %r", self.name, future.exception())
-
 
 async def _cancelled(ref: Any) -> None:
-    """Cancel an actor call (its engine aborts the request) and wait until it has ended, so
-    its request id is free again when the caller's cancellation goes on."""
+    """Cancel an actor call (a generate's engine aborts its request) and wait, a bounded
+    time, until it has ended, so its request id is free again when the cancellation goes on.
+    Never raises: the caller re-raises its ``CancelledError``."""
     import ray
 
-    ray.cancel(ref)
+    with contextlib.suppress(Exception):
+        ray.cancel(ref)
     ended = asyncio.ensure_future(_settled(ref))
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.shield(ended)
+    with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+        await asyncio.wait_for(asyncio.shield(ended), CANCEL_WAIT_S)
 
 
 async def _settled(ref: Any) -> None:

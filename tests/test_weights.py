@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 import psutil
@@ -295,6 +296,10 @@ async def test_an_update_said_to_change_the_weights_warns_when_it_does_not(
             await manager.update_weights(a, global_steps=steps + 1, changed=True)
             await manager.update_weights(a, global_steps=steps + 2)  # not compared
             await manager.update_weights(a, global_steps=steps + 3, changed=True)
+        # pytest.warns records every warning in its block and re-raises the others: collect
+        # garbage earlier tests left first, so an unclosed resource's ResourceWarning from a
+        # finaliser cannot land inside it.
+        gc.collect()
         with pytest.warns(UnchangedWeightsWarning, match=r"all \d+ tensors pushed equal"):
             await manager.update_weights(
                 {name: t.clone() for name, t in a.items()}, global_steps=steps + 4, changed=True

@@ -108,7 +108,7 @@ def _turn(session: Session, messages: list[dict[str, Any]], generated: str, step
     renderer = session.renderer
     turn = session.prepare(messages, None)
     output = _output([*renderer.encode(generated), 1], steps)
-    reply = assistant_reply(session.generated_text(output.token_ids), tools=False)
+    reply = assistant_reply(session.reply_text(output.token_ids), tools=False)
     session.commit(turn, output, reply, seconds=0.0)
     return reply.message()
 
@@ -198,3 +198,18 @@ def test_two_replies_that_read_the_same_keep_their_own_tokens(model: Path) -> No
     assert not prepared.fork
     text = session.renderer.decode(prepared.prompt_ids)
     assert text.index("<think>a</think>") < text.index("<think>b</think>")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"model": ""}, {"model": "m", "max_sessions": 0}, {"model": "m", "max_sessions": True},
+     {"model": "m", "auto_session_idle_s": -1}],
+)
+def test_a_gateway_refuses_bad_options(model: Path, options: dict[str, Any]) -> None:
+    from asyncroll import AsyncServerManager, InvalidRequestError
+    from asyncroll.gateway import Gateway
+    from asyncroll.testing import FakeEngine
+
+    manager = AsyncServerManager([FakeEngine()])
+    with pytest.raises(InvalidRequestError):
+        Gateway(manager, HFChatRenderer(model), **options)

@@ -27,6 +27,16 @@ pytestmark = pytest.mark.engine
 PARAMS: dict[str, Any] = {"max_tokens": 48, "temperature": 1.0, "ignore_eos": True}
 
 
+async def test_without_a_ray_cluster_start_is_a_typed_error(tiny_model_a: Path) -> None:
+    """First in the module, before its cluster starts."""
+    from asyncroll import EngineStartError
+
+    if ray.is_initialized():
+        pytest.skip("a cluster is up already")
+    with pytest.raises(EngineStartError, match=r"ray\.init"):
+        await RayEngine.start(tiny_model_a)
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     """A local Ray cluster; on the way out, nothing of it or of the pushes may be left."""
@@ -124,3 +134,4 @@ async def test_a_killed_actor_is_dead_and_its_requests_finish_locally(
         assert remote.is_dead and manager.statistics().num_engine_failovers >= 1
     with pytest.raises(EngineDeadError):
         await remote.generate("after-death", prompt_ids=[5], sampling_params=PARAMS)
+

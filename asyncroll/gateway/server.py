@@ -143,8 +143,14 @@ class Gateway:
             auto_session_idle_s: A session the gateway opened for a request that named none
                 is dropped once it has been idle this long (checked when another opens).
         """
-        if not model:
-            raise InvalidRequestError("the gateway needs a model name")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequestError(f"the gateway needs a model name, not {model!r}")
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) \
+                or max_sessions < 1:
+            raise InvalidRequestError(f"max_sessions must be a positive int, not {max_sessions!r}")
+        if not isinstance(auto_session_idle_s, int | float) or not auto_session_idle_s > 0:
+            raise InvalidRequestError(
+                f"auto_session_idle_s must be a positive number, not {auto_session_idle_s!r}")
         self.manager = manager
         self.renderer = renderer
         self.model = model
@@ -281,7 +287,7 @@ class Gateway:
                 raise
             except InvalidRequestError as exc:
                 raise ChatRequestError(str(exc)) from exc
-            reply = self._parse_reply(session.generated_text(output.token_ids),
+            reply = self._parse_reply(session.reply_text(output.token_ids),
                                       tools=bool(request.tools))
             session.commit(turn, output, reply, seconds=time.perf_counter() - started)
         self._counts.turns += 1

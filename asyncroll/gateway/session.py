@@ -163,9 +163,9 @@ class Session:
         elif turn.suffix_ids:
             current.response.add_environment(turn.suffix_ids)
             current.text = turn.rendered
-        generated = self._generated_text(output.token_ids)
+        reply_text, end = self._split(output.token_ids)
         current.response.add_model(output)
-        current.text += generated
+        current.text += reply_text + end
         current.num_turns += 1
         current.stop_reason = _STOP_REASONS.get(output.finish_reason, "stop")
         current.generate_time_s += seconds
@@ -173,13 +173,13 @@ class Session:
         current.num_tool_calls += len(reply.tool_calls)
         current.num_cached_tokens += output.num_cached_tokens
         key = message_key(reply.message())
-        self._replies.setdefault(key, []).append(self._without_eos(output.token_ids))
+        self._replies.setdefault(key, []).append(reply_text)
         self.last_used = time.monotonic()
         self.num_turns += 1
 
-    def generated_text(self, token_ids: Sequence[int]) -> str:
+    def reply_text(self, token_ids: Sequence[int]) -> str:
         """A turn's text without its end-of-turn token, as the reply is parsed from."""
-        return self._without_eos(token_ids)
+        return self._split(token_ids)[0]
 
     def result(self, reward: float | None) -> SessionResult:
         trajectories = [*self._finished, *([self._current] if self._current else [])]
@@ -202,13 +202,9 @@ class Session:
             out.append(message if raw is None else {"role": "assistant", "content": raw})
         return out
 
-    def _generated_text(self, token_ids: Sequence[int]) -> str:
-        """The text ``token_ids`` stand for, consistent with ``_without_eos``."""
+    def _split(self, token_ids: Sequence[int]) -> tuple[str, str]:
+        """A turn's text without its end-of-turn token, and that token's text ("" if the turn
+        did not end with one): together exactly the text its tokens stand for."""
         if token_ids and token_ids[-1] in self.renderer.eos_token_ids:
-            return self._without_eos(token_ids) + self.renderer.decode(token_ids[-1:])
-        return self.renderer.decode(token_ids)
-
-    def _without_eos(self, token_ids: Sequence[int]) -> str:
-        if token_ids and token_ids[-1] in self.renderer.eos_token_ids:
-            token_ids = token_ids[:-1]
-        return self.renderer.decode(token_ids)
+            return self.renderer.decode(token_ids[:-1]), self.renderer.decode(token_ids[-1:])
+        return self.renderer.decode(token_ids), ""

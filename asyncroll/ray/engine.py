@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from asyncroll.errors import EngineDeadError, EngineSleepingError
+from asyncroll.errors import EngineDeadError, EngineSleepingError, EngineStartError
 from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment
 
 __all__ = ["CANCEL_WAIT_S", "EngineHost", "RayEngine"]
@@ -174,12 +174,12 @@ class RayEngine:
 
         Raises:
             EngineStartError: vLLM could not start in the actor (the actor is killed).
-            RuntimeError: Ray is not initialised (``ray.init()`` first).
+            EngineStartError: also where Ray is not initialised (``ray.init()`` first).
         """
         import ray
 
         if not ray.is_initialized():
-            raise RuntimeError("RayEngine needs a Ray cluster: call ray.init() first")
+            raise EngineStartError("RayEngine needs a Ray cluster: call ray.init() first")
         name = name or f"ray-engine-{os.urandom(3).hex()}"
         options = {"num_cpus": 0, "max_concurrency": 100_000, **(actor_options or {})}
         host: Any = ray.remote(EngineHost)

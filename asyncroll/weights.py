@@ -47,6 +47,7 @@ from asyncroll.interfaces import (
     WeightChannel,
 )
 from asyncroll.transport import CudaIpcBackend, PushReport, ShmBackend, WeightSender
+from asyncroll.transport.broadcast import BroadcastSender, open_broadcast_sender
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
 
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-DEFAULT_BUCKET_BYTES = {"shm": 64 << 20, "cuda_ipc": 512 << 20}
+DEFAULT_BUCKET_BYTES = {"shm": 64 << 20, "cuda_ipc": 512 << 20, "broadcast": 512 << 20}
 """Staging-buffer size by backend: 64 MiB saturates a CPU memcpy; on a GPU a bucket has a fixed
 cost of about half a millisecond (a round trip with Python on both ends), so buckets are larger
 (docs/benchmarks.md: 512 MiB reaches 1.5-3x the rate of 128 MiB on an H100)."""
@@ -250,7 +251,7 @@ class SenderChannel:
         *,
         bucket_bytes: int | None = None,
         buffers: int = 2,
-        backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
+        backend: Literal["auto", "shm", "cuda_ipc", "broadcast"] = "auto",
         backup: bool | None = None,
         timeout: float = 120.0,
         load: Literal["auto", "layerwise", "direct"] = "auto",
@@ -260,8 +261,12 @@ class SenderChannel:
         strict_dtype: bool = False,
         verify: bool = True,
     ) -> None:
-        if backend not in ("auto", "shm", "cuda_ipc"):
-            raise InvalidRequestError(f"backend must be auto, shm or cuda_ipc, not {backend!r}")
+        if backend not in ("auto", "shm", "cuda_ipc", "broadcast"):
+            raise InvalidRequestError(
+                f"backend must be auto, shm, cuda_ipc or broadcast, not {backend!r}"
+            )
+        if backend == "broadcast" and one_copy:
+            raise InvalidRequestError("one_copy=True reads through CUDA IPC: not with broadcast")
         if load not in ("auto", "layerwise", "direct"):
             raise InvalidRequestError(f"load must be auto, layerwise or direct, not {load!r}")
         for option, value in (("load_plan", load_plan), ("one_copy", one_copy), ("verify", verify)):
@@ -288,14 +293,14 @@ class SenderChannel:
         """Of the tensors last checked: they travel with the push that follows."""
         self._schemas: dict[str, Schema | None] = {}
         self._stack: contextlib.AsyncExitStack | None = None
-        self._sender: WeightSender | None = None
+        self._sender: WeightSender | BroadcastSender | None = None
         self._attached: list[ReceivingEngine] = []
 
     def __repr__(self) -> str:
         return f"<SenderChannel sender={self._sender!r}>"
 
     @property
-    def sender(self) -> WeightSender | None:
+    def sender(self) -> WeightSender | BroadcastSender | None:
         return self._sender
 
     @property
@@ -342,7 +347,14 @@ class SenderChannel:
         self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
     ) -> PushReport:
         sender = await self._connected(engines, tensors)
-        return await self._transfer(engines, sender, tensors, version)
+        try:
+            return await self._transfer(engines, sender, tensors, version)
+        except BaseException:
+            if isinstance(sender, BroadcastSender):
+                # A collective some rank never joined cannot be called off: close the group
+                # (every rank's pending operation fails now) and form it again next push.
+                sender.close()
+            raise
 
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         """End the update in every engine's workers; the names of engines left holding."""
@@ -383,7 +395,7 @@ class SenderChannel:
     async def _transfer(
         self,
         engines: Sequence[ReceivingEngine],
-        sender: WeightSender,
+        sender: WeightSender | BroadcastSender,
         tensors: Mapping[str, torch.Tensor],
         version: int,
     ) -> PushReport:
@@ -414,14 +426,17 @@ class SenderChannel:
 
     async def _connected(
         self, engines: Sequence[ReceivingEngine], tensors: Mapping[str, torch.Tensor]
-    ) -> WeightSender:
+    ) -> WeightSender | BroadcastSender:
         """The sender, attached to the workers of exactly ``engines``. An engine holds one
         receiver: if another channel attached to it since, this one attaches again."""
         if self._sender is not None:
             same = [e.name for e in engines] == [e.name for e in self._attached]
-            if same and all(engine.attached_to is self for engine in engines):
+            broken = isinstance(self._sender, BroadcastSender) and self._sender.group.closed
+            if same and not broken and all(engine.attached_to is self for engine in engines):
                 return self._sender
             await self.aclose()
+        if self._backend_name == "broadcast":
+            return await self._joined(engines, tensors)
         on_gpu = any(t.is_cuda for t in tensors.values())
         use_cuda = self._backend_name == "cuda_ipc" or (self._backend_name == "auto" and on_gpu)
         backend = CudaIpcBackend(next(iter(tensors.values())).device) if use_cuda else ShmBackend()
@@ -457,6 +472,54 @@ class SenderChannel:
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
 
+    def _worker_config(self) -> dict[str, Any]:
+        backup = (not torch.cuda.is_available()) if self._backup is None else self._backup
+        return {"backup": backup, "load": self._load, "plan": self._load_plan}
+
+    async def _joined(
+        self, engines: Sequence[ReceivingEngine], tensors: Mapping[str, torch.Tensor]
+    ) -> BroadcastSender:
+        """A push group: rank 0 here (on the tensors' device), then every worker of every
+        engine, each engine's ranks in a row; where it meets is this host's routable address
+        and a port bound here, so engines on other hosts (a Ray placement) need no setup."""
+        first = next(iter(tensors.values()))
+        device = first.device if first.is_cuda else torch.device("cpu")
+
+        async def join(config: dict[str, Any]) -> None:
+            common = {
+                **config,
+                **self._worker_config(),
+                "address": "",
+                "nonce": "",
+                "secret": "",
+                "timeout_ms": int(self._timeout * 1000),
+            }
+            offsets = itertools.accumulate((e.num_workers for e in engines), initial=1)
+            await asyncio.gather(*(
+                e.attach({**common, "rank_offset": offset}, owner=self)
+                for e, offset in zip(engines, offsets, strict=False)
+            ))
+
+        stack = contextlib.AsyncExitStack()
+        try:
+            sender = await stack.enter_async_context(
+                open_broadcast_sender(
+                    receivers=sum(e.num_workers for e in engines),
+                    device=device,
+                    join=join,
+                    bucket_bytes=self._bucket_bytes or DEFAULT_BUCKET_BYTES["broadcast"],
+                    buffers=self._buffers,
+                    peer_timeout=self._timeout,
+                )
+            )
+        except BaseException as exc:
+            await stack.aclose()
+            if isinstance(exc, Exception):
+                raise WeightSyncError(f"engines could not join the push group: {exc}") from exc
+            raise
+        self._stack, self._sender, self._attached = stack, sender, list(engines)
+        return sender
+
 
 class WeightPusher(VersionedUpdater):
     """Pushes a trainer's named tensors into a set of engines at once (``VLLMEngine`` or any
@@ -468,7 +531,7 @@ class WeightPusher(VersionedUpdater):
         *,
         bucket_bytes: int | None = None,
         buffers: int = 2,
-        backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
+        backend: Literal["auto", "shm", "cuda_ipc", "broadcast"] = "auto",
         backup: bool | None = None,
         timeout: float = 120.0,
         load: Literal["auto", "layerwise", "direct"] = "auto",
@@ -484,7 +547,11 @@ class WeightPusher(VersionedUpdater):
                 ``DEFAULT_BUCKET_BYTES``).
             buffers: Staging buffers: 2 (double buffering) by default; 3 keeps the device
                 busy while a bucket's signal and ack travel (``bench/gpu_e2e.py`` compares).
-            backend: ``shm`` (CPU tensors), ``cuda_ipc`` (GPU tensors), or by the tensors.
+            backend: ``shm`` (CPU tensors), ``cuda_ipc`` (GPU tensors), or by the tensors
+                (``auto``): engines on this host. ``broadcast``: engines on any host (Ray
+                actors on other nodes): a process group of this process (rank 0) and every
+                worker, NCCL between GPUs, gloo on CPU (``asyncroll.transport.broadcast``),
+                formed at the first push from this host's address and a port it binds.
             backup: Keep a copy of the weights during a push so a failed push restores them
                 (default: on for CPU machines, off with CUDA where it would double memory).
             timeout: Bound on every wait for a peer.
@@ -533,7 +600,7 @@ class WeightPusher(VersionedUpdater):
         return f"<WeightPusher engines={names} sender={self._sender_channel.sender!r}>"
 
     @property
-    def sender(self) -> WeightSender | None:
+    def sender(self) -> WeightSender | BroadcastSender | None:
         return self._sender_channel.sender
 
     @property

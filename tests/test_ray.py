@@ -97,6 +97,7 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
             f"mix-{mode}-{i}", prompt_ids=[5, i + 2],
             sampling_params={**PARAMS, "max_tokens": 200})) for i in range(8)]
         await until_decoding(manager, 8)  # every call is inside an engine, both engines busy
+        before = {engine.global_steps, remote.global_steps}  # (they may differ)
         steps = (manager.global_steps or 0) + 1
         report = await manager.update_weights(weights_b, global_steps=steps)
         outputs = await asyncio.gather(*calls)
@@ -106,13 +107,81 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
         for output in outputs:
             assert len(output.token_ids) == 200
             versions = [v for v in output.global_steps if v is not None]
-            assert versions == sorted(versions) and versions[-1] in (steps - 1, steps)
+            assert versions == sorted(versions) and versions[-1] in before | {steps}
             spanning += versions[0] < steps == versions[-1]
         assert spanning, "the update landed inside no call"
         if mode == "abort":
             assert any(o.num_preempted for o in outputs)
         await manager.update_weights(weights_a, global_steps=steps + 1)
     assert await greedy(remote, f"ray-back-{mode}") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+async def broadcaster(remote: RayEngine, engine: VLLMEngine) -> AsyncIterator[WeightPusher]:
+    """Pushes over the broadcast transport (gloo here) into the Ray engine and the local one:
+    the group forms from this host's address, whatever host the actor is on."""
+    updater = WeightPusher([remote, engine], backend="broadcast", bucket_bytes=256 << 10)
+    yield updater
+    await updater.aclose()
+
+
+async def test_a_broadcast_push_into_ray_and_local_engines_is_token_exact(
+    remote: RayEngine, engine: VLLMEngine, broadcaster: WeightPusher, tiny_model_a: Path,
+    tiny_model_b: Path,
+) -> None:
+    """Against model B's greedy outputs as the staged transport delivers it (token-exact with
+    a fresh engine on B: tests/test_engine.py), and a fresh engine's where one ran."""
+    steps = max(remote.global_steps or 0, engine.global_steps or 0) + 1
+    staged = WeightPusher([engine])
+    try:
+        await staged.update(load_weights(tiny_model_b), global_steps=steps)
+        expected_b = await greedy(engine, "staged-b")
+        await staged.update(load_weights(tiny_model_a), global_steps=steps + 1)
+    finally:
+        await staged.aclose()
+    assert expected_b != FRESH_GREEDY["a"] and expected_b == FRESH_GREEDY.get("b", expected_b)
+    steps += 2
+    report = await broadcaster.update(load_weights(tiny_model_b), global_steps=steps)
+    assert set(report.deliveries) == {remote.name, engine.name}
+    assert all(d.tensors == len(load_weights(tiny_model_b)) for d in report.deliveries.values())
+    assert report.push is not None and report.push.receivers == 2
+    assert await greedy(remote, "bc-b") == expected_b  # type: ignore[arg-type]
+    assert await greedy(engine, "bc-b-local") == expected_b
+    assert remote.global_steps == engine.global_steps == steps
+    await broadcaster.update(load_weights(tiny_model_a), global_steps=steps + 1)
+    assert await greedy(remote, "bc-a") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
+    assert await greedy(engine, "bc-a-local") == FRESH_GREEDY["a"]
+
+
+@pytest.mark.parametrize("check", UPDATE_CHECKS)
+async def test_broadcast_pushes_keep_the_update_contract(
+    remote: RayEngine, tiny_model_a: Path, check: str
+) -> None:
+    pusher = WeightPusher([remote], backend="broadcast", bucket_bytes=256 << 10)
+    try:
+        await UPDATE_CHECKS[check](remote, pusher, load_weights(tiny_model_a))
+    finally:
+        await pusher.aclose()
+    assert await greedy(remote, f"bc-after-{check}") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
+
+
+async def test_a_worker_failing_a_broadcast_push_rolls_every_engine_back(
+    remote: RayEngine, engine: VLLMEngine, broadcaster: WeightPusher, tiny_model_a: Path,
+    tiny_model_b: Path,
+) -> None:
+    from asyncroll import WeightSyncError
+    from asyncroll.testing.faults import inject_fault
+
+    versions = (remote.global_steps, engine.global_steps)
+    steps = max(v or 0 for v in versions)
+    async with inject_fault(engine, "load", tensor="model.norm.weight"):
+        with pytest.raises(WeightSyncError, match="previous weights"):
+            await broadcaster.update(load_weights(tiny_model_b), global_steps=steps + 1)
+    assert (remote.global_steps, engine.global_steps) == versions  # no label moved
+    assert await greedy(remote, "bc-failed") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
+    assert await greedy(engine, "bc-failed-local") == FRESH_GREEDY["a"]
+    await broadcaster.update(load_weights(tiny_model_a), global_steps=steps + 1)  # goes on
+    assert remote.global_steps == engine.global_steps == steps + 1
 
 
 async def test_a_killed_actor_is_dead_and_its_requests_finish_locally(

@@ -52,6 +52,7 @@ from asyncroll.errors import WeightSyncError
 from asyncroll.fingerprints import Fingerprinter, holds_exactly
 from asyncroll.load_plan import LoadPlan, PlanStatistics
 from asyncroll.transport import WeightReceiver
+from asyncroll.transport.broadcast import BroadcastReceiver
 from asyncroll.transport.receiver import ReceiveReport
 
 __all__ = ["BACKEND_NAME", "AsyncrollWeightTransferEngine", "AsyncrollWorkerExtension"]
@@ -76,6 +77,18 @@ class InitInfo(WeightTransferInitInfo):
     plan: bool = True
     """With ``direct``: replay a compiled load plan (``asyncroll.load_plan``) instead of running
     the model's loaders on every push (they run once per name, watched, to learn the plan)."""
+    transport: str = "staged"
+    """``staged``: shared staging buffers on this host (``address`` is the sender's socket).
+    ``broadcast``: a process group with the trainer, any host (``asyncroll.transport.broadcast``;
+    the fields below say where it meets)."""
+    host: str = ""
+    port: int = 0
+    world_size: int = 0
+    rank_offset: int = 0
+    """This engine's first rank in the group; a worker adds its rank within the engine."""
+    timeout: float = 120.0
+    buffers: int = 2
+    bucket_bytes: int = 0
 
 
 @dataclass
@@ -95,7 +108,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         # vLLM 0.24 passes (config, parallel_config, model) only; the worker binds the rest.
         self.model_config: Any = getattr(self, "model_config", None)
         self.device: Any = getattr(self, "device", None)
-        self._receiver: WeightReceiver | None = None
+        self._receiver: WeightReceiver | BroadcastReceiver | None = None
         self._device_context: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
@@ -139,6 +152,12 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.shutdown()
         rank = self.parallel_config.rank
         self._info = init_info
+        if init_info.transport == "broadcast":  # blocks until the whole group has joined
+            device = torch.device(self.device) if self.device is not None else torch.device("cpu")
+            self._receiver = BroadcastReceiver.join(
+                dataclasses.asdict(init_info), rank=init_info.rank_offset + rank, device=device
+            )
+            return
         self._receiver = WeightReceiver.from_config(
             {
                 "address": init_info.address,

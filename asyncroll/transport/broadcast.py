@@ -1,0 +1,672 @@
+"""Weights by collective broadcast, for engines on other hosts: the trainer is rank 0 of a
+process group whose other ranks are the engines' workers (NCCL between GPUs, through vLLM's
+``PyNcclCommunicator``; gloo on CPU, the same code).
+
+One push, as every rank sees it, in order on the group:
+
+1. a header (``push``, ``version``, the manifest's length),
+2. the manifest: the transfers, each a bucket of small tensors packed at aligned offsets or
+   one tensor larger than a bucket sent from (and into) its own storage, plus fingerprints,
+3. the transfers, through ``buffers`` staging buffers on each side: the sender packs bucket
+   k+1 while bucket k is on the wire; each receiver loads bucket k while k+1 arrives,
+4. a trailer: the sender's status. A sender that fails mid-push still completes every
+   collective (so the group stays usable) and says so here; receivers then fail the push,
+   and their workers restore their backups, as for any failed push.
+
+On CUDA no host waits per bucket on either side: streams wait on events of their own
+process (pack -> broadcast -> reuse on the sender; broadcast -> load -> reuse on a
+receiver). The host waits once, at the end of a push, with a deadline; a peer that never
+completes (died) makes the waiting side abort its communicator and raise
+``TransportTimeoutError`` (nothing hangs). On gloo every wait has the deadline, and a peer
+that leaves the group fails the others' pending operations at once.
+
+The group is formed by ``open_broadcast_sender`` (rank 0, which owns the rendezvous store on
+a port it picks itself) and ``BroadcastReceiver.join`` in every worker; ``config()`` says
+where to join. Independent of vLLM except for the NCCL communicator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from datetime import timedelta
+from typing import Any, Final
+
+import msgspec
+import torch
+
+from asyncroll.errors import (
+    TransportBrokenError,
+    TransportClosedError,
+    TransportTimeoutError,
+    WeightSyncError,
+)
+from asyncroll.transport.packing import as_bytes, dtype_by_name, dtype_name, slot_view
+from asyncroll.transport.plan import align
+from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport
+from asyncroll.transport.sender import PushReport
+
+__all__ = [
+    "BroadcastReceiver",
+    "BroadcastSender",
+    "Group",
+    "open_broadcast_sender",
+    "routable_address",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES: Final = 512 << 20
+_MAGIC: Final = 0x41524243  # "ARBC"
+_OK: Final = 0
+
+
+class _Entry(msgspec.Struct, array_like=True, frozen=True):
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class _Transfer(msgspec.Struct, array_like=True, frozen=True):
+    nbytes: int
+    entries: tuple[_Entry, ...]
+    whole: bool
+    """One tensor larger than a bucket, sent from and into its own storage."""
+
+
+class _Manifest(msgspec.Struct, frozen=True):
+    transfers: tuple[_Transfer, ...]
+    fingerprints: dict[str, bytes] = {}
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Manifest).decode
+
+
+def routable_address() -> str:
+    """This host's address as peers on other hosts reach it (no packet is sent)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("10.255.255.255", 1))
+        address = probe.getsockname()[0]
+        if isinstance(address, str) and not address.startswith("0."):
+            return address
+    return "127.0.0.1"
+
+
+def layout(
+    tensors: Mapping[str, torch.Tensor], bucket_bytes: int
+) -> tuple[_Transfer, ...]:
+    """Buckets of tensors in the given order, each at most ``bucket_bytes``; a tensor larger
+    than that is a transfer of its own."""
+    transfers: list[_Transfer] = []
+    entries: list[_Entry] = []
+    end = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        entry = _Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), 0, nbytes)
+        if nbytes > bucket_bytes:
+            transfers.append(_Transfer(nbytes, (entry,), whole=True))
+            continue
+        offset = align(end)
+        if offset + nbytes > bucket_bytes and entries:
+            transfers.append(_Transfer(end, tuple(entries), whole=False))
+            entries, offset = [], 0
+        entries.append(_Entry(name, entry.dtype, entry.shape, offset, nbytes))
+        end = offset + nbytes
+    if entries:
+        transfers.append(_Transfer(end, tuple(entries), whole=False))
+    return tuple(transfers)
+
+
+class Group:
+    """One side of the push group: ``broadcast`` from rank 0, in order, asynchronously."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout: float,
+        comm: Any,
+        store: Any = None,
+    ) -> None:
+        self._store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.timeout = timeout
+        self._comm = comm
+        self._works: dict[int, Any] = {}
+        self._issued = 0
+        self._closed = False
+        self.stream: Any = _stream(device) if device.type == "cuda" else None
+
+    @classmethod
+    def open(
+        cls,
+        *,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout: float,
+        listen: socket.socket | None = None,
+    ) -> Group:
+        """Join (rank 0: host) the group; blocks until every rank has joined."""
+        if device.type == "cuda":
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+
+            store: Any = StatelessProcessGroup.create(
+                host=host,
+                port=port,
+                rank=rank,
+                world_size=world_size,
+                store_timeout=int(timeout),
+                listen_socket=listen,
+            )
+            comm: Any = PyNcclCommunicator(store, device=device)
+        else:
+            import torch.distributed as dist
+
+            c10d: Any = dist
+            store = c10d.TCPStore(
+                host,
+                port,
+                world_size,
+                rank == 0,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
+                master_listen_fd=listen.detach() if listen is not None else None,
+            )
+            comm = c10d.ProcessGroupGloo(
+                c10d.PrefixStore("asyncroll-push", store), rank, world_size,
+                timedelta(seconds=timeout),
+            )
+        return cls(
+            rank=rank, world_size=world_size, device=device, timeout=timeout, comm=comm,
+            store=store,
+        )
+
+    def broadcast(self, tensor: torch.Tensor) -> int | None:
+        """Start a broadcast from rank 0 into (or from) ``tensor``. Gloo: a token to ``wait``
+        on; CUDA: None (the operation is queued on ``stream``)."""
+        if self._closed:
+            raise TransportClosedError("the push group is closed")
+        if self.stream is not None:
+            self._comm.broadcast(tensor, 0, stream=self.stream)
+            return None
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._issued += 1
+        self._works[self._issued] = self._comm.broadcast([tensor], options)
+        return self._issued
+
+    def wait(self, token: int | None, deadline: float) -> None:
+        """Gloo: wait for one operation. A peer that left, or the deadline, closes the group
+        (every rank's pending operation then fails at once) and raises."""
+        if token is None:
+            return
+        work = self._works.pop(token, None)
+        if work is None:  # waited for already, or the group is gone
+            if self._closed:
+                raise TransportClosedError("the push group is closed")
+            return
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            finished = work.wait(timedelta(seconds=left))
+        except RuntimeError as exc:
+            work = None  # (a traceback must not keep the group alive: see ``close``)
+            self.close()
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise TransportTimeoutError(f"a broadcast did not finish in time: {exc}") from exc
+            raise TransportBrokenError(f"a peer of the push group failed: {exc}") from exc
+        work = None
+        if finished is False:
+            self.close()
+            raise TransportTimeoutError("a broadcast did not finish by its deadline")
+
+    def drain(self, deadline: float, what: str) -> None:
+        """CUDA: wait, with the deadline, for everything queued on the group's stream. A
+        peer that never joins the operation makes us abort the communicator (it cannot be
+        used again) and raise ``TransportTimeoutError``."""
+        if self.stream is None:
+            return
+        done = _event()
+        done.record(self.stream)
+        pause = 1e-5
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.close()
+                raise TransportTimeoutError(f"{what}: a peer did not complete the broadcast")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    def close(self) -> None:
+        """Leave the group: the other ranks' pending operations fail now. NCCL: abort the
+        communicator. Gloo has no call that does it: the group's connections close when the
+        last reference to it goes, so no operation handle ever leaves this object (they are
+        tokens) and this drops the group and them."""
+        if self._closed:
+            return
+        self._closed = True
+        comm, self._comm = self._comm, None
+        self._works.clear()
+        if self.stream is not None:
+            with contextlib.suppress(Exception):
+                comm.destroy()  # ncclCommAbort: unblocks a broadcast a dead peer never joins
+        del comm
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def _event() -> Any:
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+def _header(push: int, version: int, length: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([_MAGIC, push, version, length], dtype=torch.int64, device=device)
+
+
+class BroadcastSender:
+    """Rank 0: packs and broadcasts pushes. Blocking; ``open_broadcast_sender`` runs it off the
+    event loop."""
+
+    def __init__(self, group: Group, *, bucket_bytes: int, buffers: int = 2) -> None:
+        if buffers < 1:
+            raise ValueError("buffers must be at least 1")
+        self.group = group
+        self.bucket_bytes = bucket_bytes
+        self._buffers = [
+            torch.empty(bucket_bytes, dtype=torch.uint8, device=group.device)
+            for _ in range(buffers)
+        ]
+        self._pushes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def receivers(self) -> int:
+        return self.group.world_size - 1
+
+    def push_blocking(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        fingerprints: Mapping[str, bytes] | None = None,
+        fail_at: Callable[[int], None] | None = None,
+    ) -> PushReport:
+        """One whole push (every rank runs its side). Returns once every byte left (on CUDA:
+        the broadcasts completed, so the caller may change ``tensors``).
+
+        Raises:
+            WeightSyncError: packing failed here (the collectives were still completed, and
+                the receivers were told to fail the push too).
+            TransportTimeoutError: a receiver did not complete a broadcast by the deadline
+                (the group is closed; open a new one).
+        """
+        group = self.group
+        device = group.device
+        with self._lock:
+            self._pushes += 1
+            push = self._pushes
+            started = time.perf_counter()
+            deadline = time.monotonic() + group.timeout
+            transfers = layout(tensors, self.bucket_bytes)
+            manifest = _encode(_Manifest(transfers, dict(fingerprints or {})))
+            failure: BaseException | None = None
+            pack_seconds = 0.0
+            on_cuda = group.stream is not None
+            copy_stream: Any = _stream(device) if on_cuda else None
+            if on_cuda:  # the tensors are ready on the caller's stream
+                group.stream.wait_stream(torch.cuda.current_stream(device))
+                copy_stream.wait_stream(torch.cuda.current_stream(device))
+            packed: list[Any] = [_event() if on_cuda else None for _ in self._buffers]
+            sent: list[Any] = [_event() if on_cuda else None for _ in self._buffers]
+            pending: list[Any] = [None] * len(self._buffers)
+            handles: list[Any] = []
+
+            handles.append(group.broadcast(_header(push, version, len(manifest), device)))
+            payload = torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device)
+            handles.append(group.broadcast(payload))
+            for index, transfer in enumerate(transfers):
+                if transfer.whole:
+                    entry = transfer.entries[0]
+                    source = tensors[entry.name]
+                    data = as_bytes(source) if failure is None else None
+                    if data is None or data.device != device:
+                        data = (data.to(device) if data is not None else
+                                torch.empty(transfer.nbytes, dtype=torch.uint8, device=device))
+                    handles.append(group.broadcast(data))
+                    continue
+                slot = index % len(self._buffers)
+                buffer = self._buffers[slot]
+                packing = time.perf_counter()
+                if on_cuda:
+                    copy_stream.wait_event(sent[slot])
+                else:
+                    group.wait(pending[slot], deadline)
+                if failure is None:
+                    try:
+                        if fail_at is not None:
+                            fail_at(index)
+                        packing_on = torch.cuda.stream(copy_stream) if on_cuda else None
+                        with packing_on or contextlib.nullcontext():
+                            for entry in transfer.entries:
+                                slot_view(
+                                    buffer, entry.offset, entry.nbytes,
+                                    dtype_by_name(entry.dtype), entry.shape,
+                                ).copy_(tensors[entry.name])
+                    except Exception as exc:  # keep the collectives in step; report at the end
+                        failure = exc
+                pack_seconds += time.perf_counter() - packing
+                if on_cuda:
+                    packed[slot].record(copy_stream)
+                    group.stream.wait_event(packed[slot])
+                pending[slot] = group.broadcast(buffer[: transfer.nbytes])
+                if on_cuda:
+                    sent[slot].record(group.stream)
+                handles.append(pending[slot])
+            status = _OK if failure is None else 1
+            handles.append(group.broadcast(
+                torch.tensor([_MAGIC, status], dtype=torch.int64, device=device)))
+            waiting = time.perf_counter()
+            if on_cuda:
+                group.drain(deadline, f"push {push}")
+            else:
+                for handle in handles:
+                    group.wait(handle, deadline)
+            finished = time.perf_counter()
+            if failure is not None:
+                raise WeightSyncError(
+                    f"push {push} failed while packing: {type(failure).__name__}: {failure}"
+                ) from failure
+            return PushReport(
+                version=version,
+                bytes=sum(t.nbytes for t in transfers),
+                buckets=len(transfers),
+                tensors=len(tensors),
+                receivers=self.receivers,
+                seconds=finished - started,
+                pack_seconds=pack_seconds,
+                wait_seconds=finished - waiting,
+            )
+
+    async def push(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        one_copy: bool = False,
+        fingerprints: Mapping[str, bytes] | None = None,
+    ) -> PushReport:
+        """``push_blocking`` in a thread (the event loop keeps running)."""
+        import asyncio
+
+        del one_copy  # a whole tensor is always sent from its own storage
+        return await asyncio.to_thread(
+            self.push_blocking, tensors, version=version, fingerprints=fingerprints
+        )
+
+    def close(self) -> None:
+        self.group.close()
+        self._buffers = []
+
+
+class BroadcastReceiver:
+    """A worker's side of the push group. Blocking; one thread at a time. Offers the same
+    ``receive(load_fn, place=...)`` as ``WeightReceiver``."""
+
+    def __init__(self, group: Group, *, buffers: int = 2, bucket_bytes: int) -> None:
+        self.group = group
+        self._count = buffers
+        self._bucket_bytes = bucket_bytes
+        self._buffers: list[torch.Tensor] = []
+
+    @classmethod
+    def join(
+        cls, config: Mapping[str, Any], *, rank: int, device: torch.device
+    ) -> BroadcastReceiver:
+        """Join the group ``config`` (the sender's ``config()``) describes as ``rank``."""
+        group = Group.open(
+            host=str(config["host"]),
+            port=int(config["port"]),
+            rank=rank,
+            world_size=int(config["world_size"]),
+            device=device,
+            timeout=float(config["timeout"]),
+        )
+        return cls(group, buffers=int(config["buffers"]), bucket_bytes=int(config["bucket_bytes"]))
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Staging buffer ``slot`` (allocated whole at its first use, kept: a buffer freed
+        while another stream still writes it could be handed out again)."""
+        if not self._buffers:
+            self._buffers = [
+                torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self.group.device)
+                for _ in range(self._count)
+            ]
+        return self._buffers[slot][:nbytes]
+
+    def receive(
+        self, load_fn: LoadFn, *, place: PlaceFn | None = None, timeout: float | None = None
+    ) -> ReceiveReport:
+        """Take one whole push, ``load_fn`` per transfer (views valid only during the call).
+
+        Raises:
+            WeightSyncError: the sender failed the push, or ``load_fn`` raised (the remaining
+                collectives are still completed: the group stays usable).
+            TransportTimeoutError: the sender (or a peer) did not complete a broadcast by the
+                deadline; the group is closed.
+            TransportClosedError: closed.
+        """
+        group = self.group
+        if group.closed:
+            raise TransportClosedError("the push group is closed")
+        device = group.device
+        on_cuda = group.stream is not None
+        began = time.perf_counter()
+        deadline = time.monotonic() + (group.timeout if timeout is None else timeout)
+        header = _header(0, 0, 0, device)
+        handle = group.broadcast(header)
+        if on_cuda:
+            group.drain(deadline, "the push's header")
+        else:
+            group.wait(handle, deadline)
+        magic, push, version, length = (int(x) for x in header.tolist())
+        if magic != _MAGIC:
+            group.close()
+            raise WeightSyncError(f"the push group is out of step (header {magic:#x})")
+        payload = torch.empty(length, dtype=torch.uint8, device=device)
+        handle = group.broadcast(payload)
+        if on_cuda:
+            group.drain(deadline, f"push {push}'s manifest")
+        else:
+            group.wait(handle, deadline)
+        manifest = _decode(payload.cpu().numpy().tobytes())
+        transfers = manifest.transfers
+        count = max(self._count, 1)
+        received_ev: list[Any] = [_event() if on_cuda else None for _ in range(count)]
+        loaded_ev: list[Any] = [_event() if on_cuda else None for _ in range(count)]
+        load_stream: Any = torch.cuda.current_stream(device) if on_cuda else None
+        failure: BaseException | None = None
+        load_seconds = 0.0
+        nbytes = 0
+        tensors = 0
+
+        def post(index: int) -> tuple[Any, torch.Tensor | None, torch.Tensor]:
+            """Start receiving transfer ``index``: (handle, destination placed, buffer)."""
+            transfer = transfers[index]
+            if transfer.whole:
+                entry = transfer.entries[0]
+                target = None
+                if place is not None and failure is None:
+                    target = place(entry.name, dtype_by_name(entry.dtype), entry.shape)
+                if target is not None and target.numel() == transfer.nbytes:
+                    into = target
+                else:
+                    into = torch.empty(transfer.nbytes, dtype=torch.uint8, device=device)
+                    target = None if target is None or target.numel() else target
+                    if on_cuda:
+                        into.record_stream(group.stream)
+                return group.broadcast(into), target, into
+            slot = index % count
+            buffer = self._buffer(slot, transfer.nbytes)
+            if on_cuda:
+                group.stream.wait_event(loaded_ev[slot])
+            handle = group.broadcast(buffer)
+            if on_cuda:
+                received_ev[slot].record(group.stream)
+            return handle, None, buffer
+
+        posted: dict[int, tuple[Any, torch.Tensor | None, torch.Tensor]] = {}
+        for index in range(min(count, len(transfers))):
+            posted[index] = post(index)
+        for index, transfer in enumerate(transfers):
+            handle, placed, data = posted.pop(index)
+            slot = index % count
+            if on_cuda:
+                if transfer.whole:
+                    done = _event()
+                    done.record(group.stream)
+                    load_stream.wait_event(done)
+                else:
+                    load_stream.wait_event(received_ev[slot])
+            else:
+                group.wait(handle, deadline)
+            loading = time.perf_counter()
+            if failure is None and placed is None:
+                batch = [
+                    (e.name, slot_view(data, e.offset, e.nbytes, dtype_by_name(e.dtype), e.shape))
+                    for e in transfer.entries
+                ]
+                try:
+                    load_fn(batch)
+                except Exception as exc:
+                    failure = exc
+            load_seconds += time.perf_counter() - loading
+            nbytes += transfer.nbytes
+            tensors += len(transfer.entries)
+            if on_cuda and not transfer.whole:
+                loaded_ev[slot].record(load_stream)
+            following = index + count
+            if following < len(transfers):
+                posted[following] = post(following)
+        trailer = torch.zeros(2, dtype=torch.int64, device=device)
+        handle = group.broadcast(trailer)
+        if on_cuda:
+            group.drain(deadline, f"push {push}")
+            torch.cuda.current_stream(device).synchronize()
+        else:
+            group.wait(handle, deadline)
+        magic, status = (int(x) for x in trailer.tolist())
+        if magic != _MAGIC:
+            group.close()
+            raise WeightSyncError(f"push {push}: the push group is out of step (trailer)")
+        if status != _OK:
+            raise WeightSyncError(f"push {push} (version {version}) failed in the sender")
+        if failure is not None:
+            raise WeightSyncError(
+                f"push {push}: loading failed: {type(failure).__name__}: {failure}"
+            ) from failure
+        finished = time.perf_counter()
+        return ReceiveReport(
+            push=push,
+            version=version,
+            buckets=len(transfers),
+            tensors=tensors,
+            bytes=nbytes,
+            seconds=finished - began,
+            load_seconds=load_seconds,
+            began=began,
+            fingerprints=manifest.fingerprints,
+        )
+
+    def close(self) -> None:
+        self.group.close()
+        self._buffers = []
+
+
+def _close_opened(opening: Any) -> None:
+    """A group that formed after its opener gave up: close it."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
+@contextlib.asynccontextmanager
+async def open_broadcast_sender(
+    *,
+    receivers: int,
+    device: torch.device,
+    join: Callable[[dict[str, Any]], Any],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    buffers: int = 2,
+    peer_timeout: float = 120.0,
+    host: str | None = None,
+) -> AsyncIterator[BroadcastSender]:
+    """Form the group with ``receivers`` workers and yield its sender; closed on exit.
+
+    ``join(config)`` is awaited while the sender takes rank 0: it must make every receiver
+    call ``BroadcastReceiver.join(config, rank=...)`` (ranks 1..receivers), e.g. through each
+    engine's ``attach``. ``config`` holds the rendezvous (this host's routable address and a
+    port bound here, so no other process can take it), the world size, the deadline and the
+    buffer count; a receiver adds its own rank. ``peer_timeout`` bounds every wait for
+    another rank (forming the group, and each push).
+    """
+    import asyncio
+
+    address = host or routable_address()
+    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listen.bind(("0.0.0.0" if address != "127.0.0.1" else address, 0))
+    listen.listen(128)
+    config = {
+        "transport": "broadcast",
+        "host": address,
+        "port": listen.getsockname()[1],
+        "world_size": receivers + 1,
+        "timeout": peer_timeout,
+        "buffers": buffers,
+        "bucket_bytes": bucket_bytes,
+    }
+    opening = asyncio.ensure_future(asyncio.to_thread(
+        Group.open,
+        host=address,
+        port=int(config["port"]),
+        rank=0,
+        world_size=receivers + 1,
+        device=device,
+        timeout=peer_timeout,
+        listen=listen,
+    ))
+    try:
+        await asyncio.gather(opening, join(config))
+    except BaseException:
+        if opening.done() and not opening.cancelled() and opening.exception() is None:
+            opening.result().close()
+        else:
+            opening.add_done_callback(_close_opened)
+        with contextlib.suppress(OSError):
+            listen.close()
+        raise
+    sender = BroadcastSender(opening.result(), bucket_bytes=bucket_bytes, buffers=buffers)
+    try:
+        yield sender
+    finally:
+        sender.close()

@@ -1,0 +1,249 @@
+"""The broadcast transport (``asyncroll.transport.broadcast``) on its own: a sender here and
+receivers in other processes, on gloo (CPU) and, where two GPUs and vLLM's NCCL communicator
+exist, on NCCL (sender on GPU 0, receivers on GPU 1).
+
+Every wait here is on an event (a process's message); the timeouts are hang guards, far above
+what any run takes, never what a test measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from asyncroll.errors import TransportBrokenError, WeightSyncError
+from asyncroll.transport.broadcast import BroadcastReceiver, layout, open_broadcast_sender
+
+HANG_GUARD_S = 300.0
+"""Bound on any wait for another process here: only a hang reaches it."""
+
+
+def _devices() -> list[str]:
+    devices = ["cpu"]
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        try:
+            import vllm.distributed.device_communicators.pynccl  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            devices.append("cuda")
+    return devices
+
+
+def digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def _receiver(config: dict[str, Any], rank: int, device: str, conn: Any, behaviour: str) -> None:
+    """A receiver process: reports each push's digests (or its error) until the group ends."""
+    if device == "cuda":
+        torch.cuda.set_device(0)  # it sees GPU 1 only
+    receiver = BroadcastReceiver.join(config, rank=rank, device=torch.device(device))
+    conn.send(("joined", rank))
+    pushes = 0
+    while True:
+        got: dict[str, str] = {}
+        pushes += 1
+
+        def load(
+            batch: list[tuple[str, torch.Tensor]], push: int = pushes, got: dict[str, str] = got
+        ) -> None:
+            if behaviour == "die" and push == 2:
+                os._exit(17)  # dies inside the second push, mid-transfer
+            if behaviour == "fail" and push == 1:
+                raise RuntimeError("this receiver's loader fails")
+            for name, tensor in batch:
+                got[name] = digest(tensor)
+
+        try:
+            report = receiver.receive(load)
+        except Exception as exc:
+            conn.send(("error", type(exc).__name__, str(exc)))
+            if receiver.group.closed:
+                break
+            continue
+        conn.send(("pushed", report.version, got))
+    receiver.close()
+    conn.send(("closed", rank))
+
+
+def _tensors(device: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    base = {
+        "embed": torch.randn(300, 64, generator=g),  # 76.8 kB: larger than a bucket
+        "layer.0.w": torch.randn(32, 16, generator=g).to(torch.bfloat16),
+        "layer.0.b": torch.randn(7, generator=g),
+        "layer.0.ids": torch.randint(0, 1000, (13,), generator=g),
+        "empty": torch.empty(0, 4),
+        "strided": torch.randn(16, 24, generator=g).t(),  # not contiguous
+        "layer.1.w": torch.randn(64, 64, generator=g).half(),
+        "norm": torch.randn(64, generator=g).double(),
+    }
+    return {name: t.to(device) for name, t in base.items()}
+
+
+class Receivers:
+    def __init__(self, device: str, behaviours: list[str]) -> None:
+        self.device = device
+        self.behaviours = behaviours
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+
+    async def join(self, config: dict[str, Any]) -> None:
+        old = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if self.device == "cuda":
+            os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+        try:
+            for rank, behaviour in enumerate(self.behaviours, start=1):
+                ours, theirs = self.ctx.Pipe()
+                proc = self.ctx.Process(target=_receiver, args=(
+                    config, rank, self.device, theirs, behaviour), daemon=True)
+                proc.start()
+                self.procs.append(proc)
+                self.conns.append(ours)
+        finally:
+            if self.device == "cuda":
+                if old is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = old
+        for conn in self.conns:
+            assert (await self.next(conn))[0] == "joined"
+
+    async def next(self, conn: Any) -> tuple[Any, ...]:
+        ready = await asyncio.to_thread(conn.poll, HANG_GUARD_S)
+        assert ready, "a receiver went silent (hang guard)"
+        message: tuple[Any, ...] = conn.recv()
+        return message
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.join(HANG_GUARD_S)
+            if proc.is_alive():
+                proc.kill()
+                raise AssertionError("a receiver did not exit after its group closed")
+
+
+@pytest.fixture(params=_devices())
+def device(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield request.param
+
+
+def test_layout_buckets_small_tensors_and_sends_large_ones_whole() -> None:
+    tensors = _tensors("cpu", 0)
+    transfers = layout(tensors, 4096)
+    names = [e.name for t in transfers for e in t.entries]
+    assert sorted(names) == sorted(tensors)  # every tensor once
+    for transfer in transfers:
+        if transfer.whole:
+            assert len(transfer.entries) == 1 and transfer.nbytes > 4096
+        else:
+            assert transfer.nbytes <= 4096
+            assert all(e.offset % 256 == 0 for e in transfer.entries)
+    assert [t.entries[0].name for t in transfers if t.whole] == ["embed", "layer.1.w"]
+
+
+async def test_pushes_arrive_bitwise_in_every_receiver(device: str) -> None:
+    receivers = Receivers(device, ["ok", "ok"])
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    async with open_broadcast_sender(receivers=2, device=dev, join=receivers.join,
+                                     bucket_bytes=4096, peer_timeout=HANG_GUARD_S) as sender:
+        for version, seed in ((3, 0), (4, 1)):
+            tensors = _tensors(str(dev), seed)
+            report = await sender.push(tensors, version=version)
+            assert report.tensors == len(tensors) and report.receivers == 2
+            expected = {name: digest(t) for name, t in tensors.items()}
+            for conn in receivers.conns:
+                kind, got_version, got = await receivers.next(conn)
+                assert (kind, got_version) == ("pushed", version)
+                assert got == expected
+    for conn in receivers.conns:  # the sender closed the group: each receiver ends
+        assert (await receivers.next(conn))[0] == "error"
+        assert (await receivers.next(conn))[0] == "closed"
+    receivers.stop()
+
+
+async def test_a_sender_failing_mid_push_fails_every_receiver_and_the_group_goes_on(
+    device: str,
+) -> None:
+    receivers = Receivers(device, ["ok", "ok"])
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    async with open_broadcast_sender(receivers=2, device=dev, join=receivers.join,
+                                     bucket_bytes=4096, peer_timeout=HANG_GUARD_S) as sender:
+        tensors = _tensors(str(dev), 0)
+
+        def fail(index: int) -> None:
+            if index == 2:
+                raise ValueError("a tensor could not be packed")
+
+        with pytest.raises(WeightSyncError, match="could not be packed"):
+            await asyncio.to_thread(sender.push_blocking, tensors, version=5, fail_at=fail)
+        for conn in receivers.conns:
+            kind, name, message = await receivers.next(conn)
+            assert (kind, name) == ("error", "WeightSyncError")
+            assert "failed in the sender" in message
+        report = await sender.push(tensors, version=6)  # the collectives stayed in step
+        assert report.version == 6
+        for conn in receivers.conns:
+            kind, version, got = await receivers.next(conn)
+            assert (kind, version) == ("pushed", 6)
+            assert got == {name: digest(t) for name, t in tensors.items()}
+    receivers.stop()
+
+
+async def test_a_receiver_whose_loader_fails_fails_alone(device: str) -> None:
+    receivers = Receivers(device, ["fail", "ok"])
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    async with open_broadcast_sender(receivers=2, device=dev, join=receivers.join,
+                                     bucket_bytes=4096, peer_timeout=HANG_GUARD_S) as sender:
+        tensors = _tensors(str(dev), 0)
+        await sender.push(tensors, version=1)  # every collective completes
+        failed, ok = receivers.conns
+        kind, name, message = await receivers.next(failed)
+        assert (kind, name) == ("error", "WeightSyncError") and "loader fails" in message
+        assert (await receivers.next(ok))[:2] == ("pushed", 1)
+        await sender.push(tensors, version=2)
+        for conn in receivers.conns:
+            assert (await receivers.next(conn))[:2] == ("pushed", 2)
+    receivers.stop()
+
+
+async def test_a_receiver_dying_mid_push_fails_the_push_everywhere_and_nothing_hangs(
+    device: str,
+) -> None:
+    receivers = Receivers(device, ["die", "ok"])
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
+    # The deadline is what ends a collective a dead peer never joins (NCCL); gloo sees the
+    # connection drop at once.
+    deadline = 20.0 if device == "cuda" else HANG_GUARD_S
+    async with open_broadcast_sender(receivers=2, device=dev, join=receivers.join,
+                                     bucket_bytes=4096, peer_timeout=deadline) as sender:
+        tensors = _tensors(str(dev), 0)
+        await sender.push(tensors, version=1)
+        for conn in receivers.conns:
+            assert (await receivers.next(conn))[:2] == ("pushed", 1)
+        with pytest.raises(TransportBrokenError):
+            await sender.push(tensors, version=2)
+        assert sender.group.closed
+        # The survivor may have taken the whole push before the sender failed (gloo sends to
+        # each peer in turn; the update then fails above it, and its engine rolls back), or
+        # failed inside it; either way its next operation fails, and it leaves.
+        survivor = receivers.conns[1]
+        message = await receivers.next(survivor)
+        if message[0] == "pushed":
+            message = await receivers.next(survivor)
+        kind, name, _ = message
+        assert kind == "error" and name in ("TransportBrokenError", "TransportTimeoutError")
+        assert (await receivers.next(survivor))[0] == "closed"
+    receivers.procs[0].join(HANG_GUARD_S)
+    assert receivers.procs[0].exitcode == 17
+    receivers.stop()

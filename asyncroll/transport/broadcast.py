@@ -212,6 +212,14 @@ class Group:
         self._works[self._issued] = self._comm.broadcast([tensor], options)
         return self._issued
 
+    def ready(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, made on the caller's current stream, safe to broadcast: CUDA: the
+        group's stream waits for that stream, and the allocator for the group's stream."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            tensor.record_stream(self.stream)
+        return tensor
+
     def wait(self, token: int | None, deadline: float) -> None:
         """Gloo: wait for one operation. A peer that left, or the deadline, closes the group
         (every rank's pending operation then fails at once) and raises."""
@@ -342,17 +350,16 @@ class BroadcastSender:
             pending: list[Any] = [None] * len(self._buffers)
             handles: list[Any] = []
 
-            handles.append(group.broadcast(_header(push, version, len(manifest), device)))
+            header = _header(push, version, len(manifest), device)
+            handles.append(group.broadcast(group.ready(header)))
             payload = torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device)
-            handles.append(group.broadcast(payload))
+            handles.append(group.broadcast(group.ready(payload)))
             for index, transfer in enumerate(transfers):
-                if transfer.whole:
-                    entry = transfer.entries[0]
-                    source = tensors[entry.name]
-                    data = as_bytes(source) if failure is None else None
-                    if data is None or data.device != device:
-                        data = (data.to(device) if data is not None else
-                                torch.empty(transfer.nbytes, dtype=torch.uint8, device=device))
+                if transfer.whole:  # from the tensor's own storage where it can
+                    source = tensors[transfer.entries[0].name]
+                    data = as_bytes(source)
+                    if data.device != device or data.data_ptr() != source.data_ptr():
+                        data = group.ready(data.to(device))  # a copy, made on our stream
                     handles.append(group.broadcast(data))
                     continue
                 slot = index % len(self._buffers)
@@ -384,8 +391,8 @@ class BroadcastSender:
                     sent[slot].record(group.stream)
                 handles.append(pending[slot])
             status = _OK if failure is None else 1
-            handles.append(group.broadcast(
-                torch.tensor([_MAGIC, status], dtype=torch.int64, device=device)))
+            trailer = torch.tensor([_MAGIC, status], dtype=torch.int64, device=device)
+            handles.append(group.broadcast(group.ready(trailer)))
             waiting = time.perf_counter()
             if on_cuda:
                 group.drain(deadline, f"push {push}")
@@ -459,7 +466,9 @@ class BroadcastReceiver:
         while another stream still writes it could be handed out again)."""
         if not self._buffers:
             self._buffers = [
-                torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self.group.device)
+                self.group.ready(
+                    torch.empty(self._bucket_bytes, dtype=torch.uint8, device=self.group.device)
+                )
                 for _ in range(self._count)
             ]
         return self._buffers[slot][:nbytes]
@@ -483,7 +492,7 @@ class BroadcastReceiver:
         on_cuda = group.stream is not None
         began = time.perf_counter()
         deadline = time.monotonic() + (group.timeout if timeout is None else timeout)
-        header = _header(0, 0, 0, device)
+        header = group.ready(torch.empty(4, dtype=torch.int64, device=device))
         handle = group.broadcast(header)
         if on_cuda:
             group.drain(deadline, "the push's header")
@@ -493,7 +502,7 @@ class BroadcastReceiver:
         if magic != _MAGIC:
             group.close()
             raise WeightSyncError(f"the push group is out of step (header {magic:#x})")
-        payload = torch.empty(length, dtype=torch.uint8, device=device)
+        payload = group.ready(torch.empty(length, dtype=torch.uint8, device=device))
         handle = group.broadcast(payload)
         if on_cuda:
             group.drain(deadline, f"push {push}'s manifest")
@@ -523,8 +532,8 @@ class BroadcastReceiver:
                 else:
                     into = torch.empty(transfer.nbytes, dtype=torch.uint8, device=device)
                     target = None if target is None or target.numel() else target
-                    if on_cuda:
-                        into.record_stream(group.stream)
+                    # (its block may have been freed by loads still queued: wait for them)
+                    group.ready(into)
                 return group.broadcast(into), target, into
             slot = index % count
             buffer = self._buffer(slot, transfer.nbytes)
@@ -568,7 +577,7 @@ class BroadcastReceiver:
             following = index + count
             if following < len(transfers):
                 posted[following] = post(following)
-        trailer = torch.zeros(2, dtype=torch.int64, device=device)
+        trailer = group.ready(torch.empty(2, dtype=torch.int64, device=device))
         handle = group.broadcast(trailer)
         if on_cuda:
             group.drain(deadline, f"push {push}")

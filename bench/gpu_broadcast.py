@@ -298,7 +298,7 @@ async def vllm_nccl(res: Results, engines: Engines, s: str, folder: Path,
 
 
 async def push_section(res: Results, engines: Engines, work: Path, size: str, repeats: int,
-                       device: str) -> None:
+                       device: str, baseline: bool = True) -> None:
     s = f"push {size}"
     if device == "cpu":
         folder = make_tiny_model(work / "cpu-tiny", seed=3)
@@ -319,7 +319,7 @@ async def push_section(res: Results, engines: Engines, work: Path, size: str, re
     results: dict[str, Any] = {}
     await ours(res, engines, s, folder, tensors, util, repeats, results)
     gc.collect()
-    if device == "cuda":
+    if device == "cuda" and baseline:
         torch.cuda.empty_cache()
         await vllm_nccl(res, engines, s, folder, tensors, util, repeats, results)
     for r in results.values():
@@ -346,6 +346,7 @@ async def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engine", choices=["ray", "local"], default="ray")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--no-baseline", action="store_true", help="skip vLLM's nccl path")
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         log("gpu_broadcast needs two GPUs; skipped")
@@ -368,7 +369,7 @@ async def main() -> int:
         if "push" in sections:
             for size in args.sizes.split(","):
                 steps.append((f"push {size}", lambda size=size: push_section(
-                    res, engines, work, size, args.repeats, args.device)))
+                    res, engines, work, size, args.repeats, args.device, not args.no_baseline)))
         for name, step in steps:
             started = time.perf_counter()
             log(f"== {name}")

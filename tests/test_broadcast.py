@@ -46,7 +46,8 @@ def _receiver(config: dict[str, Any], rank: int, device: str, conn: Any, behavio
     """A receiver process: reports each push's digests (or its error) until the group ends."""
     if device == "cuda":
         torch.cuda.set_device(0)  # it sees GPU 1 only
-    receiver = BroadcastReceiver.join(config, rank=rank, device=torch.device(device))
+    where = torch.device("cuda:0" if device == "cuda" else "cpu")
+    receiver = BroadcastReceiver.join(config, rank=rank, device=where)
     conn.send(("joined", rank))
     pushes = 0
     while True:
@@ -246,4 +247,20 @@ async def test_a_receiver_dying_mid_push_fails_the_push_everywhere_and_nothing_h
         assert (await receivers.next(survivor))[0] == "closed"
     receivers.procs[0].join(HANG_GUARD_S)
     assert receivers.procs[0].exitcode == 17
+    receivers.stop()
+
+
+async def test_a_manifest_longer_than_the_control_message_follows_it() -> None:
+    from asyncroll.transport.broadcast import CONTROL_BYTES
+
+    receivers = Receivers("cpu", ["ok"])
+    tensors = {f"model.layers.{i}.some_long_parameter_name.weight": torch.full((3,), float(i))
+               for i in range(CONTROL_BYTES // 40)}
+    async with open_broadcast_sender(receivers=1, device=torch.device("cpu"),
+                                     join=receivers.join, bucket_bytes=1 << 20,
+                                     peer_timeout=HANG_GUARD_S) as sender:
+        await sender.push(tensors, version=9)
+        kind, version, got = await receivers.next(receivers.conns[0])
+        assert (kind, version) == ("pushed", 9)
+        assert got == {name: digest(t) for name, t in tensors.items()}
     receivers.stop()

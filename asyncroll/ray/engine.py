@@ -14,7 +14,8 @@ Invariants:
 - Cancelling a ``generate`` aborts the request in the actor's engine before re-raising.
 - Weight pushes reach the actor's workers as they reach a local engine's: ``attach`` hands the
   sender's config over, and the workers connect to the sender's sockets and shared memory (same
-  host) directly; the push's bytes never pass through Ray.
+  host), or join its broadcast group (any host: ``WeightPusher(backend="broadcast")``)
+  directly; the push's bytes never pass through Ray.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class EngineHost:
         await self.engine.attach(config, owner=self)
         return None, self.state()
 
+    async def take_update(self, load: str, version: int) -> tuple[None, dict[str, Any]]:
+        """``begin_update`` then ``receive``: one actor round trip on the push's critical
+        path instead of two."""
+        await self.engine.begin_update(load=load)
+        await self.engine.receive(version)
+        return None, self.state()
+
     def state(self) -> dict[str, Any]:
         """What the proxy mirrors, read from the engine."""
         engine = self.engine
@@ -132,6 +140,8 @@ class RayEngine:
         self._asleep = False
         self._holding: str | None = None
         self._attached_to: object | None = None
+        self._load: str | None = None
+        """An update begun (its load mode) whose receive has not been sent yet."""
         self._in_flight = 0
         self._num_requests = 0
         self._num_aborted = 0
@@ -351,10 +361,16 @@ class RayEngine:
         await self._call("detach")
 
     async def begin_update(self, *, load: str) -> None:
-        await self._call("begin_update", load=load)
+        """Recorded here; the actor begins the update with the receive (``take_update``)."""
+        self._check_alive()
+        self._load = load
 
     async def receive(self, version: int) -> None:
-        await self._call("receive", version)
+        load, self._load = self._load, None
+        if load is None:
+            await self._call("receive", version)
+            return
+        await self._invoke(self.actor.take_update, load, version)
 
     async def end_failed_update(self) -> bool:
         whole: bool = await self._call("end_failed_update")
@@ -369,10 +385,13 @@ class RayEngine:
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """An async method of the actor's engine, after every call sent before it; the
         mirrored state follows the engine's, whether the call succeeded or not."""
+        return await self._invoke(self.actor.call, method, *args, **kwargs)
+
+    async def _invoke(self, actor_method: Any, *args: Any, **kwargs: Any) -> Any:
+        """``actor_method`` (returning its result and the engine's state), as ``_call``."""
         await self._sent()
         try:
-            return self._mirror(await self._await(self.actor.call.remote(method, *args,
-                                                                         **kwargs)))
+            return self._mirror(await self._await(actor_method.remote(*args, **kwargs)))
         except EngineDeadError:
             raise
         except Exception:

@@ -63,6 +63,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKET_BYTES: Final = 512 << 20
 _MAGIC: Final = 0x41524243  # "ARBC"
 _OK: Final = 0
+CONTROL_BYTES: Final = 256 << 10
+"""The first broadcast of a push: a header (4 int64) and as much of the manifest as fits
+(all of it for a 7B model's 339 tensors with fingerprints); a longer manifest's rest follows
+in a second broadcast. One host round trip per push instead of two."""
+_HEAD: Final = 32
 
 
 class _Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -161,6 +166,8 @@ class Group:
         listen: socket.socket | None = None,
     ) -> Group:
         """Join (rank 0: host) the group; blocks until every rank has joined."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "cuda":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
@@ -252,13 +259,15 @@ class Group:
             return
         done = _event()
         done.record(self.stream)
-        pause = 1e-5
+        pause = 5e-6  # (short sleeps: this wait is on the update's critical path)
         while not done.query():
+            if self._closed:
+                raise TransportClosedError(f"{what}: the push group was closed")
             if time.monotonic() > deadline:
                 self.close()
                 raise TransportTimeoutError(f"{what}: a peer did not complete the broadcast")
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 5e-5)
 
     def close(self) -> None:
         """Leave the group: the other ranks' pending operations fail now. NCCL: abort the
@@ -288,8 +297,14 @@ def _event() -> Any:
     return torch.cuda.Event()  # type: ignore[no-untyped-call]
 
 
-def _header(push: int, version: int, length: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([_MAGIC, push, version, length], dtype=torch.int64, device=device)
+def _control(push: int, version: int, manifest: bytes) -> tuple[bytearray, bytes]:
+    """The first broadcast's bytes (``CONTROL_BYTES``), and the manifest's rest, if any."""
+    head = torch.tensor([_MAGIC, push, version, len(manifest)], dtype=torch.int64)
+    control = bytearray(CONTROL_BYTES)
+    control[:_HEAD] = head.numpy().tobytes()
+    first = manifest[: CONTROL_BYTES - _HEAD]
+    control[_HEAD : _HEAD + len(first)] = first
+    return control, manifest[len(first) :]
 
 
 class BroadcastSender:
@@ -350,10 +365,12 @@ class BroadcastSender:
             pending: list[Any] = [None] * len(self._buffers)
             handles: list[Any] = []
 
-            header = _header(push, version, len(manifest), device)
-            handles.append(group.broadcast(group.ready(header)))
-            payload = torch.frombuffer(bytearray(manifest), dtype=torch.uint8).to(device)
-            handles.append(group.broadcast(group.ready(payload)))
+            control, rest = _control(push, version, manifest)
+            sources = [torch.frombuffer(control, dtype=torch.uint8)]
+            if rest:
+                sources.append(torch.frombuffer(bytearray(rest), dtype=torch.uint8))
+            for source in sources:
+                handles.append(group.broadcast(group.ready(source.to(device))))
             for index, transfer in enumerate(transfers):
                 if transfer.whole:  # from the tensor's own storage where it can
                     source = tensors[transfer.entries[0].name]
@@ -492,23 +509,29 @@ class BroadcastReceiver:
         on_cuda = group.stream is not None
         began = time.perf_counter()
         deadline = time.monotonic() + (group.timeout if timeout is None else timeout)
-        header = group.ready(torch.empty(4, dtype=torch.int64, device=device))
-        handle = group.broadcast(header)
+        control = group.ready(torch.empty(CONTROL_BYTES, dtype=torch.uint8, device=device))
+        handle = group.broadcast(control)
         if on_cuda:
             group.drain(deadline, "the push's header")
         else:
             group.wait(handle, deadline)
-        magic, push, version, length = (int(x) for x in header.tolist())
+        received = control.cpu()
+        magic, push, version, length = (int(x) for x in received[:_HEAD].view(torch.int64))
         if magic != _MAGIC:
             group.close()
             raise WeightSyncError(f"the push group is out of step (header {magic:#x})")
-        payload = group.ready(torch.empty(length, dtype=torch.uint8, device=device))
-        handle = group.broadcast(payload)
-        if on_cuda:
-            group.drain(deadline, f"push {push}'s manifest")
-        else:
-            group.wait(handle, deadline)
-        manifest = _decode(payload.cpu().numpy().tobytes())
+        payload = received[_HEAD : _HEAD + length].numpy().tobytes()
+        if length > len(payload):
+            rest = group.ready(
+                torch.empty(length - len(payload), dtype=torch.uint8, device=device)
+            )
+            handle = group.broadcast(rest)
+            if on_cuda:
+                group.drain(deadline, f"push {push}'s manifest")
+            else:
+                group.wait(handle, deadline)
+            payload += rest.cpu().numpy().tobytes()
+        manifest = _decode(payload)
         transfers = manifest.transfers
         count = max(self._count, 1)
         received_ev: list[Any] = [_event() if on_cuda else None for _ in range(count)]

@@ -48,14 +48,15 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 def _receiver(config: dict[str, Any], rank: int, device: str, conn: Any, behaviour: str) -> None:
-    """A receiver process: reports each push's digests (or its error) until the group ends."""
+    """A receiver process driven as an engine drives a worker: each ``receive`` command takes
+    one push and reports its digests (or its error); ``close`` leaves the group."""
     if device == "cuda":
-        torch.cuda.set_device(0)  # it sees GPU 1 only
+        torch.cuda.set_device(0)  # it sees its own GPU only
     where = torch.device("cuda:0" if device == "cuda" else "cpu")
     receiver = BroadcastReceiver.join(config, rank=rank, device=where)
     conn.send(("joined", rank))
     pushes = 0
-    while True:
+    while conn.recv() == "receive":
         got: dict[str, str] = {}
         pushes += 1
 
@@ -73,8 +74,6 @@ def _receiver(config: dict[str, Any], rank: int, device: str, conn: Any, behavio
             report = receiver.receive(load)
         except Exception as exc:
             conn.send(("error", type(exc).__name__, str(exc)))
-            if receiver.group.closed:
-                break
             continue
         conn.send(("pushed", report.version, got))
     receiver.close()
@@ -125,18 +124,28 @@ class Receivers:
         for conn in self.conns:
             assert (await self.next(conn))[0] == "joined"
 
+    def receive(self) -> None:
+        """Every live receiver takes the next push (an engine's ``receive`` RPC)."""
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if proc.is_alive():
+                conn.send("receive")
+
     async def next(self, conn: Any) -> tuple[Any, ...]:
         ready = await asyncio.to_thread(conn.poll, HANG_GUARD_S)
         assert ready, "a receiver went silent (hang guard)"
         message: tuple[Any, ...] = conn.recv()
         return message
 
-    def stop(self) -> None:
-        for proc in self.procs:
+    async def stop(self) -> None:
+        """Every live receiver leaves the group and exits."""
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if proc.is_alive():
+                conn.send("close")
+                assert (await self.next(conn))[0] == "closed"
             proc.join(HANG_GUARD_S)
             if proc.is_alive():
                 proc.kill()
-                raise AssertionError("a receiver did not exit after its group closed")
+                raise AssertionError("a receiver did not exit")
 
 
 @pytest.fixture(params=_devices())
@@ -165,6 +174,7 @@ async def test_pushes_arrive_bitwise_in_every_receiver(device: str) -> None:
                                      bucket_bytes=4096, peer_timeout=HANG_GUARD_S) as sender:
         for version, seed in ((3, 0), (4, 1)):
             tensors = _tensors(str(dev), seed)
+            receivers.receive()
             report = await sender.push(tensors, version=version)
             assert report.tensors == len(tensors) and report.receivers == peers(device)
             expected = {name: digest(t) for name, t in tensors.items()}
@@ -172,10 +182,7 @@ async def test_pushes_arrive_bitwise_in_every_receiver(device: str) -> None:
                 kind, got_version, got = await receivers.next(conn)
                 assert (kind, got_version) == ("pushed", version)
                 assert got == expected
-    for conn in receivers.conns:  # the sender closed the group: each receiver ends
-        assert (await receivers.next(conn))[0] == "error"
-        assert (await receivers.next(conn))[0] == "closed"
-    receivers.stop()
+        await receivers.stop()
 
 
 async def test_a_sender_failing_mid_push_fails_every_receiver_and_the_group_goes_on(
@@ -191,19 +198,21 @@ async def test_a_sender_failing_mid_push_fails_every_receiver_and_the_group_goes
             if index == 2:
                 raise ValueError("a tensor could not be packed")
 
+        receivers.receive()
         with pytest.raises(WeightSyncError, match="could not be packed"):
             await asyncio.to_thread(sender.push_blocking, tensors, version=5, fail_at=fail)
         for conn in receivers.conns:
             kind, name, message = await receivers.next(conn)
             assert (kind, name) == ("error", "WeightSyncError")
             assert "failed in the sender" in message
+        receivers.receive()
         report = await sender.push(tensors, version=6)  # the collectives stayed in step
         assert report.version == 6
         for conn in receivers.conns:
             kind, version, got = await receivers.next(conn)
             assert (kind, version) == ("pushed", 6)
             assert got == {name: digest(t) for name, t in tensors.items()}
-    receivers.stop()
+        await receivers.stop()
 
 
 async def test_a_receiver_whose_loader_fails_fails_alone(device: str) -> None:
@@ -212,16 +221,18 @@ async def test_a_receiver_whose_loader_fails_fails_alone(device: str) -> None:
     async with open_broadcast_sender(receivers=peers(device), device=dev, join=receivers.join,
                                      bucket_bytes=4096, peer_timeout=HANG_GUARD_S) as sender:
         tensors = _tensors(str(dev), 0)
+        receivers.receive()
         await sender.push(tensors, version=1)  # every collective completes
         failed, *ok = receivers.conns
         kind, name, message = await receivers.next(failed)
         assert (kind, name) == ("error", "WeightSyncError") and "loader fails" in message
         for conn in ok:
             assert (await receivers.next(conn))[:2] == ("pushed", 1)
+        receivers.receive()
         await sender.push(tensors, version=2)
         for conn in receivers.conns:
             assert (await receivers.next(conn))[:2] == ("pushed", 2)
-    receivers.stop()
+        await receivers.stop()
 
 
 async def test_a_receiver_dying_mid_push_fails_the_push_everywhere_and_nothing_hangs(
@@ -235,27 +246,29 @@ async def test_a_receiver_dying_mid_push_fails_the_push_everywhere_and_nothing_h
     async with open_broadcast_sender(receivers=peers(device), device=dev, join=receivers.join,
                                      bucket_bytes=4096, peer_timeout=deadline) as sender:
         tensors = _tensors(str(dev), 0)
+        receivers.receive()
         await sender.push(tensors, version=1)
         for conn in receivers.conns:
             assert (await receivers.next(conn))[:2] == ("pushed", 1)
+        receivers.receive()
         with pytest.raises(TransportBrokenError):
             await sender.push(tensors, version=2)
         assert sender.group.closed
         if len(receivers.conns) == 2:  # (with one GPU for receivers there is no survivor)
             # The survivor may have taken the whole push before the sender failed (gloo sends
             # to each peer in turn; the update then fails above it, and its engine rolls
-            # back), or failed inside it; either way its next operation fails, and it leaves.
+            # back), or failed inside it; either way its next receive fails at once.
             survivor = receivers.conns[1]
             message = await receivers.next(survivor)
             if message[0] == "pushed":
+                survivor.send("receive")
                 message = await receivers.next(survivor)
             kind, name, _ = message
             assert kind == "error"
             assert name in ("TransportBrokenError", "TransportTimeoutError")
-            assert (await receivers.next(survivor))[0] == "closed"
     receivers.procs[0].join(HANG_GUARD_S)
     assert receivers.procs[0].exitcode == 17
-    receivers.stop()
+    await receivers.stop()
 
 
 async def test_a_manifest_longer_than_the_control_message_follows_it() -> None:
@@ -267,8 +280,9 @@ async def test_a_manifest_longer_than_the_control_message_follows_it() -> None:
     async with open_broadcast_sender(receivers=1, device=torch.device("cpu"),
                                      join=receivers.join, bucket_bytes=1 << 20,
                                      peer_timeout=HANG_GUARD_S) as sender:
+        receivers.receive()
         await sender.push(tensors, version=9)
         kind, version, got = await receivers.next(receivers.conns[0])
         assert (kind, version) == ("pushed", 9)
         assert got == {name: digest(t) for name, t in tensors.items()}
-    receivers.stop()
+        await receivers.stop()

@@ -453,13 +453,7 @@ class SenderChannel:
             )
         )
         try:
-            backup = (not torch.cuda.is_available()) if self._backup is None else self._backup
-            config = {
-                **sender.receiver_config(),
-                "backup": backup,
-                "load": self._load,
-                "plan": self._load_plan,
-            }
+            config = {**sender.receiver_config(), **self._worker_config()}
             await asyncio.gather(
                 sender.wait_receivers(workers),
                 *(e.attach(config, owner=self) for e in engines),

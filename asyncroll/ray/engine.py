@@ -341,8 +341,13 @@ class RayEngine:
         self._fire("hold", reason)
 
     def release_hold(self) -> None:
+        """Released here at once; in the actor only if it may hold: every update releases
+        before its label, and an actor call there would be a round trip the label waits
+        for (``_sent``)."""
+        may_hold = self._holding is not None or bool(self._pending)
         self._holding = None
-        self._fire("release_hold")
+        if may_hold:  # (the actor's holding is mirrored after every call)
+            self._fire("release_hold")
         self._open_gate_if_ready()
 
     async def commit_version(self, global_steps: int | None) -> None:

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import gc
 import itertools
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -50,9 +49,11 @@ from gpu_e2e import (
     GiB,
     Results,
     engine_args,
+    finish,
     greedy,
     log,
     random_weights,
+    run_steps,
     timed,
     write_config,
 )
@@ -370,18 +371,8 @@ async def main() -> int:
             for size in args.sizes.split(","):
                 steps.append((f"push {size}", lambda size=size: push_section(
                     res, engines, work, size, args.repeats, args.device, not args.no_baseline)))
-        for name, step in steps:
-            started = time.perf_counter()
-            log(f"== {name}")
-            try:
-                await step()
-            except Exception:
-                res.check(name, "ran to the end", False, traceback.format_exc()[-3000:])
-            log(f"== {name}: {time.perf_counter() - started:.0f} s")
-            res.save()
-    log(json.dumps(res.data, indent=1, default=str)[-5000:])
-    log(f"{res.failed} checks failed")
-    return 1 if res.failed else 0
+        await run_steps(res, steps)
+    return finish(res)
 
 
 if __name__ == "__main__":

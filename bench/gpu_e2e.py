@@ -705,15 +705,25 @@ async def main() -> int:
             steps.append(("rollout", lambda: rollout(res, work, args.interval,
                                                      args.policies.split(","),
                                                      args.slow_turns, args.eager)))
-        for name, step in steps:
-            started = time.perf_counter()
-            log(f"== {name}")
-            try:
-                await step()
-            except Exception:
-                res.check(name, "ran to the end", False, traceback.format_exc()[-3000:])
-            log(f"== {name}: {time.perf_counter() - started:.0f} s")
-            res.save()
+        await run_steps(res, steps)
+    return finish(res)
+
+
+async def run_steps(res: Results, steps: list[tuple[str, Callable[[], Awaitable[None]]]]) -> None:
+    """Each step in turn, timed; one that raises is a failed check, and the rest still run."""
+    for name, step in steps:
+        started = time.perf_counter()
+        log(f"== {name}")
+        try:
+            await step()
+        except Exception:
+            res.check(name, "ran to the end", False, traceback.format_exc()[-3000:])
+        log(f"== {name}: {time.perf_counter() - started:.0f} s")
+        res.save()
+
+
+def finish(res: Results) -> int:
+    """Save, print the tail of the results and the failed checks; the exit status."""
     res.save()
     log(json.dumps(res.data, indent=1, default=str)[-6000:])
     log(f"{res.failed} checks failed")

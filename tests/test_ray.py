@@ -25,6 +25,7 @@ from asyncroll.ray import RayEngine  # noqa: E402 - after the skip
 pytestmark = pytest.mark.engine
 
 PARAMS: dict[str, Any] = {"max_tokens": 48, "temperature": 1.0, "ignore_eos": True}
+LONG = 480
 
 
 async def test_without_a_ray_cluster_start_is_a_typed_error(tiny_model_a: Path) -> None:
@@ -93,9 +94,11 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
 ) -> None:
     weights_a, weights_b = load_weights(tiny_model_a), load_weights(tiny_model_b)
     async with AsyncServerManager([engine, remote], resume_mode=mode) as manager:  # type: ignore[arg-type]
+        # Long calls (the model's length allows 510 tokens): the update must land inside them
+        # after the decoding has begun, on a 2-core machine that a busy loop shares.
         calls = [asyncio.ensure_future(manager.generate(
             f"mix-{mode}-{i}", prompt_ids=[5, i + 2],
-            sampling_params={**PARAMS, "max_tokens": 200})) for i in range(8)]
+            sampling_params={**PARAMS, "max_tokens": LONG})) for i in range(8)]
         await until_decoding(manager, 8)  # every call is inside an engine, both engines busy
         before = {engine.global_steps, remote.global_steps}  # (they may differ)
         steps = (manager.global_steps or 0) + 1

@@ -108,7 +108,7 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
         assert {o.engines[0] for o in outputs} == {engine.name, remote.name}
         spanning = 0
         for output in outputs:
-            assert len(output.token_ids) == 200
+            assert len(output.token_ids) == LONG
             versions = [v for v in output.global_steps if v is not None]
             assert versions == sorted(versions) and versions[-1] in before | {steps}
             spanning += versions[0] < steps == versions[-1]

@@ -31,7 +31,7 @@ import itertools
 import logging
 import time
 import warnings
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -48,6 +48,7 @@ from asyncroll.interfaces import (
 )
 from asyncroll.transport import CudaIpcBackend, PushReport, ShmBackend, WeightSender
 from asyncroll.transport.broadcast import BroadcastSender, open_broadcast_sender
+from asyncroll.transport.plan import ALIGN
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
 
@@ -274,6 +275,15 @@ class SenderChannel:
                 raise InvalidRequestError(f"{option} must be True or False, not {value!r}")
         if not isinstance(buffers, int) or isinstance(buffers, bool) or buffers < 1:
             raise InvalidRequestError(f"buffers must be an int of at least 1, not {buffers!r}")
+        if bucket_bytes is not None and (
+            not isinstance(bucket_bytes, int)
+            or isinstance(bucket_bytes, bool)
+            or bucket_bytes < ALIGN
+            or bucket_bytes % ALIGN
+        ):
+            raise InvalidRequestError(
+                f"bucket_bytes must be a positive multiple of {ALIGN}, not {bucket_bytes!r}"
+            )
         self._engines = list(engines)
         self._bucket_bytes = bucket_bytes
         self._buffers = buffers
@@ -452,17 +462,12 @@ class SenderChannel:
                 ack_timeout=self._timeout,
             )
         )
-        try:
+        async with _closed_on_failure(stack, "engines could not attach to the sender"):
             config = {**sender.receiver_config(), **self._worker_config()}
             await asyncio.gather(
                 sender.wait_receivers(workers),
                 *(e.attach(config, owner=self) for e in engines),
             )
-        except BaseException as exc:
-            await stack.aclose()
-            if isinstance(exc, Exception):
-                raise WeightSyncError(f"engines could not attach to the sender: {exc}") from exc
-            raise
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
 
@@ -495,7 +500,7 @@ class SenderChannel:
             ))
 
         stack = contextlib.AsyncExitStack()
-        try:
+        async with _closed_on_failure(stack, "engines could not join the push group"):
             sender = await stack.enter_async_context(
                 open_broadcast_sender(
                     receivers=sum(e.num_workers for e in engines),
@@ -506,11 +511,6 @@ class SenderChannel:
                     peer_timeout=self._timeout,
                 )
             )
-        except BaseException as exc:
-            await stack.aclose()
-            if isinstance(exc, Exception):
-                raise WeightSyncError(f"engines could not join the push group: {exc}") from exc
-            raise
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
 
@@ -606,6 +606,19 @@ class WeightPusher(VersionedUpdater):
     @verify.setter
     def verify(self, value: bool) -> None:
         self._sender_channel.verify = value
+
+
+@contextlib.asynccontextmanager
+async def _closed_on_failure(stack: contextlib.AsyncExitStack, what: str) -> AsyncIterator[None]:
+    """Connecting a sender to the workers: on any failure close what ``stack`` opened; an
+    error is a ``WeightSyncError`` saying ``what`` (a cancellation goes on as itself)."""
+    try:
+        yield
+    except BaseException as exc:
+        await stack.aclose()
+        if isinstance(exc, Exception):
+            raise WeightSyncError(f"{what}: {exc}") from exc
+        raise
 
 
 async def _commit(

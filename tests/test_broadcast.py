@@ -193,14 +193,11 @@ async def test_a_sender_failing_mid_push_fails_every_receiver_and_the_group_goes
     async with open_broadcast_sender(receivers=peers(device), device=dev, join=receivers.join,
                                      bucket_bytes=4096, peer_timeout=HANG_GUARD_S) as sender:
         tensors = _tensors(str(dev), 0)
-
-        def fail(index: int) -> None:
-            if index == 2:
-                raise ValueError("a tensor could not be packed")
-
+        # A tensor with no data (meta) packs like any other until its copy fails.
+        broken = {**tensors, "layer.0.b": torch.empty(7, device="meta")}
         receivers.receive()
-        with pytest.raises(WeightSyncError, match="could not be packed"):
-            await asyncio.to_thread(sender.push_blocking, tensors, version=5, fail_at=fail)
+        with pytest.raises(WeightSyncError, match=r"failed while packing.*meta"):
+            await sender.push(broken, version=5)
         for conn in receivers.conns:
             kind, name, message = await receivers.next(conn)
             assert (kind, name) == ("error", "WeightSyncError")

@@ -246,6 +246,12 @@ async def test_bad_pusher_options_are_rejected(engine: VLLMEngine) -> None:
     for buffers in (0, True, 1.5):
         with pytest.raises(InvalidRequestError, match="buffers must be an int of at least 1"):
             WeightPusher([engine], buffers=buffers)  # type: ignore[arg-type]
+    for bucket_bytes in (0, -256, 1000, True, 256.0):
+        for backend in ("auto", "broadcast"):
+            with pytest.raises(InvalidRequestError, match="bucket_bytes must be a positive"):
+                WeightPusher([engine], bucket_bytes=bucket_bytes, backend=backend)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="one_copy=True reads through CUDA IPC"):
+        WeightPusher([engine], backend="broadcast", one_copy=True)
 
 
 async def test_one_copy_of_cpu_tensors_is_refused_before_anything_pauses(

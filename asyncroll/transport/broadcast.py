@@ -333,7 +333,6 @@ class BroadcastSender:
         *,
         version: int,
         fingerprints: Mapping[str, bytes] | None = None,
-        fail_at: Callable[[int], None] | None = None,
     ) -> PushReport:
         """One whole push (every rank runs its side). Returns once every byte left (on CUDA:
         the broadcasts completed, so the caller may change ``tensors``).
@@ -388,8 +387,6 @@ class BroadcastSender:
                     group.wait(pending[slot], deadline)
                 if failure is None:
                     try:
-                        if fail_at is not None:
-                            fail_at(index)
                         packing_on = torch.cuda.stream(copy_stream) if on_cuda else None
                         with packing_on or contextlib.nullcontext():
                             for entry in transfer.entries:

@@ -30,6 +30,7 @@ import itertools
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -201,6 +202,17 @@ def link_rate_gbs(nbytes: int = GiB, repeats: int = 10) -> float:
     return nbytes / best / 1e9
 
 
+def ray_calls(engine: Any) -> dict[str, float]:
+    """A Ray engine's last update calls: the round trip, and the part of it spent in the actor
+    (the rest is Ray and the actor's event loop)."""
+    found: dict[str, float] = {}
+    for call, (round_trip, in_actor) in getattr(engine, "call_times", {}).items():
+        if call in ("take_update", "commit_version", "pause", "resume", "reset_prefix_cache"):
+            found[f"ray {call} ms"] = round_trip * 1e3
+            found[f"ray {call} in actor ms"] = in_actor * 1e3
+    return found
+
+
 async def ours(res: Results, engines: Engines, s: str, folder: Path,
                tensors: dict[str, torch.Tensor], util: float, repeats: int,
                results: dict[str, Any]) -> None:
@@ -218,7 +230,7 @@ async def ours(res: Results, engines: Engines, s: str, folder: Path,
                 return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
                         "push_ms": r.push_seconds * 1e3, "finish_ms": r.finish_seconds * 1e3,
                         "sender_ms": r.push.seconds * 1e3, "pack_ms": r.push.pack_seconds * 1e3,
-                        "total_with_pause_resume_ms": r.seconds * 1e3}
+                        "total_with_pause_resume_ms": r.seconds * 1e3, **ray_calls(engine)}
 
             try:
                 results[label] = await timed(repeats, push)
@@ -233,6 +245,13 @@ async def ours(res: Results, engines: Engines, s: str, folder: Path,
             finally:
                 await pusher.aclose()
             res.record(s, "results", results)
+        if hasattr(engine, "actor"):  # what a bare round trip to this actor costs
+            trips = []
+            for _ in range(50):
+                started = time.perf_counter()
+                await engine.actor.state.remote()
+                trips.append((time.perf_counter() - started) * 1e3)
+            res.record(s, "ray actor round trip ms (median of 50)", statistics.median(trips))
 
 
 async def vllm_nccl(res: Results, engines: Engines, s: str, folder: Path,

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -68,25 +69,31 @@ class EngineHost:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         """An async method of the engine; its result and the engine's state after it."""
-        return await getattr(self.engine, method)(*args, **kwargs), self.state()
+        started = time.perf_counter()
+        return await getattr(self.engine, method)(*args, **kwargs), self.state(started)
 
     def call_sync(self, method: str, *args: Any) -> tuple[Any, dict[str, Any]]:
         """A plain method of the engine (``hold``, ``release_hold``, ``statistics``)."""
-        return getattr(self.engine, method)(*args), self.state()
+        started = time.perf_counter()
+        return getattr(self.engine, method)(*args), self.state(started)
 
     async def attach(self, config: dict[str, Any]) -> tuple[None, dict[str, Any]]:
+        started = time.perf_counter()
         await self.engine.attach(config, owner=self)
-        return None, self.state()
+        return None, self.state(started)
 
     async def take_update(self, load: str, version: int) -> tuple[None, dict[str, Any]]:
         """``begin_update`` then ``receive``: one actor round trip on the push's critical
         path instead of two."""
+        started = time.perf_counter()
         await self.engine.begin_update(load=load)
         await self.engine.receive(version)
-        return None, self.state()
+        return None, self.state(started)
 
-    def state(self) -> dict[str, Any]:
-        """What the proxy mirrors, read from the engine."""
+    def state(self, started: float | None = None) -> dict[str, Any]:
+        """What the proxy mirrors, read from the engine; with ``started``, also how long the
+        call took in here (``actor_s``)."""
+        actor_s = time.perf_counter() - started if started is not None else None
         engine = self.engine
         stats = engine.statistics()
         try:
@@ -96,7 +103,7 @@ class EngineHost:
             weights_asleep = True
         return {"paused": stats.paused, "asleep": stats.asleep, "holding": stats.holding,
                 "weights_asleep": weights_asleep, "global_steps": engine.global_steps,
-                "dead": engine.is_dead}
+                "dead": engine.is_dead, "actor_s": actor_s}
 
     async def wait_closed(self) -> None:
         """Returns when the engine is closed; the proxy keeps one pending to see the actor
@@ -154,6 +161,10 @@ class RayEngine:
         self._gate.set()
         self._pending: set[asyncio.Future[Any]] = set()
         """Fire-and-forget calls (``hold``, aborts of cancelled calls), kept until done."""
+        self.call_times: dict[str, tuple[float, float]] = {}
+        """The last call of each kind to the actor's engine (``"commit_version"``,
+        ``"take_update"``, ...): seconds the round trip took here, and seconds of it in the
+        actor; the difference is what Ray (and the actor's event loop) cost."""
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -375,7 +386,7 @@ class RayEngine:
         if load is None:
             await self._call("receive", version)
             return
-        await self._invoke(self.actor.take_update, load, version)
+        await self._invoke(self.actor.take_update, load, version, label="take_update")
 
     async def end_failed_update(self) -> bool:
         whole: bool = await self._call("end_failed_update")
@@ -390,18 +401,25 @@ class RayEngine:
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """An async method of the actor's engine, after every call sent before it; the
         mirrored state follows the engine's, whether the call succeeded or not."""
-        return await self._invoke(self.actor.call, method, *args, **kwargs)
+        return await self._invoke(self.actor.call, method, *args, label=method, **kwargs)
 
-    async def _invoke(self, actor_method: Any, *args: Any, **kwargs: Any) -> Any:
-        """``actor_method`` (returning its result and the engine's state), as ``_call``."""
+    async def _invoke(self, actor_method: Any, *args: Any, label: str | None = None,
+                      **kwargs: Any) -> Any:
+        """``actor_method`` (returning its result and the engine's state), as ``_call``;
+        timed in ``call_times`` under ``label``."""
         await self._sent()
+        started = time.perf_counter()
         try:
-            return self._mirror(await self._await(actor_method.remote(*args, **kwargs)))
+            reply = await self._await(actor_method.remote(*args, **kwargs))
         except EngineDeadError:
             raise
         except Exception:
             await self._resync()
             raise
+        actor_s = reply[1]["actor_s"]
+        if label is not None and actor_s is not None:
+            self.call_times[label] = (time.perf_counter() - started, actor_s)
+        return self._mirror(reply)
 
     async def _call_sync(self, method: str, *args: Any) -> Any:
         await self._sent()

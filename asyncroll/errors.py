@@ -14,6 +14,7 @@ AsyncrollError
 │   │   └── TransportTimeoutError  a peer did not answer within its deadline (also a TimeoutError)
 │   └── TransportAuthError      a peer failed authentication (wrong secret)
 ├── WeightSyncError             a push failed; the old version stays in force
+│   └── ReceiverFailedError     the sender's side went well; a receiver failed its part
 ├── ManagerClosedError          a call on a closed AsyncServerManager (also a RuntimeError)
 └── InvalidRequestError         bad input, caught before it reaches an engine (also a ValueError)
 ```
@@ -35,6 +36,7 @@ __all__ = [
     "InvalidRequestError",
     "ManagerClosedError",
     "NoEngineAvailableError",
+    "ReceiverFailedError",
     "TransportAuthError",
     "TransportBrokenError",
     "TransportClosedError",
@@ -95,6 +97,10 @@ class TransportAuthError(TransportError):
 
 class WeightSyncError(AsyncrollError):
     """A weight push failed; the previous weights and version stay in force."""
+
+
+class ReceiverFailedError(WeightSyncError):
+    """The sender completed a push that a receiver failed (its engine's error says why)."""
 
 
 class ManagerClosedError(AsyncrollError, RuntimeError):

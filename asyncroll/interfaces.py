@@ -133,7 +133,9 @@ class ReceivingEngine(UpdatableEngine, Protocol):
     async def begin_update(self, *, load: str) -> None: ...
 
     async def receive(self, version: int) -> None:
-        """Take one whole push (returns when every worker loaded its last bucket)."""
+        """Take one whole push (returns when every worker loaded its last bucket).
+        ``version``: the update's ``global_steps``, or -1 for an update that keeps the
+        label."""
 
     async def end_failed_update(self) -> bool:
         """End a failed push in every worker; True if the previous weights are whole again."""

@@ -36,7 +36,12 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from asyncroll.errors import InvalidRequestError, UnchangedWeightsWarning, WeightSyncError
+from asyncroll.errors import (
+    InvalidRequestError,
+    ReceiverFailedError,
+    UnchangedWeightsWarning,
+    WeightSyncError,
+)
 from asyncroll.fingerprints import Fingerprinter, fingerprints
 from asyncroll.interfaces import (
     Delivery,
@@ -47,7 +52,11 @@ from asyncroll.interfaces import (
     WeightChannel,
 )
 from asyncroll.transport import CudaIpcBackend, PushReport, ShmBackend, WeightSender
-from asyncroll.transport.broadcast import BroadcastSender, open_broadcast_sender
+from asyncroll.transport.broadcast import (
+    FAILED_ELSEWHERE,
+    BroadcastSender,
+    open_broadcast_sender,
+)
 from asyncroll.transport.plan import ALIGN
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
@@ -215,16 +224,30 @@ class VersionedUpdater:
         global_steps: int | None,
     ) -> PushReport | None:
         version = global_steps if global_steps is not None else -1
+        before = {engine.name: engine.global_steps for engine in engines}
         try:
             return await self._channel.push(engines, tensors, version)
         except BaseException as exc:
             held = await _shielded(self._channel.abort(engines))
-            outcome = (
-                "every engine serves its previous weights"
-                if not held
-                else f"{', '.join(held)} hold partly loaded weights (no backup) and take no "
-                "requests until a push succeeds; any other engine serves its previous weights"
+            # An engine that labelled the push as it landed (a Ray engine, once the push's
+            # verdict said every rank took it) keeps it: its weights and label agree.
+            took = [
+                e.name for e in engines
+                if global_steps is not None and e.global_steps != before[e.name]
+                and e.name not in held
+            ]
+            parts = []
+            if held:
+                parts.append(
+                    f"{', '.join(held)} hold partly loaded weights (no backup) and take no "
+                    "requests until a push succeeds"
+                )
+            if took:
+                parts.append(f"{', '.join(took)} took the new weights, labelled {global_steps}")
+            parts.append(
+                f"{'any other' if parts else 'every'} engine serves its previous weights"
             )
+            outcome = "; ".join(parts)
             error = WeightSyncError(
                 f"weight push (global_steps={global_steps}) failed; {outcome}: "
                 f"{_describe([exc])}"
@@ -423,11 +446,26 @@ class SenderChannel:
             asyncio.gather(*(e.begin_update(load=self._load) for e in engines))
         )
         tasks: list[asyncio.Future[Any]] = [push, begun]
+        receives: list[asyncio.Future[Any]] = []
         try:
             async with asyncio.timeout(self._timeout * 2):
                 await _until(begun, tasks)
-                tasks += [asyncio.ensure_future(e.receive(version)) for e in engines]
-                await _until(None, tasks)
+                receives = [asyncio.ensure_future(e.receive(version)) for e in engines]
+                tasks += receives
+                try:
+                    await _until(None, tasks)
+                except ReceiverFailedError:
+                    # The failing receivers' engines say why, and say it at once: they
+                    # failed before the push's verdict told the sender (and the others).
+                    await asyncio.wait(receives)
+                    failures = [
+                        r.exception() for r in receives
+                        if not r.cancelled() and r.exception() is not None
+                    ]
+                    failures.sort(key=lambda f: FAILED_ELSEWHERE in str(f))
+                    if failures:
+                        raise failures[0] from None  # type: ignore[misc]
+                    raise
             return push.result()
         finally:
             for task in tasks:

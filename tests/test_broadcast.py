@@ -70,8 +70,12 @@ def _receiver(config: dict[str, Any], rank: int, device: str, conn: Any, behavio
             for name, tensor in batch:
                 got[name] = digest(tensor)
 
+        def check(report: Any, push: int = pushes) -> None:
+            if behaviour == "reject" and push == 1:
+                raise WeightSyncError("this receiver's check of what it loaded fails")
+
         try:
-            report = receiver.receive(load)
+            report = receiver.receive(load, after=check)
         except Exception as exc:
             conn.send(("error", type(exc).__name__, str(exc)))
             continue
@@ -212,19 +216,29 @@ async def test_a_sender_failing_mid_push_fails_every_receiver_and_the_group_goes
         await receivers.stop()
 
 
-async def test_a_receiver_whose_loader_fails_fails_alone(device: str) -> None:
-    receivers = Receivers(device, ["fail", "ok"][: peers(device)])
+@pytest.mark.parametrize("behaviour", ["fail", "reject"])
+async def test_a_receiver_failing_its_part_fails_the_push_everywhere_and_the_group_goes_on(
+    device: str, behaviour: str
+) -> None:
+    """A loader that raises, or a check of what was loaded (``after``) that fails: that
+    receiver says why, every other rank learns from the push's verdict that the push failed
+    (so every engine rolls back), and the next push lands everywhere."""
+    receivers = Receivers(device, [behaviour, "ok"][: peers(device)])
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     async with open_broadcast_sender(receivers=peers(device), device=dev, join=receivers.join,
                                      bucket_bytes=4096, peer_timeout=HANG_GUARD_S) as sender:
         tensors = _tensors(str(dev), 0)
         receivers.receive()
-        await sender.push(tensors, version=1)  # every collective completes
+        with pytest.raises(WeightSyncError, match=r"failed in 1 of \d receivers"):
+            await sender.push(tensors, version=1)  # every collective completes
         failed, *ok = receivers.conns
         kind, name, message = await receivers.next(failed)
-        assert (kind, name) == ("error", "WeightSyncError") and "loader fails" in message
+        why = "loader fails" if behaviour == "fail" else "check of what it loaded fails"
+        assert (kind, name) == ("error", "WeightSyncError") and why in message
         for conn in ok:
-            assert (await receivers.next(conn))[:2] == ("pushed", 1)
+            kind, name, message = await receivers.next(conn)
+            assert (kind, name) == ("error", "WeightSyncError")
+            assert "another rank of the push group failed it" in message
         receivers.receive()
         await sender.push(tensors, version=2)
         for conn in receivers.conns:
@@ -237,8 +251,9 @@ async def test_a_receiver_dying_mid_push_fails_the_push_everywhere_and_nothing_h
 ) -> None:
     receivers = Receivers(device, ["die", "ok"][: peers(device)])
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
-    # The deadline is what ends a collective a dead peer never joins (NCCL); gloo sees the
-    # connection drop at once.
+    # The deadline is what ends a collective a dead peer never joins (NCCL: its small push
+    # may fit the dead peer's buffers, but the verdict needs it); gloo sees the connection
+    # drop at once.
     deadline = 20.0 if device == "cuda" else HANG_GUARD_S
     async with open_broadcast_sender(receivers=peers(device), device=dev, join=receivers.join,
                                      bucket_bytes=4096, peer_timeout=deadline) as sender:

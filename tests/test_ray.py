@@ -144,7 +144,12 @@ async def test_a_broadcast_push_into_ray_and_local_engines_is_token_exact(
         await staged.aclose()
     assert expected_b != FRESH_GREEDY["a"] and expected_b == FRESH_GREEDY.get("b", expected_b)
     steps += 2
+    remote.call_times.clear()
     report = await broadcaster.update(load_weights(tiny_model_b), global_steps=steps)
+    # The push's verdict told the actor every rank took it: it labelled the push as its
+    # receive ended, and the label cost no round trip of its own.
+    assert "take_update" in remote.call_times and "commit_version" not in remote.call_times
+    assert (await remote.remote_statistics()).global_steps == steps
     assert set(report.deliveries) == {remote.name, engine.name}
     assert all(d.tensors == len(load_weights(tiny_model_b)) for d in report.deliveries.values())
     assert report.push is not None and report.push.receivers == 2
@@ -178,9 +183,14 @@ async def test_a_worker_failing_a_broadcast_push_rolls_every_engine_back(
     versions = (remote.global_steps, engine.global_steps)
     steps = max(v or 0 for v in versions)
     async with inject_fault(engine, "load", tensor="model.norm.weight"):
-        with pytest.raises(WeightSyncError, match="previous weights"):
+        with pytest.raises(WeightSyncError, match="previous weights") as failed:
             await broadcaster.update(load_weights(tiny_model_b), global_steps=steps + 1)
+    # The failing engine's own error is the one raised (it names the tensor), not the
+    # sender's "failed in 1 of 2 receivers"; the Ray engine, whose part went well, learned
+    # from the push's verdict that it failed, and did not label it.
+    assert "model.norm.weight" in str(failed.value)
     assert (remote.global_steps, engine.global_steps) == versions  # no label moved
+    assert (await remote.remote_statistics()).global_steps == versions[0]
     assert await greedy(remote, "bc-failed") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
     assert await greedy(engine, "bc-failed-local") == FRESH_GREEDY["a"]
     await broadcaster.update(load_weights(tiny_model_a), global_steps=steps + 1)  # goes on

@@ -48,6 +48,9 @@ class EngineHost:
     def __init__(self) -> None:
         self.engine: Any = None
         self._closed = asyncio.Event()
+        self._labelling: asyncio.Future[None] | None = None
+        """A label begun in ``take_update``: it runs to its end even if that call is
+        cancelled, and every later call waits for it."""
 
     async def start(self, model_path: str, name: str, global_steps: int | None,
                     engine_args: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +72,7 @@ class EngineHost:
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         """An async method of the engine; its result and the engine's state after it."""
+        await self._labelled()
         started = time.perf_counter()
         return await getattr(self.engine, method)(*args, **kwargs), self.state(started)
 
@@ -78,17 +82,32 @@ class EngineHost:
         return getattr(self.engine, method)(*args), self.state(started)
 
     async def attach(self, config: dict[str, Any]) -> tuple[None, dict[str, Any]]:
+        await self._labelled()
         started = time.perf_counter()
         await self.engine.attach(config, owner=self)
         return None, self.state(started)
 
-    async def take_update(self, load: str, version: int) -> tuple[None, dict[str, Any]]:
+    async def take_update(self, load: str, version: int, label: bool
+                          ) -> tuple[None, dict[str, Any]]:
         """``begin_update`` then ``receive``: one actor round trip on the push's critical
-        path instead of two."""
+        path instead of two. With ``label`` (a broadcast push, whose receive returns only
+        once every rank of the group took its part: the push's verdict), also
+        ``commit_version``, saving the round trip the label would take."""
+        await self._labelled()
         started = time.perf_counter()
         await self.engine.begin_update(load=load)
         await self.engine.receive(version)
+        if label:
+            global_steps = None if version < 0 else version
+            self._labelling = asyncio.ensure_future(self.engine.commit_version(global_steps))
+            await asyncio.shield(self._labelling)
         return None, self.state(started)
+
+    async def _labelled(self) -> None:
+        labelling, self._labelling = self._labelling, None
+        if labelling is not None:
+            with contextlib.suppress(Exception):  # (take_update raised it)
+                await labelling
 
     def state(self, started: float | None = None) -> dict[str, Any]:
         """What the proxy mirrors, read from the engine; with ``started``, also how long the
@@ -161,6 +180,11 @@ class RayEngine:
         self._gate.set()
         self._pending: set[asyncio.Future[Any]] = set()
         """Fire-and-forget calls (``hold``, aborts of cancelled calls), kept until done."""
+        self._verdicts = False
+        """Attached to a broadcast push group: a receive that returns means every rank took
+        the push (``EngineHost.take_update`` labels it then)."""
+        self._labelled: int | None = None
+        """The version the last ``take_update`` labelled in the actor, until committed."""
         self.call_times: dict[str, tuple[float, float]] = {}
         """The last call of each kind to the actor's engine (``"commit_version"``,
         ``"take_update"``, ...): seconds the round trip took here, and seconds of it in the
@@ -362,6 +386,9 @@ class RayEngine:
         self._open_gate_if_ready()
 
     async def commit_version(self, global_steps: int | None) -> None:
+        labelled, self._labelled = self._labelled, None
+        if labelled is not None and labelled == (-1 if global_steps is None else global_steps):
+            return  # labelled in the actor as the push ended (``take_update``)
         await self._call("commit_version", global_steps)
 
     async def reset_prefix_cache(self) -> None:
@@ -371,6 +398,7 @@ class RayEngine:
         await self._sent()
         self._mirror(await self._await(self.actor.attach.remote(dict(config))))
         self._attached_to = owner
+        self._verdicts = config.get("transport") == "broadcast"
 
     async def detach(self) -> None:
         self._attached_to = None
@@ -380,13 +408,17 @@ class RayEngine:
         """Recorded here; the actor begins the update with the receive (``take_update``)."""
         self._check_alive()
         self._load = load
+        self._labelled = None
 
     async def receive(self, version: int) -> None:
         load, self._load = self._load, None
         if load is None:
             await self._call("receive", version)
             return
-        await self._invoke(self.actor.take_update, load, version, label="take_update")
+        await self._invoke(self.actor.take_update, load, version, self._verdicts,
+                           label="take_update")
+        if self._verdicts:
+            self._labelled = version
 
     async def end_failed_update(self) -> bool:
         whole: bool = await self._call("end_failed_update")

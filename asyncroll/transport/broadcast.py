@@ -11,7 +11,14 @@ One push, as every rank sees it, in order on the group:
    k+1 while bucket k is on the wire; each receiver loads bucket k while k+1 arrives,
 4. a trailer: the sender's status. A sender that fails mid-push still completes every
    collective (so the group stays usable) and says so here; receivers then fail the push,
-   and their workers restore their backups, as for any failed push.
+   and their workers restore their backups, as for any failed push,
+5. the verdict: an all-reduce of every rank's failures, once each receiver has loaded and
+   checked what it took (``receive(after=...)``). Every rank learns whether the push landed
+   everywhere, with no other message: the sender fails a push any receiver failed (a
+   broadcast alone cannot tell it: NCCL may take a small push into a dead peer's buffers),
+   and a receiver whose own part went well fails a push another rank failed, so every
+   engine rolls back together; an engine whose receive returned knows its push is whole
+   (a Ray engine labels it there, saving a round trip).
 
 On CUDA no host waits per bucket on either side: streams wait on events of their own
 process (pack -> broadcast -> reuse on the sender; broadcast -> load -> reuse on a
@@ -28,6 +35,7 @@ where to join. Independent of vLLM except for the NCCL communicator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -40,6 +48,7 @@ import msgspec
 import torch
 
 from asyncroll.errors import (
+    ReceiverFailedError,
     TransportBrokenError,
     TransportClosedError,
     TransportTimeoutError,
@@ -51,6 +60,7 @@ from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport
 from asyncroll.transport.sender import PushReport
 
 __all__ = [
+    "FAILED_ELSEWHERE",
     "BroadcastReceiver",
     "BroadcastSender",
     "Group",
@@ -68,6 +78,9 @@ CONTROL_BYTES: Final = 256 << 10
 (all of it for a 7B model's 339 tensors with fingerprints); a longer manifest's rest follows
 in a second broadcast. One host round trip per push instead of two."""
 _HEAD: Final = 32
+FAILED_ELSEWHERE: Final = "another rank of the push group failed it"
+"""What a receiver whose own part went well says of a push the verdict failed (it reaches
+the trainer as text, through vLLM's RPC: ``SenderChannel`` prefers the other errors)."""
 
 
 class _Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -219,6 +232,29 @@ class Group:
         self._works[self._issued] = self._comm.broadcast([tensor], options)
         return self._issued
 
+    def all_reduce(self, tensor: torch.Tensor) -> int | None:
+        """Start summing ``tensor`` over the group, in place; tokens as ``broadcast``."""
+        if self._closed:
+            raise TransportClosedError("the push group is closed")
+        if self.stream is not None:
+            self._comm.all_reduce(tensor, tensor, stream=self.stream)
+            return None
+        self._issued += 1
+        self._works[self._issued] = self._comm.allreduce([tensor])
+        return self._issued
+
+    def verdict(self, failed: bool, deadline: float, what: str) -> int:
+        """Every rank's ``failed`` summed: how many ranks failed ``what`` (blocks)."""
+        count = self.ready(
+            torch.tensor([int(failed)], dtype=torch.int64, device=self.device)
+        )
+        handle = self.all_reduce(count)
+        if self.stream is not None:
+            self.drain(deadline, what)
+        else:
+            self.wait(handle, deadline)
+        return int(count.item())
+
     def ready(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, made on the caller's current stream, safe to broadcast: CUDA: the
         group's stream waits for that stream, and the allocator for the group's stream."""
@@ -334,12 +370,12 @@ class BroadcastSender:
         version: int,
         fingerprints: Mapping[str, bytes] | None = None,
     ) -> PushReport:
-        """One whole push (every rank runs its side). Returns once every byte left (on CUDA:
-        the broadcasts completed, so the caller may change ``tensors``).
+        """One whole push (every rank runs its side). Returns once every receiver has loaded
+        and checked its part (so the caller may change ``tensors``).
 
         Raises:
             WeightSyncError: packing failed here (the collectives were still completed, and
-                the receivers were told to fail the push too).
+                the receivers were told to fail the push too), or a receiver failed its part.
             TransportTimeoutError: a receiver did not complete a broadcast by the deadline
                 (the group is closed; open a new one).
         """
@@ -413,11 +449,17 @@ class BroadcastSender:
             else:
                 for handle in handles:
                     group.wait(handle, deadline)
+            failed = group.verdict(failure is not None, deadline, f"push {push}'s verdict")
             finished = time.perf_counter()
             if failure is not None:
                 raise WeightSyncError(
                     f"push {push} failed while packing: {type(failure).__name__}: {failure}"
                 ) from failure
+            if failed:
+                raise ReceiverFailedError(
+                    f"push {push} (version {version}) failed in {failed} of {self.receivers}"
+                    " receivers (their engines say why)"
+                )
             return PushReport(
                 version=version,
                 bytes=sum(t.nbytes for t in transfers),
@@ -488,13 +530,21 @@ class BroadcastReceiver:
         return self._buffers[slot][:nbytes]
 
     def receive(
-        self, load_fn: LoadFn, *, place: PlaceFn | None = None, timeout: float | None = None
+        self,
+        load_fn: LoadFn,
+        *,
+        place: PlaceFn | None = None,
+        timeout: float | None = None,
+        after: Callable[[ReceiveReport], None] | None = None,
     ) -> ReceiveReport:
-        """Take one whole push, ``load_fn`` per transfer (views valid only during the call).
+        """Take one whole push, ``load_fn`` per transfer (views valid only during the call),
+        then ``after(report)`` (the worker's checks of what it loaded), then the verdict:
+        returns only if every rank's part succeeded.
 
         Raises:
-            WeightSyncError: the sender failed the push, or ``load_fn`` raised (the remaining
-                collectives are still completed: the group stays usable).
+            WeightSyncError: the sender failed the push, ``load_fn`` or ``after`` raised, or
+                another rank failed its part (the remaining collectives are still
+                completed: the group stays usable).
             TransportTimeoutError: the sender (or a peer) did not complete a broadcast by the
                 deadline; the group is closed.
             TransportClosedError: closed.
@@ -608,24 +658,36 @@ class BroadcastReceiver:
         if magic != _MAGIC:
             group.close()
             raise WeightSyncError(f"push {push}: the push group is out of step (trailer)")
+        error: Exception | None = None
         if status != _OK:
-            raise WeightSyncError(f"push {push} (version {version}) failed in the sender")
-        if failure is not None:
-            raise WeightSyncError(
+            error = WeightSyncError(f"push {push} (version {version}) failed in the sender")
+        elif failure is not None:
+            error = WeightSyncError(
                 f"push {push}: loading failed: {type(failure).__name__}: {failure}"
-            ) from failure
-        finished = time.perf_counter()
-        return ReceiveReport(
+            )
+            error.__cause__ = failure
+        report = ReceiveReport(
             push=push,
             version=version,
             buckets=len(transfers),
             tensors=tensors,
             bytes=nbytes,
-            seconds=finished - began,
+            seconds=time.perf_counter() - began,
             load_seconds=load_seconds,
             began=began,
             fingerprints=manifest.fingerprints,
         )
+        if error is None and after is not None:
+            try:
+                after(report)
+            except Exception as exc:
+                error = exc
+        failed = group.verdict(error is not None, deadline, f"push {push}'s verdict")
+        if error is not None:
+            raise error
+        if failed:
+            raise WeightSyncError(f"push {push} (version {version}): {FAILED_ELSEWHERE}")
+        return dataclasses.replace(report, seconds=time.perf_counter() - began)
 
     def close(self) -> None:
         self.group.close()

@@ -278,9 +278,10 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     self._pending[name] = _LOADED
                 return target
 
-        try:
-            self.last_report = self._receiver.receive(load, place=place)
-            _check_delivered(self.last_report, set(received), handed)
+        def check(report: ReceiveReport) -> None:
+            """What was loaded, checked (in a broadcast, before the group's verdict)."""
+            self.last_report = report
+            _check_delivered(report, set(received), handed)
             if not direct:
                 self._complete_partial_layers(load_batch)
             self.after_load()
@@ -294,8 +295,14 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self._finalized = True
             if direct or not worker_driven:  # (vLLM 0.24 finalizes a layerwise load later)
                 verifying = time.perf_counter()
-                self._verify(self.last_report, received)
+                self._verify(report, received)
                 self.verify_seconds = time.perf_counter() - verifying
+
+        try:
+            if isinstance(self._receiver, BroadcastReceiver):
+                self._receiver.receive(load, place=place, after=check)
+            else:
+                check(self._receiver.receive(load, place=place))
         except BaseException:
             with self._device_context():  # a rollback reloads through vLLM, as it expects
                 self.abort_update()

@@ -60,9 +60,9 @@ from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport
 from asyncroll.transport.sender import PushReport
 
 __all__ = [
-    "FAILED_ELSEWHERE",
     "BroadcastReceiver",
     "BroadcastSender",
+    "FAILED_ELSEWHERE",
     "Group",
     "open_broadcast_sender",
     "routable_address",

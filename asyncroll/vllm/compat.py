@@ -11,7 +11,6 @@ __all__ = [
     "pause_generation",
     "num_unfinished_requests",
     "shutdown_weight_transfer",
-    "start_weight_update",
     "worker_runs_the_session",
 ]
 
@@ -27,13 +26,6 @@ def worker_runs_the_session() -> bool:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     return not hasattr(WeightTransferEngine, "start_weight_update")
-
-
-async def start_weight_update(llm: Any, *, layerwise: bool) -> None:
-    if not worker_runs_the_session():  # the weight-transfer engine runs the session (0.32+)
-        await llm.start_weight_update()
-    else:  # vLLM 0.24's worker starts the layerwise reload itself unless told otherwise
-        await llm.start_weight_update(is_checkpoint_format=layerwise)
 
 
 async def shutdown_weight_transfer(llm: Any) -> None:

@@ -122,6 +122,8 @@ class VLLMEngine:
         self._num_rejected = 0
         self._pusher: WeightPusher | None = None
         self._holding: str | None = None
+        self._begun: str | None = None
+        """An update begun (its load mode): the workers begin it with the receive."""
         self._attached_to: object | None = None
         """Whose sender this engine's workers are attached to (one at a time; not necessarily
         ``_pusher``'s, the one ``update_weights`` uses)."""
@@ -457,16 +459,26 @@ class VLLMEngine:
         await compat.shutdown_weight_transfer(self._llm)
 
     async def begin_update(self, *, load: str) -> None:
-        await compat.start_weight_update(self._llm, layerwise=load == "layerwise")
+        """Recorded here: the workers begin the update with the receive, in one RPC
+        (``asyncroll_take_update``), one engine round trip less before they take bytes."""
+        self._begun = load
 
     async def receive(self, version: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        request = WeightTransferUpdateRequest(update_info={"version": version})
-        await self._llm.update_weights(request)
+        load, self._begun = self._begun, None
+        info = {"version": version}
+        if load is None:
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            return
+        await self._llm.collective_rpc(
+            "asyncroll_take_update",
+            kwargs={"update_info": info, "layerwise": load == "layerwise"},
+        )
 
     async def end_failed_update(self) -> bool:
         """End the update in every worker; True if each restored its previous weights."""
+        self._begun = None
         whole = await self._llm.collective_rpc("asyncroll_abort_weight_update")
         return all(whole)
 

@@ -38,12 +38,15 @@ FaultPoint = Literal["load", "after_load", "skip", "corrupt"]
 class FaultInjectingExtension(AsyncrollWorkerExtension):
     """asyncroll's worker extension plus one RPC that arms or clears a fault."""
 
-    def asyncroll_inject_fault(self, point: str, tensor: str = "") -> None:
-        """Arm ``point`` (``load`` with a tensor name, or ``after_load``); an empty ``point``
-        clears every fault."""
+    def asyncroll_inject_fault(self, point: str, tensor: str = "", rank: int | None = None
+                               ) -> None:
+        """Arm ``point`` (``load`` with a tensor name, or ``after_load``) in this worker, or
+        only if its rank is ``rank``; an empty ``point`` clears every fault."""
         engine: Any = self.weight_transfer_engine  # type: ignore[attr-defined]
         for point_name in ("before_load", "to_load", "after_load"):
             engine.__dict__.pop(point_name, None)
+        if rank is not None and self.parallel_config.rank != rank:  # type: ignore[attr-defined]
+            return
         if point == "load":
             if not tensor:
                 raise ValueError("a load fault needs the tensor name to fail on")
@@ -61,10 +64,13 @@ class FaultInjectingExtension(AsyncrollWorkerExtension):
 
 
 @contextlib.asynccontextmanager
-async def inject_fault(engine: Any, point: FaultPoint, *, tensor: str = "") -> AsyncIterator[None]:
+async def inject_fault(
+    engine: Any, point: FaultPoint, *, tensor: str = "", rank: int | None = None
+) -> AsyncIterator[None]:
     """Arm a fault in every worker of ``engine`` (a ``VLLMEngine`` launched with
-    ``FAULTS_EXTENSION``) for the body of the ``async with``; cleared on exit."""
-    await engine.llm.collective_rpc("asyncroll_inject_fault", args=(point, tensor))
+    ``FAULTS_EXTENSION``), or only in the worker of rank ``rank`` (tensor parallel), for the
+    body of the ``async with``; cleared on exit."""
+    await engine.llm.collective_rpc("asyncroll_inject_fault", args=(point, tensor, rank))
     try:
         yield
     finally:

@@ -471,10 +471,17 @@ class VLLMEngine:
         if load is None:
             await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             return
-        await self._llm.collective_rpc(
+        failures = await self._llm.collective_rpc(
             "asyncroll_take_update",
             kwargs={"update_info": info, "layerwise": load == "layerwise"},
         )
+        failed = [(rank, why) for rank, why in enumerate(failures) if why is not None]
+        if failed:
+            rank, why = failed[0]
+            raise WeightSyncError(
+                f"{self.name}: the push failed in {len(failed)} of {len(failures)} workers;"
+                f" rank {rank}: {why}"
+            )
 
     async def end_failed_update(self) -> bool:
         """End the update in every worker; True if each restored its previous weights."""

@@ -653,15 +653,24 @@ class AsyncrollWorkerExtension:
             engine.model_config = self.model_config  # type: ignore[attr-defined]
             engine.device = self.device  # type: ignore[attr-defined]
 
-    def asyncroll_take_update(self, update_info: dict[str, Any], layerwise: bool) -> None:
+    def asyncroll_take_update(self, update_info: dict[str, Any], layerwise: bool) -> str | None:
         """vLLM's ``start_weight_update`` then ``update_weights``, in one RPC (the engine's
-        ``begin_update`` and ``receive``): the workers join a push one round trip sooner."""
+        ``begin_update`` and ``receive``): the workers join a push one round trip sooner.
+
+        Returns None, or why this worker failed the push. It does not raise: when one worker
+        of several raises in an RPC, vLLM's executor raises at the first error and leaves
+        the other workers' answers queued, where the next RPC (the rollback) reads them."""
         worker: Any = self
-        if worker_runs_the_session():  # vLLM 0.24
-            worker.start_weight_update(is_checkpoint_format=layerwise)
-        else:
-            worker.start_weight_update()
-        worker.update_weights(update_info)
+        try:
+            if worker_runs_the_session():  # vLLM 0.24
+                worker.start_weight_update(is_checkpoint_format=layerwise)
+            else:
+                worker.start_weight_update()
+            worker.update_weights(update_info)
+        except Exception as exc:
+            logger.warning("rank %s failed the push: %r", getattr(worker, "rank", "?"), exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def asyncroll_abort_weight_update(self) -> bool:
         """End a weight update that did not finish (the trainer failed or was cancelled after

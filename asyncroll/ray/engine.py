@@ -15,7 +15,8 @@ Invariants:
 - Weight pushes reach the actor's workers as they reach a local engine's: ``attach`` hands the
   sender's config over, and the workers connect to the sender's sockets and shared memory (same
   host), or join its broadcast group (any host: ``WeightPusher(backend="broadcast")``)
-  directly; the push's bytes never pass through Ray.
+  directly; the push's bytes never pass through Ray. A broadcast push ends in a verdict every
+  rank shares, so the actor labels it as its receive returns (no round trip for the label).
 """
 
 from __future__ import annotations

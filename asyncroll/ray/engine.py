@@ -184,7 +184,7 @@ class RayEngine:
         self._verdicts = False
         """Attached to a broadcast push group: a receive that returns means every rank took
         the push (``EngineHost.take_update`` labels it then)."""
-        self._labelled: int | None = None
+        self._labelled_in_actor: int | None = None
         """The version the last ``take_update`` labelled in the actor, until committed."""
         self.call_times: dict[str, tuple[float, float]] = {}
         """The last call of each kind to the actor's engine (``"commit_version"``,
@@ -387,7 +387,7 @@ class RayEngine:
         self._open_gate_if_ready()
 
     async def commit_version(self, global_steps: int | None) -> None:
-        labelled, self._labelled = self._labelled, None
+        labelled, self._labelled_in_actor = self._labelled_in_actor, None
         if labelled is not None and labelled == (-1 if global_steps is None else global_steps):
             return  # labelled in the actor as the push ended (``take_update``)
         await self._call("commit_version", global_steps)
@@ -409,7 +409,7 @@ class RayEngine:
         """Recorded here; the actor begins the update with the receive (``take_update``)."""
         self._check_alive()
         self._load = load
-        self._labelled = None
+        self._labelled_in_actor = None
 
     async def receive(self, version: int) -> None:
         load, self._load = self._load, None
@@ -417,9 +417,9 @@ class RayEngine:
             await self._call("receive", version)
             return
         await self._invoke(self.actor.take_update, load, version, self._verdicts,
-                           label="take_update")
+                           timed_as="take_update")
         if self._verdicts:
-            self._labelled = version
+            self._labelled_in_actor = version
 
     async def end_failed_update(self) -> bool:
         whole: bool = await self._call("end_failed_update")
@@ -434,12 +434,12 @@ class RayEngine:
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """An async method of the actor's engine, after every call sent before it; the
         mirrored state follows the engine's, whether the call succeeded or not."""
-        return await self._invoke(self.actor.call, method, *args, label=method, **kwargs)
+        return await self._invoke(self.actor.call, method, *args, timed_as=method, **kwargs)
 
-    async def _invoke(self, actor_method: Any, *args: Any, label: str | None = None,
+    async def _invoke(self, actor_method: Any, *args: Any, timed_as: str | None = None,
                       **kwargs: Any) -> Any:
         """``actor_method`` (returning its result and the engine's state), as ``_call``;
-        timed in ``call_times`` under ``label``."""
+        timed in ``call_times`` under ``timed_as``."""
         await self._sent()
         started = time.perf_counter()
         try:
@@ -450,8 +450,8 @@ class RayEngine:
             await self._resync()
             raise
         actor_s = reply[1]["actor_s"]
-        if label is not None and actor_s is not None:
-            self.call_times[label] = (time.perf_counter() - started, actor_s)
+        if timed_as is not None and actor_s is not None:
+            self.call_times[timed_as] = (time.perf_counter() - started, actor_s)
         return self._mirror(reply)
 
     async def _call_sync(self, method: str, *args: Any) -> Any:

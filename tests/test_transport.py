@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -28,10 +29,13 @@ from asyncroll.errors import (
 from asyncroll.transport import (
     Backend,
     CudaIpcBackend,
+    LazyTensor,
     ShmBackend,
+    TensorMeta,
     WeightReceiver,
     WeightSender,
     open_weight_sender,
+    plan_buckets,
 )
 
 SPAWN = mp.get_context("spawn")
@@ -605,20 +609,22 @@ async def test_two_jobs_on_one_host_do_not_interfere(pair: tuple[Child, Child]) 
     assert replies[1]["digests"] == digests(sets[1])
 
 
-async def test_sender_killed_leaves_nothing_on_disk_and_the_receiver_times_out(
+async def test_sender_killed_leaves_nothing_on_disk_and_the_receiver_hears_of_it(
     child: Child,
 ) -> None:
+    """The receiver learns at once that its sender died (the connection dropped), not after
+    its timeout (60 s here)."""
     doomed = Child()
     try:
         doomed.start("sender")
         config, runtime_dir = await asyncio.to_thread(doomed.result)
-        await child.acall("connect", config, "orphan", timeout=1.0)
+        await child.acall("connect", config, "orphan", timeout=60.0)
         assert await asyncio.to_thread(doomed.result) == "sealed"
         doomed.process.kill()
         await asyncio.to_thread(doomed.process.join, 20)
         assert nonce_files(str(config["nonce"])) == []
         assert not on_disk(runtime_dir)
-        with pytest.raises(ChildError, match="TransportTimeoutError"):
+        with pytest.raises(ChildError, match=r"TransportBrokenError.*went away"):
             await child.acall("receive")
         await child.acall("close")
     finally:
@@ -734,3 +740,91 @@ async def test_one_copy_needs_cuda_tensors_and_says_so() -> None:
     async with open_weight_sender(backend=ShmBackend(), bucket_bytes=16 * KB) as sender:
         with pytest.raises(ValueError, match="cuda_ipc"):
             await sender.push({"w": torch.ones(4)}, version=1, one_copy=True)
+
+
+def lazy_copies(
+    tensors: dict[str, torch.Tensor], made: list[tuple[str, float]], *, fail_on: str = ""
+) -> dict[str, LazyTensor]:
+    """Each tensor as a ``LazyTensor`` whose ``make()`` returns it widened to float32 (a
+    master weight; the push casts it back) and notes when it ran."""
+
+    def maker(name: str, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            made.append((name, time.perf_counter()))
+            if name == fail_on:
+                raise RuntimeError(f"gather of {name} failed")
+            return tensor.float() if tensor.is_floating_point() else tensor
+
+        return make
+
+    return {
+        name: LazyTensor(
+            shape=tuple(t.shape), dtype=t.dtype, device=t.device, make=maker(name, t)
+        )
+        for name, t in tensors.items()
+    }
+
+
+async def test_lazy_tensors_are_made_bucket_by_bucket_in_plan_order(child: Child) -> None:
+    """A sharded trainer's push: each tensor is made (gathered) when its first bucket is
+    packed, never before its buffer is free, once, in the order of the plan; the receiver gets
+    the pushed dtype's bytes exactly; each bucket's made tensors are fingerprinted."""
+    tensors = model_tensors()
+    made: list[tuple[str, float]] = []
+    printed: list[set[str]] = []
+
+    def fingerprint(
+        bucket: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]
+    ) -> dict[str, bytes]:
+        assert all(dtypes[name] == tensors[name].dtype for name in bucket)
+        printed.append(set(bucket))
+        return {name: b"x" for name in bucket}
+
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive")
+        report = await sender.push(
+            lazy_copies(tensors, made), version=1, fingerprint=fingerprint
+        )
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+    assert reply["digests"] == digests(tensors)
+    assert report.bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    names = [name for name, _ in made]
+    assert sorted(names) == sorted(tensors)  # each once
+    plan = plan_buckets(
+        [TensorMeta.of(name, t) for name, t in tensors.items()], bucket_bytes=16 * KB
+    )
+    assert names == list(dict.fromkeys(s.name for b in plan for s in b.slots))
+    assert set().union(*printed) == set(tensors) and sum(map(len, printed)) == len(tensors)
+    firsts: dict[str, int] = {}
+    for bucket in plan:
+        for slot in bucket.slots:
+            firsts.setdefault(slot.name, bucket.index)
+    when = dict(made)
+    assert report.buckets > 4
+    for times in report.timeline:  # made only once the bucket's buffer was free
+        for name, first in firsts.items():
+            if first == times.bucket:
+                assert when[name] >= times.free
+
+
+async def test_a_failing_make_fails_the_push_and_the_rest_are_still_made(child: Child) -> None:
+    """A gather that fails mid-push fails it; every lazy tensor after it is still made (and
+    dropped), so the other ranks' collectives are not left waiting; the next push works."""
+    tensors = model_tensors()
+    made: list[tuple[str, float]] = []
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive")
+        victim = "model.layers.1.mlp.up_proj.weight"
+        with pytest.raises(RuntimeError, match=r"gather of .*up_proj"):
+            await sender.push(lazy_copies(tensors, made, fail_on=victim), version=1)
+        with pytest.raises(ChildError, match=r"WeightSyncError.*gather of"):
+            await asyncio.to_thread(child.result)  # the End named the failure
+        assert sorted(name for name, _ in made) == sorted(tensors)
+        child.start("receive")
+        await sender.push(lazy_copies(tensors, []), version=2)
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+    assert reply["versions"] == [2] and reply["digests"] == digests(tensors)

@@ -17,6 +17,7 @@ receiver.close()
 """
 
 from asyncroll.transport.backends import Backend, CudaIpcBackend, ShmBackend
+from asyncroll.transport.lazy import LazyTensor
 from asyncroll.transport.plan import Bucket, Slot, TensorMeta, default_group, plan_buckets
 from asyncroll.transport.receiver import (
     LoadFn,
@@ -37,6 +38,7 @@ __all__ = [
     "Backend",
     "Bucket",
     "CudaIpcBackend",
+    "LazyTensor",
     "LoadFn",
     "PushReport",
     "ReceiveReport",

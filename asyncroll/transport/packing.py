@@ -59,7 +59,8 @@ def pack_bucket(
     tensors: Mapping[str, torch.Tensor],
     views: dict[tuple[int, int, torch.dtype, tuple[int, ...]], torch.Tensor] | None = None,
 ) -> None:
-    """Copy every slot of ``bucket`` from ``tensors`` into ``buffer`` (strided sources welcome).
+    """Copy every slot of ``bucket`` from ``tensors`` into ``buffer`` (strided sources welcome;
+    a source of another dtype than its slot's is cast).
 
     ``views``, if given, keeps the typed views of ``buffer`` made for the slots, to reuse on the
     next push of the same layout (a view is three tensor ops; a bucket can hold hundreds)."""
@@ -81,6 +82,8 @@ def pack_bucket(
             srcs.append(source)
             continue
         if flat_cache is None or flat_cache[0] != slot.name:
+            if source.dtype != slot.dtype:  # a lazy tensor made in another dtype
+                source = source.to(slot.dtype)
             flat_cache = (slot.name, as_bytes(source))
         dsts.append(buffer[slot.offset : slot.offset + slot.nbytes])
         srcs.append(flat_cache[1][slot.start : slot.start + slot.nbytes])

@@ -38,6 +38,7 @@ from typing import Any, Final
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from asyncroll.errors import (
     TransportAuthError,
@@ -190,6 +191,8 @@ class WeightReceiver:
         self._bucket_bytes = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._poller: zmq.Poller | None = None
         self._closed = False
         self._imports = self._pushes = self._failed = self._buckets = self._bytes = 0
         self._auth_failures = self._stale = 0
@@ -262,6 +265,12 @@ class WeightReceiver:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)
+        # A sender that dies (its process killed, say) drops the connection: we hear of it at
+        # once instead of after the timeout.
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(self.address)
         try:
             self._send(
@@ -622,13 +631,23 @@ class WeightReceiver:
 
     def _recv(self, timeout: float, what: str, *, handshake: bool = False) -> wire.Message:
         """Next authenticated message in sequence; drops (and counts) everything else."""
-        assert self._sock is not None
+        assert self._sock is not None and self._poller is not None
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(max(1, int(remaining * 1000))):
+            ready = dict(self._poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
+            if self._sock in ready:
+                frames = self._sock.recv_multipart()
+            elif self._monitor in ready:
+                assert self._monitor is not None
+                event = recv_monitor_message(self._monitor)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    raise TransportBrokenError(
+                        f"{what}: the sender at {self.address} went away (its process ended?)"
+                    )
+                continue
+            else:
                 raise TransportTimeoutError(f"{what} within {timeout:g} s ({self.address})")
-            frames = self._sock.recv_multipart()
             if handshake and frames == [wire.REJECT]:
                 raise TransportAuthError(
                     f"the sender at {self.address} rejected our hello: wrong secret for this job?"
@@ -670,6 +689,11 @@ class WeightReceiver:
             mapped.close()
         self._mapped = []
         self._shared = {}
+        if self._monitor is not None:
+            assert self._sock is not None
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sock is not None:
             if self._backend is not None:  # we were welcomed: say goodbye
                 with contextlib.suppress(zmq.ZMQError):

@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final, TypeVar, cast
 
 import torch
 
@@ -68,6 +68,7 @@ from asyncroll.transport.backends import (
     apoll_until,
     poll_until,
 )
+from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.packing import dtype_name, pack_bucket
 from asyncroll.transport.peers import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from asyncroll.transport.peers import ControlPlane, Peer, PeerHooks
@@ -165,6 +166,8 @@ class _PushState:
     failure: BaseException | None = None
     prints_after: int = 0
     """The bucket whose signal the push's fingerprints follow (``wire.Prints``)."""
+    makes: Makes | None = None
+    """The push's lazy tensors (``LazyTensor``), made as their buckets are packed."""
 
 
 class WeightSender:
@@ -204,6 +207,13 @@ class WeightSender:
         self._push: _PushState | None = None
         self._fingerprints: dict[str, bytes] = {}
         """The current push's, for its End."""
+        self._fingerprint: (
+            Callable[[dict[str, torch.Tensor], dict[str, torch.dtype]], dict[str, bytes]] | None
+        ) = None
+        """Fingerprints the lazy tensors made for each bucket of the current push."""
+        self._made: list[list[torch.Tensor]] = [[] for _ in range(buffers)]
+        """Per staging buffer, the lazy tensors made for its bucket: alive until the buffer's
+        copies are done (the next bucket into it, or the end of the push)."""
         self._shared = SharedStorages()
         self._push_ids = 0
         self._pushes = self._failed = self._bytes = 0
@@ -322,16 +332,26 @@ class WeightSender:
 
     async def push(
         self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        named_tensors: Mapping[str, torch.Tensor | LazyTensor]
+        | Iterable[tuple[str, torch.Tensor | LazyTensor]],
         *,
         version: int,
         one_copy: bool = False,
         fingerprints: Mapping[str, bytes] | None = None,
+        fingerprint: Callable[[dict[str, torch.Tensor], dict[str, torch.dtype]], dict[str, bytes]]
+        | None = None,
     ) -> PushReport:
         """Move ``named_tensors`` into every ready receiver; returns once all of them loaded it.
 
-        ``fingerprints`` (``asyncroll.fingerprints``) travel with the push's end, for each
-        receiver's loader to check what it loaded (``ReceiveReport.fingerprints``).
+        ``fingerprints`` (``asyncroll.fingerprints``) travel with the push, for each receiver's
+        loader to check what it loaded (``ReceiveReport.fingerprints``).
+
+        A ``LazyTensor`` is made when its first bucket is packed (``asyncroll.transport.lazy``:
+        in plan order, so ranks that push the same layout make theirs in the same order) and
+        dropped once its last bucket's copies are done; ``fingerprint(made, dtypes)``, if
+        given, fingerprints the tensors made for each bucket (as the dtypes pushed), and those
+        fingerprints travel after the last bucket. If the push fails, the lazy tensors not made
+        yet are made and dropped before it raises (no other rank waits in a collective).
 
         ``one_copy`` (CUDA IPC only): no staging; receivers read the tensors in place, through
         IPC handles of their storages (exported once while the sender keeps them). The tensors
@@ -349,19 +369,34 @@ class WeightSender:
         tensors = dict(pairs)
         if len(tensors) != len(pairs):
             raise ValueError("tensor names must be unique")
+        lazy = any(isinstance(t, LazyTensor) for t in tensors.values())
         if one_copy:
+            if lazy:
+                raise ValueError("one_copy reads tensors in place: none may be a LazyTensor")
             check_shareable(self._backend, tensors)
             if self._expected is not None:
                 await self.wait_receivers(self._expected)
             async with self._push_lock:
                 self._fingerprints = dict(fingerprints or {})
                 return await self._run_shared_push(tensors, version)
-        plan = self._plan_for(tuple(TensorMeta.of(name, t) for name, t in tensors.items()))
-        if self._expected is not None:
-            await self.wait_receivers(self._expected)  # immediate once they are in; seals
-        async with self._push_lock:
-            self._fingerprints = dict(fingerprints or {})
-            return await self._run_push(plan, tensors, version)
+        plan = self._plan_for(
+            tuple(TensorMeta(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in pairs)
+        )
+        makes = Makes(plan, tensors) if lazy else None
+        try:
+            if self._expected is not None:
+                await self.wait_receivers(self._expected)  # immediate once they are in; seals
+            async with self._push_lock:
+                self._fingerprints = dict(fingerprints or {})
+                self._fingerprint = fingerprint if lazy else None
+                return await self._run_push(plan, tensors, version, makes=makes)
+        except BaseException:
+            if makes is not None and makes.pending:  # the other ranks' collectives
+                try:
+                    await _shielded(self._in_packer(makes.drain))
+                except Exception:
+                    log.warning("could not make the failed push's other tensors", exc_info=True)
+            raise
 
     async def aclose(self) -> None:
         """Wait (bounded) for receivers to release their mappings and say bye; free everything.
@@ -391,7 +426,12 @@ class WeightSender:
         return self._plan[1]
 
     async def _run_push(
-        self, plan: list[Bucket], tensors: dict[str, torch.Tensor], version: int
+        self,
+        plan: list[Bucket],
+        tensors: Mapping[str, torch.Tensor | LazyTensor],
+        version: int,
+        *,
+        makes: Makes | None = None,
     ) -> PushReport:
         started = time.perf_counter()
         pack_s = wait_s = 0.0
@@ -407,7 +447,7 @@ class WeightSender:
         inline = getattr(self._backend, "inline_packing", False) and all(
             t.is_cuda for t in tensors.values()
         )
-        async with self._pushing(version, buckets=len(plan)) as state:
+        async with self._pushing(version, buckets=len(plan), makes=makes) as state:
             self._backend.mark_sources_ready()
             # Signal each bucket as soon as its copies are queued: every receiver polls the
             # buffer's copy event before it reads.
@@ -511,7 +551,9 @@ class WeightSender:
         return self._count(state, tensors, buckets=1, started=started, pack_s=pack_s, wait_s=wait_s)
 
     @contextlib.asynccontextmanager
-    async def _pushing(self, version: int, *, buckets: int) -> AsyncIterator[_PushState]:
+    async def _pushing(
+        self, version: int, *, buckets: int, makes: Makes | None = None
+    ) -> AsyncIterator[_PushState]:
         """One push from its first message to its End; a failure is counted, ended, re-raised.
 
         Raises:
@@ -521,8 +563,11 @@ class WeightSender:
         if not peers:
             raise WeightSyncError("no receiver is connected")
         self._push_ids += 1
+        # Fingerprints of lazy tensors are known once the last bucket is packed.
+        prints_after = buckets - 1 if makes is not None else buckets // 2
         state = self._push = _PushState(
-            id=self._push_ids, version=version, peers=peers, prints_after=buckets // 2
+            id=self._push_ids, version=version, peers=peers, prints_after=prints_after,
+            makes=makes,
         )
         try:
             yield state
@@ -533,11 +578,13 @@ class WeightSender:
             raise
         finally:
             self._push = None
+            for made in self._made:
+                made.clear()
 
     def _count(
         self,
         state: _PushState,
-        tensors: dict[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | LazyTensor],
         *,
         buckets: int,
         started: float,
@@ -588,7 +635,7 @@ class WeightSender:
         self,
         bucket: Bucket,
         index: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | LazyTensor],
         readers: list[tuple[bytes, object]],
         previous: object | None,
         stamps: list[dict[str, float]],
@@ -610,15 +657,26 @@ class WeightSender:
         self,
         bucket: Bucket,
         index: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | LazyTensor],
         stamps: list[dict[str, float]],
         early: bool = False,
     ) -> object:
         """Queue the bucket's copies (its buffer's readers are done); returns its marker (with
         ``early``, the buffer's copy event, recorded). Stamps ``loads_done`` and ``queued``."""
         stamps[-1]["loads_done"] = time.perf_counter()
+        makes = self._push.makes if self._push is not None else None
+        made: dict[str, torch.Tensor] = {}
+        sources = cast(Mapping[str, torch.Tensor], tensors)  # lazy ones only with ``makes``
+        if makes is not None:
+            self._made[index].clear()  # the buffer's readers are done: so are its copies
+            sources, made = makes.for_bucket(bucket)
+            self._made[index].extend(sources.values())
+            self._backend.mark_sources_ready()  # the copies wait for the making (a gather)
         with _packing(), self._backend.copy_context():
-            pack_bucket(bucket, self._staging[index].tensor, tensors, self._views[index])
+            pack_bucket(bucket, self._staging[index].tensor, sources, self._views[index])
+        if made and self._fingerprint is not None:
+            dtypes = {slot.name: slot.dtype for slot in bucket.slots if slot.name in made}
+            self._fingerprints.update(self._fingerprint(made, dtypes))
         marker = self._backend.record_copies(index) if early else self._backend.mark_copies()
         stamps[-1]["queued"] = time.perf_counter()
         return marker
@@ -646,7 +704,7 @@ class WeightSender:
         self,
         bucket: Bucket,
         index: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | LazyTensor],
         readers: list[tuple[bytes, object]],
         previous: object | None,
         stamps: list[dict[str, float]],

@@ -20,6 +20,7 @@ from asyncroll.agent_loop import (
     register_agent_loop,
     run_agent_loops,
 )
+from asyncroll.distributed import DistributedWeightPusher
 from asyncroll.errors import (
     AsyncrollError,
     EngineDeadError,
@@ -79,6 +80,7 @@ __all__ = [
     "AsyncServerManager",
     "AsyncrollError",
     "Delivery",
+    "DistributedWeightPusher",
     "Engine",
     "EngineDeadError",
     "EngineError",

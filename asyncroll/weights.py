@@ -51,7 +51,13 @@ from asyncroll.interfaces import (
     UpdateReport,
     WeightChannel,
 )
-from asyncroll.transport import CudaIpcBackend, PushReport, ShmBackend, WeightSender
+from asyncroll.transport import (
+    CudaIpcBackend,
+    LazyTensor,
+    PushReport,
+    ShmBackend,
+    WeightSender,
+)
 from asyncroll.transport.broadcast import (
     FAILED_ELSEWHERE,
     BroadcastSender,
@@ -156,6 +162,11 @@ class VersionedUpdater:
         """
         global_steps = check_global_steps(global_steps)
         tensors = _materialize(named_tensors)
+        if changed and any(isinstance(t, LazyTensor) for t in tensors.values()):
+            raise InvalidRequestError(
+                "changed=True compares fingerprints taken before the pause: whole tensors only,"
+                " not lazy ones"
+            )
         prints = fingerprints(tensors) if changed else None
         async with self._lock:
             engines = [engine for engine in self._engines if not engine.is_dead]
@@ -329,6 +340,8 @@ class SenderChannel:
         self._strict_dtype = strict_dtype
         self._verify = verify
         self._fingerprinter = Fingerprinter()
+        self._lazy_fingerprinter = Fingerprinter()
+        """For lazy tensors, a bucket's at a time as they are made."""
         self._fingerprints: dict[str, bytes] | None = None
         """Of the tensors last checked: they travel with the push that follows."""
         self._schemas: dict[str, Schema | None] = {}
@@ -358,7 +371,18 @@ class SenderChannel:
         thread: the finite check reads every byte)."""
         if not tensors:
             raise InvalidRequestError("no tensors to push")
+        plain = {n: t for n, t in tensors.items() if not isinstance(t, LazyTensor)}
+        made_later = {  # lazy tensors: checked by shape and dtype here, by value as made
+            n: torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for n, t in tensors.items() if isinstance(t, LazyTensor)
+        }
+        if made_later and self._backend_name == "broadcast":
+            raise InvalidRequestError("the broadcast transport takes whole tensors, not lazy ones")
         if self._one_copy:
+            if made_later:
+                raise InvalidRequestError(
+                    "one_copy=True reads the trainer's tensors in place: not lazy tensors"
+                )
             for name, tensor in tensors.items():
                 if not tensor.is_cuda or not tensor.is_contiguous():
                     raise InvalidRequestError(
@@ -372,16 +396,20 @@ class SenderChannel:
         served = {e.model_path: e.served_dtype for e in engines}
         for index, (path, schema) in enumerate(self._schemas.items()):
             if path in served:
-                await asyncio.to_thread(
-                    check_update,
-                    tensors,
-                    schema,
-                    served_dtype=served[path],
-                    strict_dtype=self._strict_dtype,
-                    check_finite=self._check_finite and index == 0,
-                )
-        # Fingerprints for the workers to check what they loaded; before any pause.
-        self._fingerprints = self._fingerprinter(tensors) if self._verify else None
+                finite = self._check_finite and index == 0
+                for part, values in ((plain, finite), (made_later, False)):
+                    if part:
+                        await asyncio.to_thread(
+                            check_update,
+                            part,
+                            schema,
+                            served_dtype=served[path],
+                            strict_dtype=self._strict_dtype,
+                            check_finite=values,
+                        )
+        # Fingerprints for the workers to check what they loaded; before any pause (a lazy
+        # tensor's as it is made, bucket by bucket).
+        self._fingerprints = self._fingerprinter(plain) if self._verify else None
 
     async def push(
         self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
@@ -444,10 +472,15 @@ class SenderChannel:
         deadline). The sender starts first: it packs its first buckets while the begin RPCs
         travel (the workers read nothing before their receive)."""
         prints = self._fingerprints if self._fingerprints is not None else None
-        if prints is not None and prints.keys() != tensors.keys():
+        lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor)]
+        if prints is not None and len(prints) + len(lazy) != len(tensors):
             prints = None  # not the tensors last checked
+        fingerprint = self._lazy_fingerprinter if lazy and prints is not None else None
+        options = {"fingerprint": fingerprint} if fingerprint is not None else {}
         push = asyncio.ensure_future(
-            sender.push(tensors, version=version, one_copy=self._one_copy, fingerprints=prints)
+            sender.push(
+                tensors, version=version, one_copy=self._one_copy, fingerprints=prints, **options
+            )
         )
         begun: asyncio.Future[Any] = asyncio.ensure_future(
             asyncio.gather(*(e.begin_update(load=self._load) for e in engines))
@@ -485,9 +518,7 @@ class SenderChannel:
         """The sender, attached to the workers of exactly ``engines``. An engine holds one
         receiver: if another channel attached to it since, this one attaches again."""
         if self._sender is not None:
-            same = [e.name for e in engines] == [e.name for e in self._attached]
-            broken = isinstance(self._sender, BroadcastSender) and self._sender.group.closed
-            if same and not broken and all(engine.attached_to is self for engine in engines):
+            if self.is_attached(engines):
                 return self._sender
             await self.aclose()
         if self._backend_name == "broadcast":
@@ -508,7 +539,7 @@ class SenderChannel:
             )
         )
         async with _closed_on_failure(stack, "engines could not attach to the sender"):
-            config = {**sender.receiver_config(), **self._worker_config()}
+            config = {**sender.receiver_config(), **self.worker_config()}
             await asyncio.gather(
                 sender.wait_receivers(workers),
                 *(e.attach(config, owner=self) for e in engines),
@@ -516,9 +547,29 @@ class SenderChannel:
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
 
-    def _worker_config(self) -> dict[str, Any]:
+    def worker_config(self) -> dict[str, Any]:
+        """What the workers are told at attach, beside where the sender is."""
         backup = (not torch.cuda.is_available()) if self._backup is None else self._backup
         return {"backup": backup, "load": self._load, "plan": self._load_plan}
+
+    def is_attached(self, engines: Sequence[ReceivingEngine]) -> bool:
+        """Whether the sender is attached to exactly ``engines`` (no attach needed)."""
+        if self._sender is None:
+            return False
+        same = [e.name for e in engines] == [e.name for e in self._attached]
+        broken = isinstance(self._sender, BroadcastSender) and self._sender.group.closed
+        return same and not broken and all(engine.attached_to is self for engine in engines)
+
+    async def adopt(
+        self,
+        engines: Sequence[ReceivingEngine],
+        sender: WeightSender,
+        stack: contextlib.AsyncExitStack,
+    ) -> None:
+        """Push through ``sender`` from now on: ``engines`` were attached to it (and to other
+        senders: a trainer of several ranks) with ``owner=self``; ``stack`` closes it."""
+        await self.aclose()
+        self._stack, self._sender, self._attached = stack, sender, list(engines)
 
     async def _joined(
         self, engines: Sequence[ReceivingEngine], tensors: Mapping[str, torch.Tensor]
@@ -532,7 +583,7 @@ class SenderChannel:
         async def join(config: dict[str, Any]) -> None:
             common = {
                 **config,
-                **self._worker_config(),
+                **self.worker_config(),
                 "address": "",
                 "nonce": "",
                 "secret": "",
@@ -645,6 +696,12 @@ class WeightPusher(VersionedUpdater):
         return self._sender_channel.sender
 
     @property
+    def channel(self) -> SenderChannel:
+        """What moves the bytes (``DistributedWeightPusher`` attaches it to every rank's
+        sender)."""
+        return self._sender_channel
+
+    @property
     def verify(self) -> bool:
         """Whether pushes are fingerprinted and checked (``verify`` above); settable between
         updates (``bench/gpu_e2e.py`` alternates it to measure what the check costs)."""
@@ -693,16 +750,19 @@ def _check_versions(engines: Sequence[UpdatableEngine], global_steps: int | None
 
 
 def _materialize(
-    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    named_tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]]
+    | Mapping[str, torch.Tensor | LazyTensor],
 ) -> dict[str, torch.Tensor]:
+    """The update as a dict; a ``LazyTensor`` stays one (typed as a tensor from here on:
+    the channel makes it as it packs)."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor | LazyTensor):
             raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
         if name in tensors:
             raise InvalidRequestError(f"tensor {name!r} is given twice")
-        tensors[name] = tensor.detach()
+        tensors[name] = tensor if isinstance(tensor, LazyTensor) else tensor.detach()  # type: ignore[assignment]
     return tensors
 
 

@@ -82,6 +82,11 @@ class InitInfo(WeightTransferInitInfo):
     """``staged``: shared staging buffers on this host (``address`` is the sender's socket).
     ``broadcast``: a process group with the trainer, any host (``asyncroll.transport.broadcast``;
     the fields below say where it meets)."""
+    senders: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """``staged`` with a trainer of several ranks (``asyncroll.DistributedWeightPusher``):
+    every rank's sender config; the worker at rank ``rank_offset + rank`` connects to
+    ``senders[(rank_offset + rank) % len(senders)]`` (the rank on its GPU, when engines are
+    placed in the trainer's rank order) instead of ``address``."""
     host: str = ""
     port: int = 0
     world_size: int = 0
@@ -159,15 +164,15 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 dataclasses.asdict(init_info), rank=init_info.rank_offset + rank, device=device
             )
             return
-        self._receiver = WeightReceiver.from_config(
-            {
-                "address": init_info.address,
-                "secret": init_info.secret,
-                "nonce": init_info.nonce,
-                "timeout_ms": init_info.timeout_ms,
-            },
-            name=f"{init_info.name}-rank{rank}",
-        )
+        config: dict[str, Any] = {
+            "address": init_info.address,
+            "secret": init_info.secret,
+            "nonce": init_info.nonce,
+            "timeout_ms": init_info.timeout_ms,
+        }
+        if init_info.senders:
+            config = init_info.senders[(init_info.rank_offset + rank) % len(init_info.senders)]
+        self._receiver = WeightReceiver.from_config(config, name=f"{init_info.name}-rank{rank}")
         self._receiver.connect()
 
     @staticmethod

@@ -1,0 +1,476 @@
+"""A trainer of several ranks pushing into engines: each rank serves the workers on its own GPU.
+
+The colocation this project comes from: each GPU of a node holds one trainer rank (FSDP
+sharded) and one vLLM worker, in separate processes. At an update every rank gathers the full
+tensors bucket by bucket and hands them to the worker on its GPU through its own staging
+buffers (CUDA IPC there, shared memory on CPU); one rank, the coordinator, pauses, labels and
+resumes the engines, so ``update`` keeps ``WeightPusher.update``'s meaning.
+
+Every rank builds a ``DistributedWeightPusher`` (a collective: it makes a gloo group for its
+control messages) and calls ``update`` with the same names, shapes and ``global_steps``. Per
+update:
+
+1. Every rank checks what it holds (its shards are finite) and the coordinator what it knows
+   (``global_steps``, its engines, names, shapes and dtypes against the checkpoint); the ranks
+   agree in one collective. A bad update raises ``InvalidRequestError`` on every rank, before
+   anything pauses.
+2. At the first update (and when the engines change) every rank opens its sender, and the
+   coordinator attaches each engine worker to the sender of its rank (worker ``i`` of all
+   engines, counted in order, to rank ``i % world_size``).
+3. The coordinator runs the update sequence (pause, push, label, cache reset, resume) while
+   every other rank pushes into its workers. A sharded tensor (``DTensor``) is gathered when
+   its first bucket is packed (``asyncroll.transport.lazy``): every rank gathers the same
+   tensors in the same order, and the peak memory is the staging buffers plus the buckets in
+   flight, never a full copy of the model.
+4. The coordinator tells every rank the outcome: each returns the coordinator's
+   ``UpdateReport`` (with its own ``PushReport``) or raises the same ``WeightSyncError``.
+
+A rank that dies fails the update on every other rank within ``timeout``: its workers see their
+sender go (the engines roll back), and the collectives it no longer joins fail. Tensors a failed
+push did not gather are still gathered, in order, so no rank is left in a collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from asyncroll.errors import InvalidRequestError, WeightSyncError
+from asyncroll.fingerprints import Fingerprinter
+from asyncroll.interfaces import ReceivingEngine, ResumeMode, UpdateReport
+from asyncroll.transport import (
+    CudaIpcBackend,
+    LazyTensor,
+    ShmBackend,
+    TensorMeta,
+    WeightSender,
+    plan_buckets,
+)
+from asyncroll.transport.lazy import Makes
+from asyncroll.transport.sender import open_weight_sender
+from asyncroll.update_check import check_update
+from asyncroll.weights import DEFAULT_BUCKET_BYTES, WeightPusher, check_global_steps
+
+__all__ = ["DistributedWeightPusher"]
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedWeightPusher:
+    """One per trainer rank; the coordinator rank holds the engines (see the module doc)."""
+
+    def __init__(
+        self,
+        engines: Sequence[ReceivingEngine] = (),
+        *,
+        coordinator: int = 0,
+        dtype: torch.dtype | None = None,
+        bucket_bytes: int | None = None,
+        buffers: int = 2,
+        backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
+        timeout: float = 120.0,
+        load: Literal["auto", "layerwise", "direct"] = "auto",
+        load_plan: bool = True,
+        check_finite: bool = True,
+        verify: bool = True,
+    ) -> None:
+        """Call on every rank at once (it makes a process group). Args as ``WeightPusher``,
+        and:
+
+            engines: The engines, on the coordinator rank only (empty on the others).
+            coordinator: The rank that pauses, labels and resumes the engines.
+            dtype: Push floating tensors as this dtype (the engines' ``bfloat16``, say): a
+                float32 master weight is cast as it is packed, never copied whole first.
+        """
+        if not dist.is_initialized():
+            raise InvalidRequestError("torch.distributed is not initialized (init_process_group)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if not 0 <= coordinator < self.world_size:
+            raise InvalidRequestError(
+                f"coordinator {coordinator} is not a rank of {self.world_size}"
+            )
+        if (self.rank == coordinator) != bool(engines):
+            raise InvalidRequestError("pass the engines on the coordinator rank, and only there")
+        self._coordinator = coordinator
+        self._dtype = dtype
+        self._buffers = buffers
+        self._backend = backend
+        self._timeout = timeout
+        self._bucket_bytes = bucket_bytes
+        self._verify = verify
+        self._check_finite = check_finite
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        self._pusher = (
+            WeightPusher(
+                engines,
+                bucket_bytes=bucket_bytes,
+                buffers=buffers,
+                backend=backend,
+                timeout=timeout,
+                load=load,
+                load_plan=load_plan,
+                check_finite=False,  # every rank checks its own shards
+                verify=verify,
+            )
+            if engines
+            else None
+        )
+        self._engines = list(engines)
+        self._sender: WeightSender | None = None
+        """A follower's (the coordinator's is its pusher's)."""
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._fingerprinter = Fingerprinter()
+        self._lazy_fingerprinter = Fingerprinter()
+        self._updates = 0
+
+    def __repr__(self) -> str:
+        role = "coordinator" if self.is_coordinator else "follower"
+        return f"<DistributedWeightPusher rank={self.rank}/{self.world_size} {role}>"
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self._coordinator
+
+    async def update(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        global_steps: int | None,
+        mode: ResumeMode = "abort",
+    ) -> UpdateReport:
+        """Push the model into the engines, every rank at once (see the module doc).
+
+        Raises:
+            InvalidRequestError: on every rank: a rank's tensors are bad (not finite, not the
+                checkpoint's names, shapes or dtypes, another layout than the other ranks'),
+                or ``global_steps`` is; nothing paused.
+            WeightSyncError: on every rank: the push failed (the engines serve their
+                previous weights, or hold), or a rank died.
+        """
+        steps = check_global_steps(global_steps)
+        made: set[str] = set()
+        pushed, local = self._pushed(named_tensors, made)
+        problem = await self._problem(pushed, local, steps)
+        connect = self.is_coordinator and not self._attached()
+        answers = await self._all_gather((problem, _layout(pushed), connect, self._workers()))
+        problems = [p for p in (a[0] for a in answers) if p]
+        if len({a[1] for a in answers}) != 1:
+            problems.append("the ranks push different names, shapes or dtypes")
+        if problems:
+            raise InvalidRequestError("; ".join(dict.fromkeys(problems)))
+        _, _, connect, workers = answers[self._coordinator]
+        version = steps if steps is not None else -1
+        try:
+            if connect:
+                await self._connect(workers)
+            if self._pusher is not None:
+                return await self._coordinate(pushed, steps, mode)
+            return await self._follow(pushed, version)
+        finally:
+            await asyncio.to_thread(self._finish_makes, pushed, made)
+
+    async def aclose(self) -> None:
+        """Close this rank's sender (the coordinator: detach the engines). Idempotent."""
+        if self._pusher is not None:
+            await self._pusher.aclose()
+        stack, self._stack, self._sender = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    # -- the steps of an update ----------------------------------------------------------
+
+    def _pushed(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        made: set[str],
+    ) -> tuple[dict[str, torch.Tensor | LazyTensor], dict[str, torch.Tensor]]:
+        """Each tensor as pushed (a sharded one, or one cast to ``dtype``: made when its
+        bucket is packed, its name then added to ``made``), and this rank's part of each."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        pushed: dict[str, torch.Tensor | LazyTensor] = {}
+        local: dict[str, torch.Tensor] = {}
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+            if name in pushed:
+                raise InvalidRequestError(f"tensor {name!r} is given twice")
+            pushed[name] = _lazily(name, tensor.detach(), self._dtype, made)
+            local[name] = _local(tensor.detach())
+        if not pushed:
+            raise InvalidRequestError("no tensors to push")
+        return pushed, local
+
+    async def _problem(
+        self,
+        pushed: dict[str, torch.Tensor | LazyTensor],
+        local: dict[str, torch.Tensor],
+        steps: int | None,
+    ) -> str | None:
+        """What this rank finds wrong with the update (None: nothing): its parts are finite;
+        the coordinator: its engines, and names, shapes and dtypes against the checkpoint."""
+        try:
+            if self._check_finite:
+                floating = {n: t for n, t in local.items() if t.is_floating_point()}
+                await asyncio.to_thread(
+                    check_update, floating, None, served_dtype=torch.float32, check_finite=True
+                )
+            if self._pusher is not None:
+                self._check_engines(steps)
+                await self._pusher.channel.check(pushed)  # type: ignore[arg-type]
+        except InvalidRequestError as exc:
+            return f"rank {self.rank}: {exc}"
+        return None
+
+    def _check_engines(self, steps: int | None) -> None:
+        live = [engine for engine in self._engines if not engine.is_dead]
+        if not live:
+            raise InvalidRequestError("no live engine to update")
+        for engine in live:
+            engine.check_weights_awake()
+            current = engine.global_steps
+            if steps is not None and current is not None and steps < current:
+                raise InvalidRequestError(
+                    f"global_steps {steps} is lower than {engine.name}'s {engine.global_steps}:"
+                    " versions never go backwards"
+                )
+
+    def _attached(self) -> bool:
+        assert self._pusher is not None
+        live = [engine for engine in self._engines if not engine.is_dead]
+        return self._pusher.channel.is_attached(live)
+
+    def _workers(self) -> list[int]:
+        """Per rank, the engine workers it serves (the coordinator's count is the one used)."""
+        counts = [0] * self.world_size
+        for index in range(sum(e.num_workers for e in self._engines if not e.is_dead)):
+            counts[index % self.world_size] += 1
+        return counts
+
+    async def _connect(self, workers: list[int]) -> None:
+        """Every rank opens a sender; the coordinator attaches each worker to its rank's.
+        Every rank learns whether every rank's workers came."""
+        await self._close_sender()
+        stack = contextlib.AsyncExitStack()
+        status = "connected"
+        try:
+            sender = await stack.enter_async_context(
+                open_weight_sender(
+                    backend=self._make_backend(),
+                    bucket_bytes=self._bucket_size(),
+                    buffers=self._buffers,
+                    receivers=workers[self.rank] or None,
+                    connect_timeout=self._timeout,
+                    ack_timeout=self._timeout,
+                )
+            )
+            configs = await self._all_gather(sender.receiver_config())
+            waits = [sender.wait_receivers(workers[self.rank])] if workers[self.rank] else []
+            if self._pusher is not None:
+                await asyncio.gather(*waits, self._attach(configs))
+                await self._pusher.channel.adopt(self._live(), sender, stack)
+            else:
+                await asyncio.gather(*waits)
+                self._sender, self._stack = sender, stack
+        except Exception as exc:
+            await stack.aclose()
+            status = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        except BaseException:
+            await stack.aclose()
+            raise
+        failed = [s for s in await self._all_gather(status) if s != "connected"]
+        if failed:
+            await self._close_sender()
+            raise WeightSyncError(f"the engines could not attach to every rank: {failed[0]}")
+
+    async def _close_sender(self) -> None:
+        stack, self._stack, self._sender = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    async def _attach(self, configs: list[Any]) -> None:
+        assert self._pusher is not None
+        channel = self._pusher.channel
+        live = self._live()
+        common = {**configs[self.rank], **channel.worker_config(), "senders": configs}
+        offsets = itertools.accumulate((e.num_workers for e in live), initial=0)
+        await asyncio.gather(*(
+            engine.attach({**common, "rank_offset": offset}, owner=channel)
+            for engine, offset in zip(live, offsets, strict=False)
+        ))
+
+    async def _coordinate(
+        self,
+        pushed: dict[str, torch.Tensor | LazyTensor],
+        steps: int | None,
+        mode: ResumeMode,
+    ) -> UpdateReport:
+        """The update sequence here; then the outcome to every rank."""
+        assert self._pusher is not None
+        outcome: tuple[str, Any] = ("failed", "the coordinator's update was cancelled")
+        try:
+            report = await self._pusher.update(pushed, global_steps=steps, mode=mode)  # type: ignore[arg-type]
+            outcome = ("ok", report)
+            return report
+        except Exception as exc:
+            outcome = (type(exc).__name__, str(exc))
+            raise
+        finally:
+            await _shielded(self._broadcast(outcome))
+
+    async def _follow(
+        self, pushed: dict[str, torch.Tensor | LazyTensor], version: int
+    ) -> UpdateReport:
+        """This rank's push, until the coordinator says how the update ended."""
+        verdict = asyncio.ensure_future(self._broadcast(None))
+        push: asyncio.Future[Any] | None = None
+        if self._sender is not None:
+            plain = {n: t for n, t in pushed.items() if isinstance(t, torch.Tensor)}
+            prints = self._fingerprinter(plain) if self._verify else None
+            push = asyncio.ensure_future(
+                self._sender.push(
+                    pushed,
+                    version=version,
+                    fingerprints=prints,
+                    fingerprint=self._lazy_fingerprinter if self._verify else None,
+                )
+            )
+        try:
+            kind, value = await verdict
+        except BaseException:
+            if push is not None:
+                push.cancel()
+                await asyncio.gather(push, return_exceptions=True)
+            raise
+        own = None
+        if push is not None:
+            if kind == "ok":  # every worker took it: our push has ended, or ends now
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        own = await push
+                except Exception:
+                    logger.warning("rank %d: the update landed, our push did not end", self.rank)
+            push.cancel()  # (a failed update: stop now, and gather the rest below)
+            await asyncio.gather(push, return_exceptions=True)
+        if kind == "ok":
+            assert isinstance(value, UpdateReport)
+            return dataclasses.replace(value, push=own)
+        if kind == InvalidRequestError.__name__:
+            raise InvalidRequestError(value)
+        raise WeightSyncError(value)
+
+    def _finish_makes(
+        self, pushed: Mapping[str, torch.Tensor | LazyTensor], made: set[str]
+    ) -> None:
+        """Make, in plan order, what this rank's push did not (it failed, or this rank
+        serves no worker): the other ranks' collectives wait for ours."""
+        rest = {
+            name: tensor if isinstance(tensor, LazyTensor) and name not in made else torch.empty(0)
+            for name, tensor in pushed.items()
+        }
+        if not any(isinstance(tensor, LazyTensor) for tensor in rest.values()):
+            return
+        metas = [TensorMeta(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in pushed.items()]
+        try:
+            Makes(plan_buckets(metas, bucket_bytes=self._bucket_size()), rest).drain()
+        except Exception:  # a rank is gone: its collectives fail, and so did the update
+            logger.warning("rank %d: could not make the update's rest", self.rank, exc_info=True)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _live(self) -> list[ReceivingEngine]:
+        return [engine for engine in self._engines if not engine.is_dead]
+
+    def _on_cuda(self) -> bool:
+        auto = self._backend == "auto" and torch.cuda.is_available()
+        return self._backend == "cuda_ipc" or auto
+
+    def _make_backend(self) -> CudaIpcBackend | ShmBackend:
+        return CudaIpcBackend(torch.cuda.current_device()) if self._on_cuda() else ShmBackend()
+
+    def _bucket_size(self) -> int:
+        return self._bucket_bytes or DEFAULT_BUCKET_BYTES["cuda_ipc" if self._on_cuda() else "shm"]
+
+    async def _all_gather(self, value: Any) -> list[Any]:
+        def gather() -> list[Any]:
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, value, group=self._group)
+            return out
+
+        try:
+            return await asyncio.to_thread(gather)
+        except RuntimeError as exc:  # a rank died or hung: gloo says so
+            raise WeightSyncError(
+                f"rank {self.rank}: the other ranks did not answer: {exc}"
+            ) from exc
+
+    async def _broadcast(self, value: Any) -> Any:
+        """The coordinator's ``value`` on every rank."""
+        def broadcast() -> Any:
+            box = [value]
+            source = dist.get_global_rank(self._group, self._coordinator)
+            dist.broadcast_object_list(box, src=source, group=self._group)
+            return box[0]
+
+        try:
+            return await asyncio.to_thread(broadcast)
+        except RuntimeError as exc:
+            if self.is_coordinator:
+                logger.warning("could not tell the other ranks the outcome: %s", exc)
+                return value
+            return ("failed", f"rank {self.rank}: the coordinator did not answer: {exc}")
+
+
+def _lazily(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype | None, made: set[str]
+) -> torch.Tensor | LazyTensor:
+    """A sharded tensor, gathered when packed; a tensor of another floating dtype than
+    ``dtype``, cast as it is packed; any other tensor as it is."""
+    target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    sharded = _is_dtensor(tensor)
+    if not sharded and target == tensor.dtype:
+        return tensor
+
+    def make() -> torch.Tensor:
+        made.add(name)
+        with torch.no_grad():
+            return tensor.full_tensor() if sharded else tensor  # type: ignore[attr-defined]
+
+    return LazyTensor(
+        shape=tuple(tensor.shape), dtype=target, device=_local(tensor).device, make=make
+    )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def _layout(pushed: Mapping[str, torch.Tensor | LazyTensor]) -> str:
+    text = ";".join(f"{n}:{t.dtype}:{tuple(t.shape)}" for n, t in pushed.items())
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+async def _shielded(awaitable: Any) -> Any:
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.gather(task, return_exceptions=True)
+        raise

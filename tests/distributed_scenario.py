@@ -1,0 +1,130 @@
+"""One rank of a 2-rank FSDP2 trainer (gloo, CPU) pushing into a TP=2 vLLM CPU engine that rank 0
+holds (``tests/test_distributed.py`` runs two of these and reads rank 0's JSON).
+
+Rank 0: the engine starts on model B and serves B's greedy outputs; the ranks push A (sharded:
+every parameter a ``DTensor``), then B, then A again, and rank 0 records what the engine serves
+after each. Then rank 1 dies in the middle of the next push's gathers (``os._exit`` inside a
+``full_tensor``): rank 0 records the error it gets, the engine's label, and what it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def sharded_model(path: str) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def die_in_gather(after: int) -> None:
+    """This rank exits (as if killed) in the middle of its ``after``-th gather from now."""
+    from torch.distributed.tensor import DTensor
+
+    original = DTensor.full_tensor
+    calls = 0
+
+    def full_tensor(self: DTensor, **kwargs: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls > after:
+            os._exit(17)
+        return original(self, **kwargs)
+
+    DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    from engine_helpers import ENGINE_ARGS, greedy
+
+    from asyncroll import VLLMEngine
+
+    rank = dist.get_rank()
+    model_a, model_b = sharded_model(args.model_a), sharded_model(args.model_b)
+    out: dict[str, Any] = {}
+    engine = None
+    async with contextlib.AsyncExitStack() as stack:
+        if rank == 0:
+            engine = await stack.enter_async_context(
+                VLLMEngine.launch(args.model_b, name="tp2", tensor_parallel_size=2, **ENGINE_ARGS)
+            )
+            out["fresh_b"] = await greedy(engine, "fresh-b")
+        await run(out, engine, model_a, model_b, args.timeout)
+    return out
+
+
+async def run(
+    out: dict[str, Any],
+    engine: Any,
+    model_a: torch.nn.Module,
+    model_b: torch.nn.Module,
+    deadline: float,
+) -> None:
+    from engine_helpers import greedy
+
+    from asyncroll import DistributedWeightPusher, WeightSyncError
+
+    rank = dist.get_rank()
+    pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=deadline)
+    sharded = all(type(p).__name__ == "DTensor" for _, p in model_a.named_parameters())
+    out["sharded"] = sharded
+    for steps, model, tag in ((1, model_a, "a"), (2, model_b, "b"), (3, model_a, "a_again")):
+        report = await pusher.update(model.named_parameters(), global_steps=steps)
+        if engine is not None:
+            out[f"on_{tag}"] = await greedy(engine, f"on-{tag}")
+            delivery = report.deliveries[engine.name]
+            out[f"delivery_{tag}"] = [delivery.workers, delivery.tensors, delivery.verified]
+        out[f"report_{tag}"] = [report.global_steps, report.tensors, report.push is not None]
+    await pusher.update(model_b.named_parameters(), global_steps=4)  # B again: then rank 1 dies
+    if rank == 1:
+        die_in_gather(after=5)
+    started = time.monotonic()
+    try:
+        await pusher.update(model_a.named_parameters(), global_steps=5)
+        out["died"] = "no error"
+    except WeightSyncError as exc:
+        out["died"] = f"{type(exc).__name__}: {exc}"
+    out["died_after_s"] = time.monotonic() - started
+    if engine is not None:
+        out["steps_after"] = engine.global_steps
+        out["after_death"] = await greedy(engine, "after-death")
+        out["dead"] = engine.is_dead
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model-a", required=True)
+    parser.add_argument("--model-b", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2
+    )
+    result = asyncio.run(main(args))
+    Path(args.out).write_text(json.dumps(result))
+    os._exit(0)  # the other rank is gone: no collective teardown

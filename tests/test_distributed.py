@@ -1,0 +1,89 @@
+"""A trainer of two ranks (FSDP2 ``fully_shard`` on gloo, two processes, the shared-memory
+transport) pushing into a tensor-parallel vLLM CPU engine (TP=2) that rank 0 holds: each rank
+gathers the full tensors bucket by bucket and serves the worker of its own rank
+(``asyncroll.DistributedWeightPusher``). The ranks run ``tests/distributed_scenario.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCENARIO = Path(__file__).resolve().parent / "distributed_scenario.py"
+ROOT = str(Path(__file__).resolve().parent.parent)
+HANG_GUARD_S = 900
+"""Only against a hang (a test that never ends); nothing here is timed."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+async def outcome(tiny_model_a: Path, tiny_model_b: Path, tmp_path_factory: Any) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("distributed")
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    logs = [open(folder / f"rank{rank}.log", "w") for rank in (0, 1)]  # noqa: ASYNC230
+    ranks = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, str(SCENARIO), "--rank", str(rank), "--port", str(port),
+            "--model-a", str(tiny_model_a), "--model-b", str(tiny_model_b),
+            "--out", str(folder / f"rank{rank}.json"), "--timeout", "120",
+            stdout=logs[rank], stderr=subprocess.STDOUT, env=env,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            codes = [await rank.wait() for rank in ranks]
+    finally:
+        for file in logs:
+            file.close()
+        for rank in ranks:
+            if rank.returncode is None:
+                rank.kill()
+                await rank.wait()
+    log = (folder / "rank0.log").read_text()[-3000:]
+    assert codes == [0, 17], f"exit codes {codes} (rank 1 exits 17 where it dies); rank 0:\n{log}"
+    result: dict[str, Any] = json.loads((folder / "rank0.json").read_text())
+    return result
+
+
+def test_every_parameter_is_sharded(outcome: dict[str, Any]) -> None:
+    assert outcome["sharded"]  # every parameter a DTensor: each rank holds half
+
+
+def test_pushes_from_two_ranks_are_token_exact(outcome: dict[str, Any]) -> None:
+    """A then B then A: B's outputs equal the engine's own when it was fresh on B, token for
+    token; A's differ from them and come back the same the second time."""
+    assert outcome["on_b"] == outcome["fresh_b"]
+    assert outcome["on_a"] != outcome["fresh_b"]
+    assert outcome["on_a_again"] == outcome["on_a"]
+    for tag, steps in (("a", 1), ("b", 2), ("a_again", 3)):
+        assert outcome[f"report_{tag}"] == [steps, 27, True]
+        workers, tensors, verified = outcome[f"delivery_{tag}"]
+        assert (workers, tensors) == (2, 2 * 27)  # each worker took every tensor from its rank
+        assert verified > 0  # checked against fingerprints of the gathered tensors
+
+
+def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
+    outcome: dict[str, Any],
+) -> None:
+    """Rank 1 exits inside a gather: rank 0 gets ``WeightSyncError`` (long before its 120 s
+    deadline: it hears of the death from gloo and from its workers), and the engine keeps
+    serving B under B's label."""
+    assert outcome["died"].startswith("WeightSyncError: weight push (global_steps=5) failed")
+    assert "every engine serves its previous weights" in outcome["died"]
+    assert outcome["died_after_s"] < 120
+    assert outcome["steps_after"] == 4 and not outcome["dead"]
+    assert outcome["after_death"] == outcome["fresh_b"]

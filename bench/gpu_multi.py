@@ -53,8 +53,8 @@ from asyncroll import DistributedWeightPusher, VLLMEngine, WeightPusher
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
                 "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                "TORCHELASTIC_ERROR_FILE")
+                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
 
 
 @contextlib.contextmanager
@@ -103,7 +103,7 @@ async def maybe_engine(folder: Path, **options: Any) -> Any:
 async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Iterator[int],
                        repeats: int = 5) -> dict[str, Any]:
     await pusher.update(tensors, global_steps=next(steps))  # warm-up: attach, buffers, plan
-    updates, extras = [], []
+    updates, extras, packs, waits = [], [], [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -111,8 +111,13 @@ async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Ite
         report = await pusher.update(tensors, global_steps=next(steps))
         extras.append(torch.cuda.max_memory_allocated() - before)
         updates.append((report.push_seconds + report.finish_seconds) * 1e3)
+        if report.push is not None:
+            packs.append(report.push.pack_seconds * 1e3)
+            waits.append(report.push.wait_seconds * 1e3)
     return {"update_ms": statistics.median(updates), "updates_ms": [round(u, 2) for u in updates],
-            "extra_GiB": round(max(extras) / GiB, 3)}
+            "extra_GiB": round(max(extras) / GiB, 3),
+            "pack_ms (this rank)": round(statistics.median(packs), 2) if packs else None,
+            "wait_ms (this rank)": round(statistics.median(waits), 2) if waits else None}
 
 
 async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
@@ -163,17 +168,39 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
                     await greedy(engine, "hybrid-b") == on_b)
             section["checks"] = checks
             log(f"{size} checks: {checks}")
-        section["ours"] = await timed_pushes(pusher, weights_b, steps)
-        extras = [None] * dist.get_world_size()
-        dist.all_gather_object(extras, section["ours"]["extra_GiB"])
-        section["ours"]["extra_GiB per rank"] = extras
+        section["gather only ms"] = gather_ms(weights_b)
+        variants = {"ours": {}, "ours unverified": {"verify": False},
+                    "ours 1 GiB x2": {"bucket_bytes": 1 << 30}}
+        for label, extra in variants.items():
+            if label != "ours":
+                await pusher.aclose()
+                pusher = DistributedWeightPusher(
+                    [engine] if engine is not None else [], timeout=300, **extra)
+            section[label] = await timed_pushes(pusher, weights_b, steps)
+            found: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(found, section[label])
+            section[label]["per rank"] = found
+            log(f"{size} two GPUs, {label}: {section[label]}")
         section["bucket MiB x buffers"] = "512 x2"
-        log(f"{size} two GPUs: {section['ours']}")
         await pusher.aclose()
     del weights_a, weights_b
     gc.collect()
     torch.cuda.empty_cache()
     dist.barrier()
+
+
+def gather_ms(weights: dict[str, torch.Tensor], repeats: int = 3) -> float:
+    """Every tensor's all-gather alone (``full_tensor``), the best of ``repeats``."""
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        started = time.perf_counter()
+        for tensor in weights.values():
+            tensor.full_tensor()  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return round(best * 1e3, 2)
 
 
 async def single(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]) -> None:

@@ -765,11 +765,14 @@ def lazy_copies(
     }
 
 
-async def test_lazy_tensors_are_made_bucket_by_bucket_in_plan_order(child: Child) -> None:
+@pytest.mark.parametrize("kind", BACKENDS)
+async def test_lazy_tensors_are_made_bucket_by_bucket_in_plan_order(
+    child: Child, kind: str
+) -> None:
     """A sharded trainer's push: each tensor is made (gathered) when its first bucket is
     packed, never before its buffer is free, once, in the order of the plan; the receiver gets
     the pushed dtype's bytes exactly; each bucket's made tensors are fingerprinted."""
-    tensors = model_tensors()
+    tensors = model_tensors(device="cuda" if kind == "cuda_ipc" else "cpu")
     made: list[tuple[str, float]] = []
     printed: list[set[str]] = []
 
@@ -780,7 +783,9 @@ async def test_lazy_tensors_are_made_bucket_by_bucket_in_plan_order(child: Child
         printed.append(set(bucket))
         return {name: b"x" for name in bucket}
 
-    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
+    async with open_weight_sender(
+        backend=make_backend(kind), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
         await child.acall("connect", sender.receiver_config(), "r0")
         child.start("receive")
         report = await sender.push(

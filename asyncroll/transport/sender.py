@@ -211,6 +211,9 @@ class WeightSender:
             Callable[[dict[str, torch.Tensor], dict[str, torch.dtype]], dict[str, bytes]] | None
         ) = None
         """Fingerprints the lazy tensors made for each bucket of the current push."""
+        self._made: list[list[torch.Tensor]] = [[] for _ in range(buffers)]
+        """Per staging buffer, the lazy tensors made for its bucket: alive until the buffer's
+        copies are done (the next bucket into it, or the end of the push)."""
         self._shared = SharedStorages()
         self._push_ids = 0
         self._pushes = self._failed = self._bytes = 0
@@ -575,6 +578,8 @@ class WeightSender:
             raise
         finally:
             self._push = None
+            for made in self._made:
+                made.clear()
 
     def _count(
         self,
@@ -663,13 +668,12 @@ class WeightSender:
         made: dict[str, torch.Tensor] = {}
         sources = cast(Mapping[str, torch.Tensor], tensors)  # lazy ones only with ``makes``
         if makes is not None:
+            self._made[index].clear()  # the buffer's readers are done: so are its copies
             sources, made = makes.for_bucket(bucket)
+            self._made[index].extend(sources.values())
             self._backend.mark_sources_ready()  # the copies wait for the making (a gather)
         with _packing(), self._backend.copy_context():
             pack_bucket(bucket, self._staging[index].tensor, sources, self._views[index])
-            for tensor in made.values() if makes is not None else ():
-                if tensor.is_cuda:  # freed once the copies queued now are done, not before
-                    tensor.record_stream(torch.cuda.current_stream(tensor.device))
         if made and self._fingerprint is not None:
             dtypes = {slot.name: slot.dtype for slot in bucket.slots if slot.name in made}
             self._fingerprints.update(self._fingerprint(made, dtypes))

@@ -40,19 +40,37 @@ def sharded_model(path: str) -> torch.nn.Module:
 
 def die_in_gather(after: int) -> None:
     """This rank exits (as if killed) in the middle of its ``after``-th gather from now."""
-    from torch.distributed.tensor import DTensor
+    import asyncroll.distributed
 
-    original = DTensor.full_tensor
+    original = asyncroll.distributed.gather
     calls = 0
 
-    def full_tensor(self: DTensor, **kwargs: Any) -> torch.Tensor:
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal calls
         calls += 1
         if calls > after:
             os._exit(17)
-        return original(self, **kwargs)
+        return original(tensor)
 
-    DTensor.full_tensor = full_tensor  # type: ignore[method-assign]
+    asyncroll.distributed.gather = gather
+
+
+def gathers_match(model: torch.nn.Module) -> bool:
+    """``asyncroll.distributed.gather`` equals ``full_tensor()`` for every parameter and for
+    tensors whose rows do not split evenly (a rank may hold fewer rows, or none)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from asyncroll.distributed import gather
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(3)
+    odd = [
+        distribute_tensor(torch.randn(shape, generator=generator), mesh, [Shard(0)])
+        for shape in ((5, 3), (1, 4), (3,), (7, 2, 2))
+    ]
+    tensors = [p.detach() for _, p in model.named_parameters()] + odd
+    return all(torch.equal(gather(t), t.full_tensor()) for t in tensors)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,6 +107,7 @@ async def run(
     pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=deadline)
     sharded = all(type(p).__name__ == "DTensor" for _, p in model_a.named_parameters())
     out["sharded"] = sharded
+    out["gathers_match"] = gathers_match(model_a)
     for steps, model, tag in ((1, model_a, "a"), (2, model_b, "b"), (3, model_a, "a_again")):
         report = await pusher.update(model.named_parameters(), global_steps=steps)
         if engine is not None:

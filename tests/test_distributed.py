@@ -59,8 +59,9 @@ async def outcome(tiny_model_a: Path, tiny_model_b: Path, tmp_path_factory: Any)
     return result
 
 
-def test_every_parameter_is_sharded(outcome: dict[str, Any]) -> None:
+def test_every_parameter_is_sharded_and_gathers_exactly(outcome: dict[str, Any]) -> None:
     assert outcome["sharded"]  # every parameter a DTensor: each rank holds half
+    assert outcome["gathers_match"]  # our one-call gather equals DTensor.full_tensor()
 
 
 def test_pushes_from_two_ranks_are_token_exact(outcome: dict[str, Any]) -> None:

@@ -189,18 +189,24 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
     dist.barrier()
 
 
-def gather_ms(weights: dict[str, torch.Tensor], repeats: int = 3) -> float:
-    """Every tensor's all-gather alone (``full_tensor``), the best of ``repeats``."""
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        dist.barrier()
-        started = time.perf_counter()
-        for tensor in weights.values():
-            tensor.full_tensor()  # type: ignore[attr-defined]
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - started)
-    return round(best * 1e3, 2)
+def gather_ms(weights: dict[str, torch.Tensor], repeats: int = 3) -> dict[str, float]:
+    """Every tensor's all-gather alone, the best of ``repeats``: ``DTensor.full_tensor`` and
+    ours (``asyncroll.distributed.gather``)."""
+    from asyncroll.distributed import gather
+
+    found = {}
+    for label, function in (("full_tensor", lambda t: t.full_tensor()), ("ours", gather)):
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            dist.barrier()
+            started = time.perf_counter()
+            for tensor in weights.values():
+                function(tensor)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - started)
+        found[label] = round(best * 1e3, 2)
+    return found
 
 
 async def single(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]) -> None:

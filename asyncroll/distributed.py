@@ -147,8 +147,13 @@ class DistributedWeightPusher:
         *,
         global_steps: int | None,
         mode: ResumeMode = "abort",
+        changed: bool = False,
     ) -> UpdateReport:
-        """Push the model into the engines, every rank at once (see the module doc).
+        """Push the model into the engines, every rank at once (see the module doc). On the
+        coordinator, an ``AsyncServerManager(engines, weights=pusher)`` calls this for
+        ``manager.update_weights`` (requests in flight resume), while the other ranks call it
+        themselves. ``changed=True`` is refused: its check compares fingerprints of whole
+        tensors before the pause, and sharded tensors are whole only as they are pushed.
 
         Raises:
             InvalidRequestError: on every rank: a rank's tensors are bad (not finite, not the
@@ -158,6 +163,8 @@ class DistributedWeightPusher:
                 previous weights, or hold), or a rank died.
         """
         steps = check_global_steps(global_steps)
+        if changed:
+            raise InvalidRequestError("changed=True needs whole tensors: not with a sharded push")
         made: set[str] = set()
         pushed, local = self._pushed(named_tensors, made)
         problem = await self._problem(pushed, local, steps)

@@ -13,7 +13,7 @@ Not a training framework: enough to show the rollout layer doing its job on CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,13 +82,20 @@ class ReferenceTrainer:
         clip: float = 0.2,
         threads: int | None = 1,
         seed: int = 0,
+        wrap: Callable[[torch.nn.Module], object] | None = None,
     ) -> None:
+        """``wrap`` prepares the model before the optimiser sees its parameters: e.g. FSDP2's
+        ``fully_shard`` of each layer and the model (``examples/fsdp_hybrid.py``); then
+        ``named_parameters`` yields each rank's ``DTensor`` shards, which
+        ``DistributedWeightPusher`` gathers as it pushes."""
         from transformers import Qwen2ForCausalLM
 
         if threads is not None:
             torch.set_num_threads(threads)  # leave the other cores to the engines
         torch.manual_seed(seed)
         self.model = Qwen2ForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        if wrap is not None:
+            wrap(self.model)
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.clip = clip

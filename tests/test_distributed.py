@@ -88,3 +88,24 @@ def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
     assert outcome["died_after_s"] < 120
     assert outcome["steps_after"] == 4 and not outcome["dead"]
     assert outcome["after_death"] == outcome["fresh_b"]
+
+
+async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(
+    tmp_path: Path,
+) -> None:
+    """``examples/fsdp_hybrid.py`` under torchrun: two FSDP2 ranks train while the TP=2 engine
+    sleeps, then push through the manager (rank 0) and the pusher (rank 1)."""
+    example = Path(ROOT) / "examples" / "fsdp_hybrid.py"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), str(example), "--steps", "2",
+        "--plot", str(tmp_path / "fsdp.png"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    async with asyncio.timeout(HANG_GUARD_S):
+        output, _ = await process.communicate()
+    text = output.decode(errors="replace")
+    assert process.returncode == 0, text[-3000:]
+    for step in (1, 2):
+        assert f"step {step}: reward" in text and "from 2 ranks" in text, text[-3000:]
+    assert (tmp_path / "fsdp.png").stat().st_size > 0

@@ -35,10 +35,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -206,12 +208,13 @@ class DistributedWeightPusher:
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         pushed: dict[str, torch.Tensor | LazyTensor] = {}
         local: dict[str, torch.Tensor] = {}
+        batches: dict[object, Callable[[], AbstractContextManager[object]]] = {}
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
             if name in pushed:
                 raise InvalidRequestError(f"tensor {name!r} is given twice")
-            pushed[name] = _lazily(name, tensor.detach(), self._dtype, made)
+            pushed[name] = _lazily(name, tensor.detach(), self._dtype, made, batches)
             local[name] = _local(tensor.detach())
         if not pushed:
             raise InvalidRequestError("no tensors to push")
@@ -438,14 +441,24 @@ class DistributedWeightPusher:
 
 
 def _lazily(
-    name: str, tensor: torch.Tensor, dtype: torch.dtype | None, made: set[str]
+    name: str,
+    tensor: torch.Tensor,
+    dtype: torch.dtype | None,
+    made: set[str],
+    batches: dict[object, Callable[[], AbstractContextManager[object]]],
 ) -> torch.Tensor | LazyTensor:
-    """A sharded tensor, gathered when packed; a tensor of another floating dtype than
+    """A sharded tensor, gathered when packed (the gathers of a bucket in one call where they
+    are all ``gather``'s one-call kind); a tensor of another floating dtype than
     ``dtype``, cast as it is packed; any other tensor as it is."""
     target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
     sharded = _is_dtensor(tensor)
     if not sharded and target == tensor.dtype:
         return tensor
+    device = _local(tensor).device
+    batch = None
+    if sharded and _gathers_in_one_call(tensor):
+        group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
+        batch = batches.setdefault(group, functools.partial(_coalescing, group))
 
     def make() -> torch.Tensor:
         made.add(name)
@@ -453,8 +466,27 @@ def _lazily(
             return gather(tensor) if sharded else tensor
 
     return LazyTensor(
-        shape=tuple(tensor.shape), dtype=target, device=_local(tensor).device, make=make
+        shape=tuple(tensor.shape), dtype=target, device=device, make=make, batch=batch
     )
+
+
+def _gathers_in_one_call(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
+    return bool(
+        mesh.ndim == 1 and len(placements) == 1 and placements[0] == Shard(0) and tensor.ndim
+    )
+
+
+@contextlib.contextmanager
+def _coalescing(group: Any) -> Iterator[None]:
+    """torch.distributed's coalescing of the all-gathers issued inside: one call of the
+    backend for all of them (NCCL and gloo), as FSDP gathers its parameters."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    with _coalescing_manager(group):
+        yield
 
 
 def gather(tensor: torch.Tensor) -> torch.Tensor:
@@ -463,11 +495,9 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     (``DTensor.full_tensor()`` costs about 0.2 ms of Python a call, as long as the gather of a
     7B model's 339 tensors over NVLink takes; docs/benchmarks.md); any other layout:
     ``full_tensor()``."""
-    from torch.distributed.tensor import Shard
-
-    mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
-    if mesh.ndim != 1 or len(placements) != 1 or placements[0] != Shard(0) or tensor.ndim == 0:
+    if not _gathers_in_one_call(tensor):
         return tensor.full_tensor()  # type: ignore[attr-defined,no-any-return]
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
     world, rows = mesh.size(), tensor.shape[0]
     chunk = -(-rows // world)  # torch.chunk's split: ceil, the last ranks may hold fewer rows
     local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]

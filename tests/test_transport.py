@@ -7,6 +7,7 @@ its own. Every wait is bounded; nothing sleeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -37,6 +38,7 @@ from asyncroll.transport import (
     open_weight_sender,
     plan_buckets,
 )
+from asyncroll.transport.lazy import Makes
 
 SPAWN = mp.get_context("spawn")
 REPLY_TIMEOUT = 60.0
@@ -833,3 +835,48 @@ async def test_a_failing_make_fails_the_push_and_the_rest_are_still_made(child: 
         reply = await asyncio.to_thread(child.result)
         await child.acall("close")
     assert reply["versions"] == [2] and reply["digests"] == digests(tensors)
+
+
+def test_lazy_tensors_first_packed_in_one_bucket_are_made_in_one_batch() -> None:
+    """``Makes``: the lazy tensors whose first slot is in a bucket are made together, inside
+    their ``batch()`` context (one launch of their all-gathers); a drain after a failure makes
+    the rest batch by batch, as the other ranks' pushes do."""
+    tensors = model_tensors()
+    plan = plan_buckets(
+        [TensorMeta.of(name, t) for name, t in tensors.items()], bucket_bytes=16 * KB
+    )
+    events: list[tuple[str, str]] = []
+
+    @contextlib.contextmanager
+    def batch() -> Iterator[None]:
+        events.append(("enter", ""))
+        yield
+        events.append(("exit", ""))
+
+    def lazy(name: str, tensor: torch.Tensor) -> LazyTensor:
+        def make() -> torch.Tensor:
+            events.append(("make", name))
+            return tensor
+
+        return LazyTensor(shape=tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device,
+                          make=make, batch=batch)
+
+    makes = Makes(plan, {name: lazy(name, t) for name, t in tensors.items()})
+    firsts: dict[int, list[str]] = {}
+    seen: set[str] = set()
+    for bucket in plan:
+        for slot in bucket.slots:
+            if slot.name not in seen:
+                seen.add(slot.name)
+                firsts.setdefault(bucket.index, []).append(slot.name)
+    half = len(plan) // 2
+    for bucket in plan[:half]:
+        sources, made = makes.for_bucket(bucket)
+        assert set(sources) == {slot.name for slot in bucket.slots}
+        assert list(made) == firsts.get(bucket.index, [])
+    makes.drain()
+    assert makes.pending == 0
+    expected: list[tuple[str, str]] = []
+    for index in sorted(firsts):
+        expected += [("enter", ""), *(("make", n) for n in firsts[index]), ("exit", "")]
+    assert events == expected

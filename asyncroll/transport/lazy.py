@@ -11,8 +11,10 @@ push did not, so that no other rank is left waiting in a collective this one ski
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,9 @@ class LazyTensor:
     dtype: torch.dtype
     device: torch.device
     make: Callable[[], torch.Tensor]
+    batch: Callable[[], AbstractContextManager[object]] | None = None
+    """A context the lazy tensors first packed in one bucket are made in, together (say, one
+    launch for all their all-gathers); what ``make()`` returns is read only after it exits."""
 
     @property
     def is_cuda(self) -> bool:
@@ -50,36 +55,42 @@ class LazyTensor:
 
 
 class Makes:
-    """The lazy tensors of one push, made in plan order, each once."""
+    """The lazy tensors of one push, made a bucket at a time in plan order, each once: those
+    whose first slot is in a bucket are made together (inside their ``batch()`` context, if
+    they have one) when it is packed."""
 
     def __init__(self, plan: Sequence[Bucket], tensors: Mapping[str, object]) -> None:
-        order: dict[str, None] = {}
+        firsts: dict[int, list[str]] = {}
         last: dict[str, int] = {}
         for bucket in plan:
             for slot in bucket.slots:
                 if isinstance(tensors[slot.name], LazyTensor):
-                    order.setdefault(slot.name)
+                    if slot.name not in last:
+                        firsts.setdefault(bucket.index, []).append(slot.name)
                     last[slot.name] = bucket.index
-        self._order = list(order)
+        self._batches = sorted(firsts.items())
+        """(bucket index, the lazy tensors first in it), in plan order."""
         self._last = last
         self._tensors = tensors
         self._next = 0
+        """The first batch not made yet."""
         self._made: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"<Makes {self._next} of {len(self._order)} made>"
+        return f"<Makes {self._next} of {len(self._batches)} batches made>"
 
     @property
     def pending(self) -> int:
-        return len(self._order) - self._next
+        """Lazy tensors not made yet."""
+        return sum(len(names) for _, names in self._batches[self._next :])
 
     def for_bucket(self, bucket: Bucket) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Every source of ``bucket``'s slots (lazy ones made now, in order), and the tensors
-        made for it (to fingerprint). A tensor spanning buckets is made once and kept until
-        its last bucket."""
+        """Every source of ``bucket``'s slots (its lazy ones made now), and the tensors made
+        for it (to fingerprint). A tensor spanning buckets is made once and kept until its
+        last bucket."""
+        made = self._make_through(bucket.index)
         sources: dict[str, torch.Tensor] = {}
-        made: dict[str, torch.Tensor] = {}
         for slot in bucket.slots:
             if slot.name in sources:
                 continue
@@ -89,35 +100,43 @@ class Makes:
                 sources[slot.name] = tensor
                 continue
             if slot.name not in self._made:
-                made[slot.name] = self._make_through(slot.name)
+                raise RuntimeError(f"{slot.name!r} was made and dropped before its last bucket")
             sources[slot.name] = self._made[slot.name]
             if self._last[slot.name] == bucket.index:
                 del self._made[slot.name]  # the caller keeps it while its copies may run
         return sources, made
 
     def drain(self) -> None:
-        """Make every lazy tensor not made yet, dropping each."""
+        """Make every lazy tensor not made yet (batch by batch, as a push would), dropping
+        each."""
         with self._lock:
-            while self._next < len(self._order):
-                self._make_next()
+            while self._next < len(self._batches):
+                self._make_batch()
             self._made.clear()
 
-    def _make_through(self, name: str) -> torch.Tensor:
+    def _make_through(self, index: int) -> dict[str, torch.Tensor]:
+        """Make the batches up to bucket ``index``'s; the tensors made."""
+        made: dict[str, torch.Tensor] = {}
         with self._lock:
-            while name not in self._made:
-                if self._next >= len(self._order):
-                    raise RuntimeError(f"{name!r} was made and dropped before its last bucket")
-                made_name, tensor = self._make_next()
-                self._made[made_name] = tensor
-            return self._made[name]
+            while self._next < len(self._batches) and self._batches[self._next][0] <= index:
+                made |= self._make_batch()
+        self._made |= made
+        return made
 
-    def _make_next(self) -> tuple[str, torch.Tensor]:
-        name = self._order[self._next]
+    def _make_batch(self) -> dict[str, torch.Tensor]:
+        _, names = self._batches[self._next]
         self._next += 1
-        lazy = self._tensors[name]
-        assert isinstance(lazy, LazyTensor)
-        tensor = lazy.make()
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != lazy.shape:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
-            raise ValueError(f"{name!r}: make() returned {got}, not a tensor of {lazy.shape}")
-        return name, tensor
+        lazies: list[LazyTensor] = []
+        for name in names:
+            lazy = self._tensors[name]
+            assert isinstance(lazy, LazyTensor)
+            lazies.append(lazy)
+        contexts = {lazy.batch for lazy in lazies}
+        batch = contexts.pop() if len(contexts) == 1 else None  # one batch, or each alone
+        with batch() if batch is not None else contextlib.nullcontext():
+            made = [lazy.make() for lazy in lazies]
+        for name, lazy, tensor in zip(names, lazies, made, strict=True):
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != lazy.shape:
+                got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)
+                raise ValueError(f"{name!r}: make() returned {got}, not a tensor of {lazy.shape}")
+        return dict(zip(names, made, strict=True))

@@ -4,7 +4,10 @@ holds (``tests/test_distributed.py`` runs two of these and reads rank 0's JSON).
 Rank 0: the engine starts on model B and serves B's greedy outputs; the ranks push A (sharded:
 every parameter a ``DTensor``), then B, then A again, and rank 0 records what the engine serves
 after each. Then rank 1 dies in the middle of the next push's gathers (``os._exit`` inside a
-``full_tensor``): rank 0 records the error it gets, the engine's label, and what it serves.
+gather): rank 0 records the error it gets, the engine's label, and what it serves.
+
+``--die-rank 0``: after one push, rank 0 (the coordinator, and the engine with it) dies inside a
+gather instead; rank 1 records what its update raised.
 """
 
 from __future__ import annotations
@@ -88,8 +91,35 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 VLLMEngine.launch(args.model_b, name="tp2", tensor_parallel_size=2, **ENGINE_ARGS)
             )
             out["fresh_b"] = await greedy(engine, "fresh-b")
-        await run(out, engine, model_a, model_b, args.timeout)
+        if args.die_rank == 0:
+            await coordinator_dies(out, engine, model_a, model_b, args.timeout)
+        else:
+            await run(out, engine, model_a, model_b, args.timeout)
     return out
+
+
+async def coordinator_dies(
+    out: dict[str, Any],
+    engine: Any,
+    model_a: torch.nn.Module,
+    model_b: torch.nn.Module,
+    deadline: float,
+) -> None:
+    """Rank 0 (the engine's process: the engine dies with it) exits inside a gather of the
+    second push; rank 1 records what its update raised."""
+    from asyncroll import DistributedWeightPusher, WeightSyncError
+
+    pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=deadline)
+    await pusher.update(model_a.named_parameters(), global_steps=1)
+    if dist.get_rank() == 0:
+        die_in_gather(after=5)
+    started = time.monotonic()
+    try:
+        await pusher.update(model_b.named_parameters(), global_steps=2)
+        out["died"] = "no error"
+    except WeightSyncError as exc:
+        out["died"] = f"{type(exc).__name__}: {exc}"
+    out["died_after_s"] = time.monotonic() - started
 
 
 async def run(
@@ -139,11 +169,13 @@ if __name__ == "__main__":
     parser.add_argument("--model-b", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--die-rank", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2
     )
     result = asyncio.run(main(args))
-    Path(args.out).write_text(json.dumps(result))
+    if args.die_rank != args.rank:
+        Path(args.out).write_text(json.dumps(result))
     os._exit(0)  # the other rank is gone: no collective teardown

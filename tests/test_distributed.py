@@ -28,16 +28,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-async def outcome(tiny_model_a: Path, tiny_model_b: Path, tmp_path_factory: Any) -> dict[str, Any]:
-    folder = tmp_path_factory.mktemp("distributed")
+async def run_ranks(
+    folder: Path, model_a: Path, model_b: Path, *, die_rank: int
+) -> tuple[list[int | None], str]:
+    """Both ranks of the scenario; their exit codes, and the log of the one that survives."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT}
     logs = [open(folder / f"rank{rank}.log", "w") for rank in (0, 1)]  # noqa: ASYNC230
     ranks = [
         await asyncio.create_subprocess_exec(
             sys.executable, str(SCENARIO), "--rank", str(rank), "--port", str(port),
-            "--model-a", str(tiny_model_a), "--model-b", str(tiny_model_b),
+            "--model-a", str(model_a), "--model-b", str(model_b), "--die-rank", str(die_rank),
             "--out", str(folder / f"rank{rank}.json"), "--timeout", "120",
             stdout=logs[rank], stderr=subprocess.STDOUT, env=env,
         )
@@ -53,7 +54,13 @@ async def outcome(tiny_model_a: Path, tiny_model_b: Path, tmp_path_factory: Any)
             if rank.returncode is None:
                 rank.kill()
                 await rank.wait()
-    log = (folder / "rank0.log").read_text()[-3000:]
+    return codes, (folder / f"rank{1 - die_rank}.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+async def outcome(tiny_model_a: Path, tiny_model_b: Path, tmp_path_factory: Any) -> dict[str, Any]:
+    folder = tmp_path_factory.mktemp("distributed")
+    codes, log = await run_ranks(folder, tiny_model_a, tiny_model_b, die_rank=1)
     assert codes == [0, 17], f"exit codes {codes} (rank 1 exits 17 where it dies); rank 0:\n{log}"
     result: dict[str, Any] = json.loads((folder / "rank0.json").read_text())
     return result
@@ -88,6 +95,18 @@ def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
     assert outcome["died_after_s"] < 120
     assert outcome["steps_after"] == 4 and not outcome["dead"]
     assert outcome["after_death"] == outcome["fresh_b"]
+
+
+async def test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank(
+    tiny_model_a: Path, tiny_model_b: Path, tmp_path: Path
+) -> None:
+    """Rank 0 (the engine's process) exits inside a gather: rank 1 gets ``WeightSyncError``
+    long before its 120 s deadline (its gathers fail, its worker is gone), and ends."""
+    codes, log = await run_ranks(tmp_path, tiny_model_a, tiny_model_b, die_rank=0)
+    assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
+    found = json.loads((tmp_path / "rank1.json").read_text())
+    assert found["died"].startswith("WeightSyncError"), found["died"]
+    assert found["died_after_s"] < 120
 
 
 async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(

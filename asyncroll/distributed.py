@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from asyncroll.errors import InvalidRequestError, WeightSyncError
-from asyncroll.fingerprints import Fingerprinter
+from asyncroll.fingerprints import SAMPLES, Fingerprinter
 from asyncroll.interfaces import ReceivingEngine, ResumeMode, UpdateReport
 from asyncroll.transport import (
     CudaIpcBackend,
@@ -133,6 +133,8 @@ class DistributedWeightPusher:
         self._stack: contextlib.AsyncExitStack | None = None
         self._fingerprinter = Fingerprinter()
         self._lazy_fingerprinter = Fingerprinter()
+        self._known: dict[str, bytes] = {}
+        """This update's fingerprints of lazy tensors, from the shards."""
         self._updates = 0
 
     def __repr__(self) -> str:
@@ -168,7 +170,12 @@ class DistributedWeightPusher:
         if changed:
             raise InvalidRequestError("changed=True needs whole tensors: not with a sharded push")
         made: set[str] = set()
-        pushed, local = self._pushed(named_tensors, made)
+        named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        pushed, local = self._pushed(named, made)
+        # The fingerprints of the full tensors, from the shards (no gather), before any pause.
+        self._known = await self._shard_fingerprints(pushed, named) if self._verify else {}
+        if self._pusher is not None:
+            self._pusher.channel.know_fingerprints(self._known)
         problem = await self._problem(pushed, local, steps)
         connect = self.is_coordinator and not self._attached()
         answers = await self._all_gather((problem, _layout(pushed), connect, self._workers()))
@@ -345,13 +352,14 @@ class DistributedWeightPusher:
         push: asyncio.Future[Any] | None = None
         if self._sender is not None:
             plain = {n: t for n, t in pushed.items() if isinstance(t, torch.Tensor)}
-            prints = self._fingerprinter(plain) if self._verify else None
+            prints = (self._fingerprinter(plain) | self._known) if self._verify else None
+            complete = prints is not None and len(prints) == len(pushed)
             push = asyncio.ensure_future(
                 self._sender.push(
                     pushed,
                     version=version,
                     fingerprints=prints,
-                    fingerprint=self._lazy_fingerprinter if self._verify else None,
+                    fingerprint=self._lazy_fingerprinter if self._verify and not complete else None,
                 )
             )
         try:
@@ -394,6 +402,49 @@ class DistributedWeightPusher:
             Makes(plan_buckets(metas, bucket_bytes=self._bucket_size()), rest).drain()
         except Exception:  # a rank is gone: its collectives fail, and so did the update
             logger.warning("rank %d: could not make the update's rest", self.rank, exc_info=True)
+
+    async def _shard_fingerprints(
+        self, pushed: Mapping[str, torch.Tensor | LazyTensor], named: Mapping[str, torch.Tensor]
+    ) -> dict[str, bytes]:
+        """Fingerprints of the lazy tensors' full values without gathering them: each rank
+        samples the positions its rows hold (``shard_samples``), and one all-reduce of the
+        control group adds them up (each position is held by one rank)."""
+        lazy = {n: t for n, t in pushed.items() if isinstance(t, LazyTensor)}
+        if not lazy:
+            return {}
+        rank = self.rank
+
+        def sample() -> tuple[list[str], list[int], torch.Tensor]:
+            names, widths, parts = [], [], []
+            for name, made in lazy.items():
+                samples = shard_samples(named[name].detach(), made.dtype, rank=rank)
+                if samples is None:
+                    continue  # another layout: fingerprinted as it is made
+                names.append(name)
+                widths.append(samples.numel())
+                parts.append(samples.view(torch.uint8).reshape(-1).cpu())
+            if not parts:
+                return names, widths, torch.zeros(0, dtype=torch.int32)
+            return names, widths, torch.cat(parts).to(torch.int32)
+
+        names, _, joined = await asyncio.to_thread(sample)
+
+        def add_up() -> bytes:
+            dist.all_reduce(joined, group=self._group)
+            return bytes(joined.to(torch.uint8).numpy().tobytes())
+
+        try:
+            blob = await asyncio.to_thread(add_up)
+        except RuntimeError as exc:
+            raise WeightSyncError(
+                f"rank {self.rank}: the other ranks did not answer: {exc}"
+            ) from exc
+        prints, at = {}, 0
+        for name in names:
+            size = _sample_count(lazy[name].numel()) * lazy[name].dtype.itemsize
+            prints[name] = blob[at : at + size]
+            at += size
+        return prints
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -468,6 +519,37 @@ def _lazily(
     return LazyTensor(
         shape=tuple(tensor.shape), dtype=target, device=device, make=make, batch=batch
     )
+
+
+def shard_samples(tensor: torch.Tensor, dtype: torch.dtype, *, rank: int) -> torch.Tensor | None:
+    """The samples of ``asyncroll.fingerprints`` (element ``i * (n // 64)`` of the full tensor,
+    or all of a tensor of 64 or fewer) that this rank holds, as ``dtype``, zeros elsewhere;
+    None for a layout other than whole tensors and ``Shard(0)`` rows. A whole (not sharded)
+    tensor is sampled by rank 0 only, so that the ranks' samples add up to the fingerprint."""
+    n = tensor.numel()
+    count = _sample_count(n)
+    if _is_dtensor(tensor):
+        if not _gathers_in_one_call(tensor):
+            return None
+        if n == 0:
+            return torch.zeros(0, dtype=dtype)
+        local = tensor.to_local().reshape(-1)  # type: ignore[attr-defined]
+        rows, mesh = tensor.shape[0], tensor.device_mesh  # type: ignore[attr-defined]
+        chunk = -(-rows // mesh.size())
+        start = min(rows, mesh.get_local_rank() * chunk) * (n // rows)
+    else:
+        local = tensor.reshape(-1) if rank == 0 else tensor.new_empty(0)
+        start = 0
+    step = n // SAMPLES if n > SAMPLES else 1
+    positions = torch.arange(count, device=local.device) * step
+    held = (positions >= start) & (positions < start + local.numel())
+    samples = torch.zeros(count, dtype=dtype, device=local.device)
+    samples[held] = local[positions[held] - start].to(dtype)
+    return samples
+
+
+def _sample_count(n: int) -> int:
+    return min(n, SAMPLES)
 
 
 def _gathers_in_one_call(tensor: torch.Tensor) -> bool:

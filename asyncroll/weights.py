@@ -341,6 +341,8 @@ class SenderChannel:
         self._verify = verify
         self._fingerprinter = Fingerprinter()
         self._lazy_fingerprinter = Fingerprinter()
+        self._known_prints: dict[str, bytes] = {}
+        """Fingerprints of lazy tensors worked out before the push (``know_fingerprints``)."""
         """For lazy tensors, a bucket's at a time as they are made."""
         self._fingerprints: dict[str, bytes] | None = None
         """Of the tensors last checked: they travel with the push that follows."""
@@ -409,7 +411,10 @@ class SenderChannel:
                         )
         # Fingerprints for the workers to check what they loaded; before any pause (a lazy
         # tensor's as it is made, bucket by bucket).
-        self._fingerprints = self._fingerprinter(plain) if self._verify else None
+        self._fingerprints = None
+        if self._verify:
+            known = {n: p for n, p in self._known_prints.items() if n in made_later}
+            self._fingerprints = self._fingerprinter(plain) | known
 
     async def push(
         self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
@@ -473,9 +478,10 @@ class SenderChannel:
         travel (the workers read nothing before their receive)."""
         prints = self._fingerprints if self._fingerprints is not None else None
         lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor)]
-        if prints is not None and len(prints) + len(lazy) != len(tensors):
+        if prints is not None and not set(tensors) - set(lazy) <= set(prints):
             prints = None  # not the tensors last checked
-        fingerprint = self._lazy_fingerprinter if lazy and prints is not None else None
+        unknown = prints is not None and len(prints) < len(tensors)
+        fingerprint = self._lazy_fingerprinter if lazy and unknown else None
         options = {"fingerprint": fingerprint} if fingerprint is not None else {}
         push = asyncio.ensure_future(
             sender.push(
@@ -546,6 +552,12 @@ class SenderChannel:
             )
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
+
+    def know_fingerprints(self, fingerprints: Mapping[str, bytes]) -> None:
+        """Fingerprints of lazy tensors of the next push, worked out without making them (a
+        sharded trainer's ranks sample their shards: ``asyncroll.distributed``); the push then
+        fingerprints nothing as it goes."""
+        self._known_prints = dict(fingerprints)
 
     def worker_config(self) -> dict[str, Any]:
         """What the workers are told at attach, beside where the sender is."""

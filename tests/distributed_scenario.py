@@ -65,6 +65,7 @@ def gathers_match(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from asyncroll.distributed import gather
+    from asyncroll.fingerprints import fingerprints
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     generator = torch.Generator().manual_seed(3)
@@ -73,7 +74,21 @@ def gathers_match(model: torch.nn.Module) -> bool:
         for shape in ((5, 3), (1, 4), (3,), (7, 2, 2))
     ]
     tensors = [p.detach() for _, p in model.named_parameters()] + odd
-    return all(torch.equal(gather(t), t.full_tensor()) for t in tensors)
+    return all(torch.equal(gather(t), t.full_tensor()) for t in tensors) and all(
+        shard_print(t, dtype) == fingerprints({"t": t.full_tensor().to(dtype)})["t"]
+        for t in tensors for dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def shard_print(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
+    """The fingerprint of a sharded tensor from every rank's samples of its own rows."""
+    from asyncroll.distributed import shard_samples
+
+    samples = shard_samples(tensor, dtype, rank=dist.get_rank())
+    assert samples is not None
+    joined = samples.view(torch.uint8).to(torch.int32)
+    dist.all_reduce(joined)
+    return bytes(joined.to(torch.uint8).numpy().tobytes())
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -122,15 +122,25 @@ async def coordinator_dies(
 ) -> None:
     """Rank 0 (the engine's process: the engine dies with it) exits inside a gather of the
     second push; rank 1 records what its update raised."""
-    from asyncroll import DistributedWeightPusher, WeightSyncError
+    from asyncroll import DistributedWeightPusher
 
     pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=deadline)
     await pusher.update(model_a.named_parameters(), global_steps=1)
-    if dist.get_rank() == 0:
+    await push_as_one_dies(out, pusher, model_b, steps=2, dying=0)
+
+
+async def push_as_one_dies(
+    out: dict[str, Any], pusher: Any, model: torch.nn.Module, *, steps: int, dying: int
+) -> None:
+    """Push ``model`` while rank ``dying`` exits inside a gather; note what the update raised
+    here, and how soon."""
+    from asyncroll import WeightSyncError
+
+    if dist.get_rank() == dying:
         die_in_gather(after=5)
     started = time.monotonic()
     try:
-        await pusher.update(model_b.named_parameters(), global_steps=2)
+        await pusher.update(model.named_parameters(), global_steps=steps)
         out["died"] = "no error"
     except WeightSyncError as exc:
         out["died"] = f"{type(exc).__name__}: {exc}"
@@ -146,9 +156,8 @@ async def run(
 ) -> None:
     from engine_helpers import greedy
 
-    from asyncroll import DistributedWeightPusher, WeightSyncError
+    from asyncroll import DistributedWeightPusher
 
-    rank = dist.get_rank()
     pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=deadline)
     sharded = all(type(p).__name__ == "DTensor" for _, p in model_a.named_parameters())
     out["sharded"] = sharded
@@ -161,15 +170,7 @@ async def run(
             out[f"delivery_{tag}"] = [delivery.workers, delivery.tensors, delivery.verified]
         out[f"report_{tag}"] = [report.global_steps, report.tensors, report.push is not None]
     await pusher.update(model_b.named_parameters(), global_steps=4)  # B again: then rank 1 dies
-    if rank == 1:
-        die_in_gather(after=5)
-    started = time.monotonic()
-    try:
-        await pusher.update(model_a.named_parameters(), global_steps=5)
-        out["died"] = "no error"
-    except WeightSyncError as exc:
-        out["died"] = f"{type(exc).__name__}: {exc}"
-    out["died_after_s"] = time.monotonic() - started
+    await push_as_one_dies(out, pusher, model_a, steps=5, dying=1)
     if engine is not None:
         out["steps_after"] = engine.global_steps
         out["after_death"] = await greedy(engine, "after-death")

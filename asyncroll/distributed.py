@@ -170,8 +170,9 @@ class DistributedWeightPusher:
         if changed:
             raise InvalidRequestError("changed=True needs whole tensors: not with a sharded push")
         made: set[str] = set()
-        named = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        pushed, local = self._pushed(named, made)
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        pushed, local = self._pushed(pairs, made)
+        named = dict(pairs)
         # The fingerprints of the full tensors, from the shards (no gather), before any pause.
         self._known = await self._shard_fingerprints(pushed, named) if self._verify else {}
         if self._pusher is not None:
@@ -206,13 +207,10 @@ class DistributedWeightPusher:
     # -- the steps of an update ----------------------------------------------------------
 
     def _pushed(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-        made: set[str],
+        self, items: Sequence[tuple[str, torch.Tensor]], made: set[str]
     ) -> tuple[dict[str, torch.Tensor | LazyTensor], dict[str, torch.Tensor]]:
         """Each tensor as pushed (a sharded one, or one cast to ``dtype``: made when its
         bucket is packed, its name then added to ``made``), and this rank's part of each."""
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         pushed: dict[str, torch.Tensor | LazyTensor] = {}
         local: dict[str, torch.Tensor] = {}
         batches: dict[object, Callable[[], AbstractContextManager[object]]] = {}

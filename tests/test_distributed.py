@@ -6,8 +6,10 @@ gathers the full tensors bucket by bucket and serves the worker of its own rank
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +42,7 @@ async def run_ranks(
             sys.executable, str(SCENARIO), "--rank", str(rank), "--port", str(port),
             "--model-a", str(model_a), "--model-b", str(model_b), "--die-rank", str(die_rank),
             "--out", str(folder / f"rank{rank}.json"), "--timeout", "120",
-            stdout=logs[rank], stderr=subprocess.STDOUT, env=env,
+            stdout=logs[rank], stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         for rank in (0, 1)
     ]
@@ -54,6 +56,10 @@ async def run_ranks(
             if rank.returncode is None:
                 rank.kill()
                 await rank.wait()
+            # A rank that dies (os._exit) leaves its engine's processes behind, as a crashed
+            # trainer would: vLLM's engine core does not watch its parent. End them all.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(rank.pid, signal.SIGKILL)
     return codes, (folder / f"rank{1 - die_rank}.log").read_text()[-3000:]
 
 
@@ -120,9 +126,14 @@ async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(
         "--master-port", str(free_port()), str(example), "--steps", "2",
         "--plot", str(tmp_path / "fsdp.png"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT},
+        start_new_session=True,
     )
-    async with asyncio.timeout(HANG_GUARD_S):
-        output, _ = await process.communicate()
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            output, _ = await process.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever a failed run left behind
     text = output.decode(errors="replace")
     assert process.returncode == 0, text[-3000:]
     for step in (1, 2):

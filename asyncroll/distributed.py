@@ -47,12 +47,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from asyncroll.errors import InvalidRequestError, WeightSyncError
+from asyncroll.errors import InvalidRequestError, PieceNotPlannedError, WeightSyncError
 from asyncroll.fingerprints import SAMPLES, Fingerprinter
 from asyncroll.interfaces import ReceivingEngine, ResumeMode, UpdateReport
 from asyncroll.transport import (
     CudaIpcBackend,
     LazyTensor,
+    Piece,
     ShmBackend,
     TensorMeta,
     WeightSender,
@@ -85,6 +86,7 @@ class DistributedWeightPusher:
         load_plan: bool = True,
         check_finite: bool = True,
         verify: bool = True,
+        pieces: bool = True,
     ) -> None:
         """Call on every rank at once (it makes a process group). Args as ``WeightPusher``,
         and:
@@ -93,6 +95,10 @@ class DistributedWeightPusher:
             coordinator: The rank that pauses, labels and resumes the engines.
             dtype: Push floating tensors as this dtype (the engines' ``bfloat16``, say): a
                 float32 master weight is cast as it is packed, never copied whole first.
+            pieces: Where every worker reads only rows that the rank serving it holds (its
+                tensor-parallel shard of q, k, v, gate, up, the embedding, the head), push
+                each rank's own rows, with no gather (learned from the workers' load plans
+                after the first push; ``pieces``). False: always whole tensors.
         """
         if not dist.is_initialized():
             raise InvalidRequestError("torch.distributed is not initialized (init_process_group)")
@@ -111,6 +117,7 @@ class DistributedWeightPusher:
         self._bucket_bytes = bucket_bytes
         self._verify = verify
         self._check_finite = check_finite
+        self._use_pieces = pieces
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self._pusher = (
             WeightPusher(
@@ -136,6 +143,10 @@ class DistributedWeightPusher:
         self._known: dict[str, bytes] = {}
         """This update's fingerprints of lazy tensors, from the shards."""
         self._updates = 0
+        self._reads: list[dict[str, tuple[int, int]] | None] | None = None
+        """(Coordinator.) Per worker, what its load reads of each tensor (None: not known)."""
+        self._read_updates = 0
+        self._last_pieces: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         role = "coordinator" if self.is_coordinator else "follower"
@@ -179,22 +190,38 @@ class DistributedWeightPusher:
             self._pusher.channel.know_fingerprints(self._known)
         problem = await self._problem(pushed, local, steps)
         connect = self.is_coordinator and not self._attached()
-        answers = await self._all_gather((problem, _layout(pushed), connect, self._workers()))
+        if connect:
+            self._reads = None  # new workers: learn what they read again
+        pieces = sorted(self._piece_names(named)) if self._pusher is not None else []
+        answers = await self._all_gather(
+            (problem, _layout(pushed), connect, self._workers(), pieces)
+        )
         problems = [p for p in (a[0] for a in answers) if p]
         if len({a[1] for a in answers}) != 1:
             problems.append("the ranks push different names, shapes or dtypes")
         if problems:
             raise InvalidRequestError("; ".join(dict.fromkeys(problems)))
-        _, _, connect, workers = answers[self._coordinator]
-        version = steps if steps is not None else -1
+        _, _, connect, workers, pieces = answers[self._coordinator]
         try:
-            if connect:
-                await self._connect(workers)
-            if self._pusher is not None:
-                return await self._coordinate(pushed, steps, mode)
-            return await self._follow(pushed, version)
-        finally:
-            await asyncio.to_thread(self._finish_makes, pushed, made)
+            return await self._push(
+                pushed, named, pieces, made, steps, mode, connect=connect, workers=workers
+            )
+        except WeightSyncError as exc:
+            if not pieces or PieceNotPlannedError.__name__ not in str(exc):
+                raise
+            # A worker's load plan no longer maps a name it was pushed a piece of (its
+            # parameters moved): every rank gets the same verdict, and pushes whole tensors.
+            logger.warning("rank %d: pushing whole tensors again: %s", self.rank, exc)
+            self._reads = None
+        made = set()
+        pushed, _ = self._pushed(pairs, made)
+        return await self._push(pushed, named, [], made, steps, mode)
+
+    @property
+    def pieces(self) -> frozenset[str]:
+        """The tensors the last update pushed as pieces: each rank its own rows, where those
+        are all that the workers it serves read (no gather)."""
+        return self._last_pieces
 
     async def aclose(self) -> None:
         """Close this rank's sender (the coordinator: detach the engines). Idempotent."""
@@ -205,6 +232,97 @@ class DistributedWeightPusher:
             await stack.aclose()
 
     # -- the steps of an update ----------------------------------------------------------
+
+    async def _push(
+        self,
+        pushed: dict[str, torch.Tensor | LazyTensor],
+        named: Mapping[str, torch.Tensor],
+        pieces: Sequence[str],
+        made: set[str],
+        steps: int | None,
+        mode: ResumeMode,
+        *,
+        connect: bool = False,
+        workers: Sequence[int] = (),
+    ) -> UpdateReport:
+        """One push of the update by every rank (whole tensors, or ``pieces`` as pieces)."""
+        version = steps if steps is not None else -1
+        with_pieces = self._with_pieces(pushed, named, pieces)
+        self._last_pieces = frozenset(pieces)
+        try:
+            if connect:
+                await self._connect(list(workers))
+            if self._pusher is not None:
+                report = await self._coordinate(with_pieces, steps, mode)
+                if self._reads is None or self._read_updates < 2:
+                    await self._learn_reads()
+                return report
+            return await self._follow(with_pieces, version)
+        finally:
+            await asyncio.to_thread(self._finish_makes, with_pieces, made)
+
+    def _piece_names(self, named: Mapping[str, torch.Tensor]) -> set[str]:
+        """(Coordinator.) The tensors every rank can push as its own rows: ``Shard(0)`` over
+        all ranks, evenly, and every worker reads only rows of the rank that serves it
+        (worker ``i``: rank ``i % world_size``), as a worker's load plan says."""
+        reads = self._reads
+        if not self._use_pieces or not reads or any(r is None for r in reads):
+            return set()
+        world = self.world_size
+        names = set()
+        for name, tensor in named.items():
+            if not (_is_dtensor(tensor) and _gathers_in_one_call(tensor)):
+                continue
+            if tensor.shape[0] % world:
+                continue
+            mesh = tensor.device_mesh  # type: ignore[attr-defined]
+            if mesh.size() != world or mesh.get_local_rank() != self.rank:
+                continue
+            per_rank = tensor.numel() // world
+            for worker, read in enumerate(reads):
+                assert read is not None
+                first, end = read.get(name, (0, 0))
+                rank = worker % world
+                if not rank * per_rank <= first < end <= (rank + 1) * per_rank:
+                    break
+            else:
+                names.add(name)
+        return names
+
+    def _with_pieces(
+        self,
+        pushed: dict[str, torch.Tensor | LazyTensor],
+        named: Mapping[str, torch.Tensor],
+        pieces: Sequence[str],
+    ) -> dict[str, torch.Tensor | LazyTensor | Piece]:
+        """``pushed``, with each of ``pieces`` as this rank's rows of it (cast to ``dtype``
+        as they are packed, if need be)."""
+        out: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
+        for name in pieces:
+            tensor = named[name]
+            rows: torch.Tensor = _local(tensor.detach()).contiguous()
+            offset = tensor.device_mesh.get_local_rank() * rows.numel()  # type: ignore[attr-defined]
+            target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
+            source: torch.Tensor | LazyTensor = rows
+            if target is not None and target != rows.dtype:
+                source = LazyTensor(
+                    shape=tuple(rows.shape), dtype=target, device=rows.device,
+                    make=functools.partial(_identity, rows),
+                )
+            out[name] = Piece(source, whole=tuple(tensor.shape), offset=offset)
+        return out
+
+    async def _learn_reads(self) -> None:
+        """(Coordinator, after a push.) What each worker's load reads of each tensor."""
+        self._read_updates += 1
+        try:
+            reads: list[dict[str, tuple[int, int]] | None] = []
+            for engine in self._live():
+                reads += await engine.read_ranges()
+        except Exception:
+            logger.warning("could not learn what the workers read", exc_info=True)
+            return
+        self._reads = reads
 
     def _pushed(
         self, items: Sequence[tuple[str, torch.Tensor]], made: set[str]
@@ -325,7 +443,7 @@ class DistributedWeightPusher:
 
     async def _coordinate(
         self,
-        pushed: dict[str, torch.Tensor | LazyTensor],
+        pushed: dict[str, torch.Tensor | LazyTensor | Piece],
         steps: int | None,
         mode: ResumeMode,
     ) -> UpdateReport:
@@ -343,7 +461,7 @@ class DistributedWeightPusher:
             await _shielded(self._broadcast(outcome))
 
     async def _follow(
-        self, pushed: dict[str, torch.Tensor | LazyTensor], version: int
+        self, pushed: dict[str, torch.Tensor | LazyTensor | Piece], version: int
     ) -> UpdateReport:
         """This rank's push, until the coordinator says how the update ended."""
         verdict = asyncio.ensure_future(self._broadcast(None))
@@ -385,17 +503,25 @@ class DistributedWeightPusher:
         raise WeightSyncError(value)
 
     def _finish_makes(
-        self, pushed: Mapping[str, torch.Tensor | LazyTensor], made: set[str]
+        self, pushed: Mapping[str, torch.Tensor | LazyTensor | Piece], made: set[str]
     ) -> None:
         """Make, in plan order, what this rank's push did not (it failed, or this rank
         serves no worker): the other ranks' collectives wait for ours."""
         rest = {
             name: tensor if isinstance(tensor, LazyTensor) and name not in made else torch.empty(0)
-            for name, tensor in pushed.items()
+            for name, tensor in pushed.items()  # (a piece's lazy tensor is a cast: no collective)
         }
         if not any(isinstance(tensor, LazyTensor) for tensor in rest.values()):
             return
-        metas = [TensorMeta(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in pushed.items()]
+        metas = [  # the plan the push made (a piece travels as its own tensor)
+            TensorMeta(
+                name=n,
+                dtype=t.dtype,
+                shape=tuple((t.tensor if isinstance(t, Piece) else t).shape),
+                part=t.part() if isinstance(t, Piece) else None,
+            )
+            for n, t in pushed.items()
+        ]
         try:
             Makes(plan_buckets(metas, bucket_bytes=self._bucket_size()), rest).drain()
         except Exception:  # a rank is gone: its collectives fail, and so did the update
@@ -517,6 +643,10 @@ def _lazily(
     return LazyTensor(
         shape=tuple(tensor.shape), dtype=target, device=device, make=make, batch=batch
     )
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def shard_samples(tensor: torch.Tensor, dtype: torch.dtype, *, rank: int) -> torch.Tensor | None:

@@ -36,6 +36,7 @@ __all__ = [
     "InvalidRequestError",
     "ManagerClosedError",
     "NoEngineAvailableError",
+    "PieceNotPlannedError",
     "ReceiverFailedError",
     "TransportAuthError",
     "TransportBrokenError",
@@ -101,6 +102,12 @@ class WeightSyncError(AsyncrollError):
 
 class ReceiverFailedError(WeightSyncError):
     """The sender completed a push that a receiver failed (its engine's error says why)."""
+
+
+class PieceNotPlannedError(WeightSyncError):
+    """A receiver was pushed a piece of a tensor (``asyncroll.transport.piece``) that its load
+    plan cannot load: it needs the whole tensor. Nothing of the piece's batch was loaded; a
+    push of whole tensors succeeds."""
 
 
 class ManagerClosedError(AsyncrollError, RuntimeError):

@@ -143,6 +143,10 @@ class ReceivingEngine(UpdatableEngine, Protocol):
     async def last_delivery(self) -> Delivery | None:
         """What the workers took in the last push (None: no push yet, or not known)."""
 
+    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
+        """Per worker, in order: the range of elements ``[first, end)`` of each pushed tensor
+        its load reads (its load plan's, once a push taught it), or None (no load plan)."""
+
 
 class WeightChannel(Protocol):
     """What moves the bytes of an update (the update sequence does everything else)."""

@@ -44,15 +44,18 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from asyncroll.errors import PieceNotPlannedError
 from asyncroll.transport.packing import copy_many
+from asyncroll.transport.plan import Part
 
 __all__ = ["LoadPlan", "PlanStatistics"]
 
@@ -172,7 +175,7 @@ class LoadPlan:
         self._replays_before, self._replays = self._replays, {}
 
     def destination(
-        self, name: str, dtype: torch.dtype, shape: tuple[int, ...]
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], part: Part | None = None
     ) -> torch.Tensor | None:
         """Where a contiguous pushed tensor ``name`` of ``dtype`` and ``shape`` lands byte for
         byte: a flat uint8 view of the one contiguous parameter range its load copies it to
@@ -181,7 +184,12 @@ class LoadPlan:
         copies, converted, loaded only with its batch). The receiver writes a tensor larger
         than a bucket there piece by piece, instead of reassembling it first
         (``WeightReceiver.receive(place=...)``); counted as planned.
+
+        For a piece of a tensor (``part``): the one contiguous range its load copies the
+        piece to whole, if the load copies exactly the piece's elements, in one copy.
         """
+        if part is not None:
+            return self._piece_destination(name, dtype, shape, part)
         target = self.whole_target(name, dtype, shape)
         if target is None:
             return None
@@ -190,6 +198,41 @@ class LoadPlan:
             return torch.empty(0, dtype=torch.uint8)
         self._counts.update(planned=1, copies=1)
         return target.reshape(-1).view(torch.uint8)
+
+    def _piece_destination(
+        self, name: str, dtype: torch.dtype, shape: tuple[int, ...], part: Part
+    ) -> torch.Tensor | None:
+        entry = self._entries.get(name)
+        if entry is None or name in self._with_batch or not _whole_matches(entry, dtype, part):
+            return None
+        count = math.prod(shape)
+        if len(entry.copies) != 1:
+            return None
+        copy = entry.copies[0]
+        if (
+            copy.offset != part.offset
+            or math.prod(copy.size) != count
+            or copy.stride != _contiguous_strides(copy.size)
+            or not copy.dst.is_contiguous()
+            or copy.dst.dtype != dtype
+        ):
+            return None
+        self._counts.update(planned=1, copies=1)
+        return copy.dst.reshape(-1).view(torch.uint8)
+
+    def read_ranges(self) -> dict[str, tuple[int, int]]:
+        """For each name the plan replays: the range of elements ``[first, end)`` of the
+        pushed (contiguous) tensor its copies read. A sender may push just that range, as a
+        piece (``asyncroll.transport.piece``), where it is not the whole tensor. Names loaded
+        only with their batch, or that copy nothing, are left out."""
+        ranges = {}
+        for name, entry in self._entries.items():
+            if name in self._with_batch or not entry.copies:
+                continue
+            if entry.stride != _contiguous_strides(entry.shape):
+                continue
+            ranges[name] = _read_range(entry.copies)
+        return ranges
 
     def knows(self, name: str) -> bool:
         """Whether the plan maps ``name`` (its loads are replayed)."""
@@ -231,8 +274,19 @@ class LoadPlan:
         self._replays.clear()
         self._replays_before.clear()
 
-    def load(self, batch: Batch, *, sources_persist: bool | None = None) -> None:
+    def load(
+        self,
+        batch: Batch,
+        *,
+        sources_persist: bool | None = None,
+        parts: Mapping[str, Part] | None = None,
+    ) -> None:
         """Load ``batch``.
+
+        ``parts`` (default: the batch's own ``parts`` attribute, which the transport's
+        receiver sets): the tensors that are pieces of larger ones, and where. A piece is
+        replayed from the plan, which must know its name and find every element its copies
+        read inside the piece; else ``PieceNotPlannedError`` (nothing of the batch loaded).
 
         ``sources_persist`` (default: the batch's own ``sources_persist`` attribute, which the
         transport's receiver sets for staging buffers, else False): the tensors are views of
@@ -240,6 +294,10 @@ class LoadPlan:
         remembered, its copies' (destination, source) pairs kept for the next push of the
         same layout, until a push does not use them or ``forget_sources``. False: nothing of
         the batch is kept past the call (one-copy pushes, the trainer's own storages)."""
+        if parts is None:
+            parts = getattr(batch, "parts", None) or {}
+        if parts:
+            self._check_pieces(batch, parts)
         if any(name in self._with_batch for name, _ in batch):
             self._load_weights(list(batch))
             self._counts.update(fallback=len(batch))
@@ -257,20 +315,25 @@ class LoadPlan:
                     copy_many(*pairs)
                 self._counts.update(planned=len(batch), copies=len(pairs[0]), remembered=1)
                 return
-        planned: list[tuple[_Entry, torch.Tensor]] = []
+        planned: list[tuple[_Entry, torch.Tensor, int]] = []
+        """(entry, tensor, element offset of the tensor in the pushed whole)."""
         learn: list[tuple[str, torch.Tensor]] = []
         fallback: list[tuple[str, torch.Tensor]] = []
         for name, tensor in batch:
             entry = self._entries.get(name)
-            if entry is not None and _matches(entry, tensor):
-                planned.append((entry, tensor))
+            part = parts.get(name)
+            if part is not None:
+                assert entry is not None  # _check_pieces
+                planned.append((entry, tensor, part.offset))
+            elif entry is not None and _matches(entry, tensor):
+                planned.append((entry, tensor, 0))
             elif name in self._unplannable:
                 fallback.append((name, tensor))
             else:
                 learn.append((name, tensor))
         made: _Pairs = ([], [])
-        for entry, tensor in planned:
-            base = tensor.storage_offset()
+        for entry, tensor, shift in planned:
+            base = tensor.storage_offset() - shift
             for copy in entry.copies:
                 made[0].append(copy.dst)
                 made[1].append(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
@@ -303,6 +366,34 @@ class LoadPlan:
         self._counts.update(
             planned=len(planned), learned=len(learn), fallback=len(fallback), copies=copies
         )
+
+    def _check_pieces(self, batch: Batch, parts: Mapping[str, Part]) -> None:
+        """Every piece of ``batch`` can be replayed: the plan knows its name (and not only
+        with its batch), for a whole tensor of its dtype and shape, and every element its
+        copies read lies inside the piece."""
+        for name, tensor in batch:
+            part = parts.get(name)
+            if part is None:
+                continue
+            entry = self._entries.get(name)
+            why = None
+            if entry is None:
+                why = "the load plan has not learned it (a whole push teaches it)"
+            elif name in self._with_batch:
+                why = "it loads only with its whole batch"
+            elif not _whole_matches(entry, tensor.dtype, part):
+                why = f"the plan knows it as {entry.dtype} {entry.shape}, not as {part.whole}"
+            elif not tensor.is_contiguous():
+                why = "the piece is not contiguous"
+            else:
+                first, end = _read_range(entry.copies)
+                if first < part.offset or end > part.offset + tensor.numel():
+                    why = (
+                        f"its load reads elements [{first}, {end}), the piece holds"
+                        f" [{part.offset}, {part.offset + tensor.numel()})"
+                    )
+            if why is not None:
+                raise PieceNotPlannedError(f"a piece of {name!r} cannot be loaded: {why}")
 
     def _learn(self, batch: list[tuple[str, torch.Tensor]]) -> None:
         together = [item for item in batch if item[0] not in self._solo]
@@ -349,6 +440,26 @@ class LoadPlan:
                 stride=tuple(tensor.stride()),
                 copies=tuple(recorder.copies.get(name, ())),
             )
+
+
+def _whole_matches(entry: _Entry, dtype: torch.dtype, part: Part) -> bool:
+    return (
+        entry.dtype == dtype
+        and entry.shape == tuple(part.whole)
+        and entry.stride == _contiguous_strides(entry.shape)
+    )
+
+
+def _read_range(copies: Sequence[_Copy]) -> tuple[int, int]:
+    """[first, end) of the elements of the pushed tensor that ``copies`` read (empty: (0, 0))."""
+    first, end = None, 0
+    for copy in copies:
+        if not all(copy.size):
+            continue
+        span = sum((n - 1) * s for n, s in zip(copy.size, copy.stride, strict=True)) + 1
+        first = copy.offset if first is None else min(first, copy.offset)
+        end = max(end, copy.offset + span)
+    return (0, 0) if first is None else (first, end)
 
 
 def _matches(entry: _Entry, tensor: torch.Tensor) -> bool:

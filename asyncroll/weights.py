@@ -54,6 +54,7 @@ from asyncroll.interfaces import (
 from asyncroll.transport import (
     CudaIpcBackend,
     LazyTensor,
+    Piece,
     PushReport,
     ShmBackend,
     WeightSender,
@@ -162,7 +163,7 @@ class VersionedUpdater:
         """
         global_steps = check_global_steps(global_steps)
         tensors = _materialize(named_tensors)
-        if changed and any(isinstance(t, LazyTensor) for t in tensors.values()):
+        if changed and any(isinstance(t, LazyTensor | Piece) for t in tensors.values()):
             raise InvalidRequestError(
                 "changed=True compares fingerprints taken before the pause: whole tensors only,"
                 " not lazy ones"
@@ -217,7 +218,7 @@ class VersionedUpdater:
             resume_seconds=steps[4],
             push=push,
             tensors=len(tensors),
-            bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+            bytes=sum(_nbytes(t) for t in tensors.values()),
             deliveries=deliveries,
         )
 
@@ -373,10 +374,12 @@ class SenderChannel:
         thread: the finite check reads every byte)."""
         if not tensors:
             raise InvalidRequestError("no tensors to push")
-        plain = {n: t for n, t in tensors.items() if not isinstance(t, LazyTensor)}
-        made_later = {  # lazy tensors: checked by shape and dtype here, by value as made
-            n: torch.empty(t.shape, dtype=t.dtype, device="meta")
-            for n, t in tensors.items() if isinstance(t, LazyTensor)
+        plain = {n: t for n, t in tensors.items() if not isinstance(t, LazyTensor | Piece)}
+        made_later = {  # lazy tensors and pieces: checked by shape and dtype here, by value
+            n: torch.empty(  # as made (a piece by its sender)
+                t.whole if isinstance(t, Piece) else t.shape, dtype=t.dtype, device="meta"
+            )
+            for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)
         }
         if made_later and self._backend_name == "broadcast":
             raise InvalidRequestError("the broadcast transport takes whole tensors, not lazy ones")
@@ -477,7 +480,7 @@ class SenderChannel:
         deadline). The sender starts first: it packs its first buckets while the begin RPCs
         travel (the workers read nothing before their receive)."""
         prints = self._fingerprints if self._fingerprints is not None else None
-        lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor)]
+        lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
         if prints is not None and not set(tensors) - set(lazy) <= set(prints):
             prints = None  # not the tensors last checked
         unknown = prints is not None and len(prints) < len(tensors)
@@ -762,20 +765,28 @@ def _check_versions(engines: Sequence[UpdatableEngine], global_steps: int | None
 
 
 def _materialize(
-    named_tensors: Iterable[tuple[str, torch.Tensor | LazyTensor]]
-    | Mapping[str, torch.Tensor | LazyTensor],
+    named_tensors: Iterable[tuple[str, torch.Tensor | LazyTensor | Piece]]
+    | Mapping[str, torch.Tensor | LazyTensor | Piece],
 ) -> dict[str, torch.Tensor]:
-    """The update as a dict; a ``LazyTensor`` stays one (typed as a tensor from here on:
-    the channel makes it as it packs)."""
+    """The update as a dict; a ``LazyTensor`` or ``Piece`` stays one (typed as a tensor from
+    here on: the channel makes it as it packs)."""
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in items:
-        if not isinstance(tensor, torch.Tensor | LazyTensor):
+        if not isinstance(tensor, torch.Tensor | LazyTensor | Piece):
             raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
         if name in tensors:
             raise InvalidRequestError(f"tensor {name!r} is given twice")
-        tensors[name] = tensor if isinstance(tensor, LazyTensor) else tensor.detach()  # type: ignore[assignment]
+        tensors[name] = (
+            tensor if isinstance(tensor, LazyTensor | Piece) else tensor.detach()  # type: ignore[assignment]
+        )
     return tensors
+
+
+def _nbytes(tensor: torch.Tensor | LazyTensor | Piece) -> int:
+    if isinstance(tensor, Piece):
+        return tensor.nbytes
+    return tensor.numel() * tensor.element_size()
 
 
 async def _until(goal: asyncio.Future[Any] | None, tasks: Sequence[asyncio.Future[Any]]) -> None:

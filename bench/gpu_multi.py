@@ -13,7 +13,17 @@ on its GPU). Per shape:
 - timing: the update (push plus label, ``UpdateReport``) over 5 pushes, median; the extra GPU
   memory of each rank during a push (``max_memory_allocated`` above what it held before);
 - the one-GPU update of the same shape (TP=1 engine on GPU 0, ``WeightPusher`` from full
-  tensors on GPU 0), and the one-GPU two-copy limit, measured in the same run.
+  tensors on GPU 0), and the one-GPU two-copy limit, measured in the same run;
+- the baseline (``--skip-ipc`` leaves it out): vLLM's own ``ipc`` weight-transfer backend into a
+  TP=2 engine (dummy weights) from the same sharded trainer, as vLLM 0.24 documents it for
+  several trainer ranks: every rank gathers each tensor (``full_tensor()``, lazily, in one order)
+  and calls ``IPCWeightTransferEngine.trainer_send_weights``, which all-gathers the ranks' CUDA
+  IPC handles (keyed by GPU UUID) so that each worker opens the copy on its own GPU; rank 0
+  sends. Packed (1 GiB buffer, its default; 2 GiB: 7B's embedding exceeds 1 GiB) and unpacked;
+  the update from ``start_weight_update`` to ``finish_weight_update`` on rank 0, median of 5
+  after a warm-up; ``ours vs vLLM ipc``: our ``ours 1 GiB x2`` update over vLLM's best. Checks:
+  the engine serves the pushed tensors (a replicated norm on every worker, the shards of a
+  row-parallel weight summed over the workers).
 
 Prints a table and writes OUT/gpu_multi.json (rank 0).
 """
@@ -25,11 +35,13 @@ import asyncio
 import contextlib
 import gc
 import json
+import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +115,7 @@ async def maybe_engine(folder: Path, **options: Any) -> Any:
 async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Iterator[int],
                        repeats: int = 5) -> dict[str, Any]:
     await pusher.update(tensors, global_steps=next(steps))  # warm-up: attach, buffers, plan
-    updates, extras, packs, waits = [], [], [], []
+    updates, extras, packs, waits, pieces, moved = [], [], [], [], [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -111,13 +123,16 @@ async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Ite
         report = await pusher.update(tensors, global_steps=next(steps))
         extras.append(torch.cuda.max_memory_allocated() - before)
         updates.append((report.push_seconds + report.finish_seconds) * 1e3)
+        pieces.append(len(pusher.pieces))
+        moved.append(report.push.bytes if report.push is not None else 0)
         if report.push is not None:
             packs.append(report.push.pack_seconds * 1e3)
             waits.append(report.push.wait_seconds * 1e3)
     return {"update_ms": statistics.median(updates), "updates_ms": [round(u, 2) for u in updates],
             "extra_GiB": round(max(extras) / GiB, 3),
             "pack_ms (this rank)": round(statistics.median(packs), 2) if packs else None,
-            "wait_ms (this rank)": round(statistics.median(waits), 2) if waits else None}
+            "wait_ms (this rank)": round(statistics.median(waits), 2) if waits else None,
+            "pieces": max(pieces), "GiB moved (this rank)": round(max(moved) / GiB, 3)}
 
 
 async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
@@ -166,11 +181,27 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
             if engine is not None:
                 checks["hybrid: after sleep, wake and a push of B, it serves B"] = (
                     await greedy(engine, "hybrid-b") == on_b)
+            checks["pieces pushed (after the first push)"] = len(pusher.pieces) > 0
+            # The workers forget their load plans: the next push's pieces fail there, and
+            # every rank pushes whole tensors again, at once; the push after uses pieces.
+            if engine is not None:
+                await engine.llm.collective_rpc("asyncroll_drop_load_plan")
+            await pusher.update(weights_a, global_steps=next(steps))
+            checks["plan dropped: the update retried whole"] = not pusher.pieces
+            if engine is not None:
+                checks["plan dropped: serves A"] = await greedy(engine, "dropped-a") == fresh_a
+            await pusher.update(weights_b, global_steps=next(steps))
+            await pusher.update(weights_b, global_steps=next(steps))
+            checks["plan learned again: pieces"] = len(pusher.pieces) > 0
+            if engine is not None:
+                checks["plan learned again: serves B"] = await greedy(engine, "again-b") == on_b
             section["checks"] = checks
             log(f"{size} checks: {checks}")
         section["gather only ms"] = gather_ms(weights_b)
         variants = {"ours": {}, "ours unverified": {"verify": False},
-                    "ours 1 GiB x2": {"bucket_bytes": 1 << 30}}
+                    "ours 1 GiB x2": {"bucket_bytes": 1 << 30},
+                    "ours whole tensors (no pieces)": {"pieces": False},
+                    "ours whole tensors 1 GiB x2": {"pieces": False, "bucket_bytes": 1 << 30}}
         for label, extra in variants.items():
             if label != "ours":
                 await pusher.aclose()
@@ -209,6 +240,164 @@ def gather_ms(weights: dict[str, torch.Tensor], repeats: int = 3) -> dict[str, f
     return found
 
 
+IPC_VARIANTS = (("vLLM ipc packed 1 GiB", True, GiB), ("vLLM ipc packed 2 GiB", True, 2 * GiB),
+                ("vLLM ipc unpacked", False, GiB))
+
+
+async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: int = 5) -> None:
+    """vLLM's own ``ipc`` backend into a TP=2 engine from the sharded trainer (module doc).
+
+    Both ranks run every update, whatever fails: before each one they agree (``agree``, gloo)
+    on whether to run it; inside it rank 0's failures only stop its sends to the engine, so
+    the collectives of ``trainer_send_weights`` stay matched on both ranks."""
+    from _baseline_ext import install_ray_stub
+
+    install_ray_stub()  # vLLM 0.24's ipc module imports ray
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # its handles travel as pickles
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    rank = dist.get_rank()
+    shape = SHAPES[size]
+    folder = work / f"{size}-ipc"
+    if rank == 0:
+        write_config(folder, shape)
+    weights = sharded(random_weights(shape, seed=1))  # multi()'s weights B
+    checked = ("model.norm.weight", "model.layers.0.mlp.down_proj.weight")  # served() checks
+    expected = {name: float(weights[name].full_tensor().sum(dtype=torch.float64))
+                for name in checked}  # a collective: both ranks, same order
+    section: dict[str, Any] = out.setdefault(f"{size} two GPUs", {})
+    options = engine_args(gpu_memory_utilization=0.3 if size != "7b" else 0.35,
+                          tensor_parallel_size=2,
+                          worker_extension_cls="_baseline_ext.BaselineWorkerExtension")
+    failed: str | None = None  # this rank's first error; agree() makes it every rank's
+    async with contextlib.AsyncExitStack() as stack:
+        engine: Any = None
+        try:
+            engine = await stack.enter_async_context(maybe_engine(
+                folder, name=f"vllm-ipc-tp2-{size}", load_format="dummy",
+                weight_transfer_config=WeightTransferConfig(backend="ipc"), **options))
+            if engine is not None:
+                await engine.llm.init_weight_transfer_engine(
+                    WeightTransferInitRequest(init_info={}))
+        except Exception as exc:  # rank 0 only; the other rank learns it in agree()
+            failed = f"engine: {exc!r}"
+        for label, packed, buffer in IPC_VARIANTS:
+            updates, extras = [], []
+            error = failed
+            for i in range(1 + repeats):  # a warm-up, then the timed updates
+                torch.cuda.synchronize()
+                error = agree(error)
+                if error is not None:
+                    break
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                started = time.perf_counter()
+                error = await ipc_update(engine, weights, packed, buffer)
+                if i:
+                    updates.append((time.perf_counter() - started) * 1e3)
+                    extras.append(torch.cuda.max_memory_allocated() - before)
+            if error is not None:
+                section[label] = {"error": error[:500]}
+            else:
+                section[label] = {"update_ms": statistics.median(updates),
+                                  "updates_ms": [round(u, 2) for u in updates],
+                                  "extra_GiB (rank 0)": round(max(extras) / GiB, 3)}
+            log(f"{size} two GPUs, {label}: {section[label]}")
+        if engine is not None and failed is None:
+            section["vLLM ipc checks"] = await served(engine, expected)
+            log(f"{size} vLLM ipc checks: {section['vLLM ipc checks']}")
+    timed = {label: section[label]["update_ms"] for label, _, _ in IPC_VARIANTS
+             if "update_ms" in section[label]}
+    if timed and "update_ms" in section.get("ours 1 GiB x2", {}):
+        best = min(timed, key=timed.__getitem__)
+        section["ours vs vLLM ipc"] = round(section["ours 1 GiB x2"]["update_ms"] / timed[best], 3)
+        section["best vLLM ipc"] = best
+        log(f"{size} two GPUs: ours 1 GiB x2 {section['ours 1 GiB x2']['update_ms']:.1f} ms, "
+            f"{best} {timed[best]:.1f} ms, ratio {section['ours vs vLLM ipc']}")
+    del weights
+    gc.collect()
+    torch.cuda.empty_cache()
+    dist.barrier(group=GLOO)
+
+
+def agree(error: str | None) -> str | None:
+    """The first rank's error, on every rank (gloo): the ranks run the next update together or
+    neither does. Every rank reaches it between updates only, so it is also the barrier there."""
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, error, group=GLOO)
+    return next((e for e in found if e is not None), None)
+
+
+async def ipc_update(engine: Any, weights: dict[str, torch.Tensor], packed: bool,
+                     buffer: int) -> str | None:
+    """One update through vLLM's ``ipc`` backend, run by every rank; the first error.
+
+    Every rank feeds ``trainer_send_weights`` the full tensors on its own GPU, gathered lazily
+    (``full_tensor()``, a collective); vLLM all-gathers the ranks' IPC handles per chunk (the
+    default group) and rank 0 sends them. Rank 0 (which holds ``engine``) also starts and
+    finishes the update; a failure there only stops its sends, never a collective."""
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+    from vllm.distributed.weight_transfer.ipc_engine import (
+        IPCTrainerSendWeightsArgs,
+        IPCWeightTransferEngine,
+    )
+
+    errors: list[str] = []
+    loop = asyncio.get_running_loop()
+    device = torch.cuda.current_device()
+
+    def send(info: Any) -> None:  # vLLM calls it on rank 0 only
+        if errors or engine is None:
+            return  # the update failed: the other rank's collectives still need ours
+        request = WeightTransferUpdateRequest(update_info=asdict(info))
+        try:
+            asyncio.run_coroutine_threadsafe(engine.llm.update_weights(request), loop).result()
+        except Exception as exc:
+            errors.append(f"update_weights: {exc!r}")
+
+    def trainer_send() -> None:
+        torch.cuda.set_device(device)  # per thread: vLLM takes this GPU's UUID, NCCL its device
+        gathered = ((name, tensor.full_tensor()) for name, tensor in weights.items())
+        args = IPCTrainerSendWeightsArgs(send_mode=send, packed=packed,
+                                         packed_buffer_size_bytes=buffer)
+        try:
+            IPCWeightTransferEngine.trainer_send_weights(gathered, args)
+        except Exception as exc:  # e.g. a tensor over the packed buffer: on every rank alike
+            errors.append(f"trainer_send_weights (rank {dist.get_rank()}): {exc!r}")
+
+    if engine is not None:
+        try:
+            await engine.llm.start_weight_update()
+        except Exception as exc:
+            errors.append(f"start_weight_update: {exc!r}")
+    await asyncio.to_thread(trainer_send)
+    if engine is not None:
+        try:
+            await engine.llm.finish_weight_update()  # after a failure too: closes the update
+        except Exception as exc:
+            errors.append(f"finish_weight_update: {exc!r}")
+    return errors[0] if errors else None
+
+
+async def served(engine: Any, expected: dict[str, float]) -> dict[str, Any]:
+    """Whether the engine serves the pushed tensors: per-worker parameter sums (the worker
+    extension's ``asyncroll_weight_digest``); a replicated tensor (a norm) whole on every
+    worker, a sharded one (row-parallel ``down_proj``) summed over the workers."""
+    norm, split = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
+    try:
+        digests = [dict(d) for d in await engine.llm.collective_rpc("asyncroll_weight_digest")]
+        return {
+            "workers": len(digests),
+            f"{norm} on every worker": all(
+                math.isclose(d[norm], expected[norm], rel_tol=1e-9) for d in digests),
+            f"{split} summed over the workers": math.isclose(
+                sum(d[split] for d in digests), expected[split], rel_tol=1e-9),
+        }
+    except Exception as exc:  # a check that could not run is a failed one, not a hang
+        return {"digest": f"failed: {exc!r}"[:500]}
+
+
 async def single(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]) -> None:
     """The same shape into a TP=1 engine on GPU 0 from one process (rank 0; rank 1 waits)."""
     if dist.get_rank() == 0:
@@ -242,6 +431,8 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="1.5b,7b")
+    parser.add_argument("--skip-ipc", action="store_true",
+                        help="leave out the vLLM ipc backend baseline (TP=2)")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
@@ -254,6 +445,8 @@ async def main() -> None:
     started = time.perf_counter()
     for size in args.sizes.split(","):
         await multi(size, work, out, steps, correctness=size == "1.5b")
+        if not args.skip_ipc:
+            await vllm_ipc_multi(size, work, out)
         await single(size, work, out, steps)
         if rank == 0:
             two, one = out[f"{size} two GPUs"]["ours"], out[f"{size} one GPU"]["ours"]

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from asyncroll.errors import WeightSyncError
+from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.load_plan import LoadPlan
-from asyncroll.transport import ShmBackend, WeightReceiver
+from asyncroll.transport import Part, Piece, ShmBackend, WeightReceiver
 from asyncroll.transport.sender import open_weight_sender
 
 H, KV, INTER, VOCAB, PADDED = 16, 8, 24, 40, 48
@@ -331,7 +331,7 @@ async def test_a_bad_destination_fails_the_push_naming_the_tensor() -> None:
     def load(batch: list[tuple[str, torch.Tensor]]) -> None:
         got.update((name, t.clone()) for name, t in batch)
 
-    def place(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def place(name: str, dtype: torch.dtype, shape: tuple[int, ...], part: object) -> torch.Tensor:
         return torch.empty(7, dtype=torch.uint8)
 
     async with open_weight_sender(backend=ShmBackend(), bucket_bytes=1024, receivers=1) as sender:
@@ -418,3 +418,175 @@ def test_the_worker_receives_outside_the_device_mode_and_loads_under_it() -> Non
             raise RuntimeError("boom")
         assert torch.empty(1).device.type == "meta"
     assert torch._C._len_torch_function_stack() == depth
+
+
+class TensorParallelLike(torch.nn.Module):
+    """Worker ``rank`` of ``size``: column-parallel q/k/v (fused) and embedding rows cut from
+    the pushed tensor as vLLM's loaders cut them, a row-parallel projection (a column slice),
+    and a replicated norm."""
+
+    def __init__(self, rank: int, size: int = 2) -> None:
+        super().__init__()
+        self.rank, self.size = rank, size
+        g = torch.Generator().manual_seed(rank)
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.randn(*shape, generator=g).to(torch.bfloat16), False)
+
+        self.qkv = param((H + 2 * KV) // size, H)
+        self.embed = param(VOCAB // size, H)
+        self.o_proj = param(H, H // size)
+        self.norm = param(H)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        rows = {"q_proj": (0, H), "k_proj": (H, KV), "v_proj": (H + KV, KV)}
+        loaded = set()
+        for name, w in weights:
+            part = name.split(".")[-2]
+            if part in rows:
+                start, count = rows[part]
+                shard = count // self.size
+                self.qkv.data.narrow(0, start // self.size, shard).copy_(
+                    w.narrow(0, self.rank * shard, shard)
+                )
+            elif name == "embed_tokens.weight":
+                shard = VOCAB // self.size
+                self.embed.data.copy_(w.narrow(0, self.rank * shard, shard))
+            elif name == "o_proj.weight":
+                shard = H // self.size
+                self.o_proj.data.copy_(w.narrow(1, self.rank * shard, shard))
+            elif name == "norm.weight":
+                self.norm.data.copy_(w)
+            loaded.add(name)
+        return loaded
+
+
+def tensor_parallel_push(seed: int) -> dict[str, torch.Tensor]:
+    names = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+             "embed_tokens.weight", "o_proj.weight", "norm.weight")
+    return {name: pushed(seed)[name] for name in names}
+
+
+def rows_of(tensor: torch.Tensor, rank: int, size: int = 2) -> tuple[torch.Tensor, Part]:
+    """Rank ``rank``'s ``Shard(0)`` rows of ``tensor``, and where they sit."""
+    rows = tensor.shape[0] // size
+    piece = tensor[rank * rows : (rank + 1) * rows].contiguous()
+    return piece, Part(whole=tuple(tensor.shape), offset=rank * piece.numel())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_worker_loads_pieces_of_its_own_rows_exactly(rank: int) -> None:
+    """Once a whole push taught the plan, ``read_ranges`` says which elements each name's load
+    reads (its tensor-parallel rows; all of a row-parallel or replicated tensor), and pushing
+    only those rows as pieces loads bitwise what the whole tensors load."""
+    planned, plain = TensorParallelLike(rank), TensorParallelLike(rank)
+    plan = LoadPlan(planned, planned.load_weights)
+    plan.begin_push()
+    plan.load(staged(tensor_parallel_push(0)))
+    ranges = plan.read_ranges()
+    q_rows = H // 2 * H
+    assert ranges["self_attn.q_proj.weight"] == (rank * q_rows, (rank + 1) * q_rows)
+    assert ranges["embed_tokens.weight"] == (rank * VOCAB // 2 * H, (rank + 1) * VOCAB // 2 * H)
+    first, end = ranges["o_proj.weight"]  # a column slice reads across every row
+    assert end - first > H * H // 2 and ranges["norm.weight"] == (0, H)
+
+    for seed in (1, 2):
+        tensors = tensor_parallel_push(seed)
+        local = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "embed_tokens.weight"}
+        batch, parts = [], {}
+        for name, tensor in staged(tensors):
+            if name in local:
+                tensor, parts[name] = rows_of(tensor, rank)
+            batch.append((name, tensor))
+        plan.begin_push()
+        plan.load(batch, parts=parts)
+        plain.load_weights(tensors.items())
+        assert_same(planned, plain)
+    assert plan.statistics().planned == len(tensors) and plan.statistics().learned == 0
+
+
+def test_a_piece_the_plan_cannot_load_is_refused_before_anything_loads() -> None:
+    """A piece of a name the plan has not learned, or that does not hold every element the
+    name's load reads (the other rank's rows), raises ``PieceNotPlannedError`` (a
+    ``WeightSyncError``) naming it, and nothing of its batch is loaded."""
+    model = TensorParallelLike(1)
+    plan = LoadPlan(model, model.load_weights)
+    tensors = tensor_parallel_push(0)
+    q = "self_attn.q_proj.weight"
+    piece, part = rows_of(tensors[q], 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    plan.begin_push()
+    with pytest.raises(PieceNotPlannedError, match="has not learned it"):
+        plan.load([("norm.weight", tensors["norm.weight"]), (q, piece)], parts={q: part})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    plan.load(staged(tensors))
+    wrong, wrong_part = rows_of(tensors[q], 0)  # rank 0's rows: not what worker 1 reads
+    with pytest.raises(PieceNotPlannedError, match=r"reads elements \[128, 256\)"):
+        plan.load([(q, wrong)], parts={q: wrong_part})
+    assert issubclass(PieceNotPlannedError, WeightSyncError)
+
+
+@pytest.mark.parametrize("place", [False, True], ids=["reassembled", "placed"])
+async def test_pieces_travel_through_the_transport_and_load_exactly(place: bool) -> None:
+    """A real sender and receiver (shared memory): the sender pushes some tensors as pieces
+    (``Piece``), buckets small enough that the embedding's rows span two; the receiver hands
+    each piece over with its ``Part`` (or, with ``place``, writes the spanning rows straight
+    into the embedding shard), and the plan loads them exactly as whole tensors."""
+    rank = 1
+    planned, plain = TensorParallelLike(rank), TensorParallelLike(rank)
+    plan = LoadPlan(planned, planned.load_weights)
+    local = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "embed_tokens.weight"}
+    handed: list[dict[str, Part]] = []
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        handed[-1].update(getattr(batch, "parts", {}))
+        plan.load(batch)
+
+    async with open_weight_sender(backend=ShmBackend(), bucket_bytes=512, receivers=1) as sender:
+        receiver = WeightReceiver.from_config(sender.receiver_config(), name="pieces")
+
+        def serve(pushes: int) -> None:
+            receiver.connect()
+            for _ in range(pushes):
+                plan.begin_push()
+                handed.append({})
+                receiver.receive(load, place=plan.destination if place else None)
+
+        worker = asyncio.create_task(asyncio.to_thread(serve, 3))
+        try:
+            for step in range(3):
+                tensors = tensor_parallel_push(10 + step)
+                given: dict[str, torch.Tensor | Piece] = dict(tensors)
+                if step:  # the first push teaches the plan
+                    for name in local:
+                        rows, part = rows_of(tensors[name], rank)
+                        given[name] = Piece(rows, whole=part.whole, offset=part.offset)
+                report = await sender.push(given, version=step)
+                plain.load_weights(tensors.items())
+                whole = sum(t.numel() * t.element_size() for t in tensors.values())
+                assert (report.bytes < whole) is bool(step)
+            await worker
+        finally:
+            plan.forget_sources()
+            await asyncio.to_thread(receiver.close)
+    assert_same(planned, plain)
+    assert handed[0] == {}
+    for parts in handed[1:]:  # placed: spanning pieces went straight into their parameters
+        assert set(parts) < local if place else set(parts) == local
+        for name, part in parts.items():
+            assert part == rows_of(tensor_parallel_push(0)[name], rank)[1]
+    assert plan.statistics().learned == 0 and plan.statistics().fallback == 0
+
+
+async def test_a_bad_piece_is_refused_by_the_sender() -> None:
+    """A piece that does not fit its whole tensor, or is not contiguous: ``ValueError`` before
+    anything is sent; the sender pushes the next update."""
+    async with open_weight_sender(backend=ShmBackend(), bucket_bytes=1024, receivers=0) as sender:
+        with pytest.raises(ValueError, match="does not fit"):
+            await sender.push({"w": Piece(torch.ones(4), whole=(4,), offset=1)}, version=1)
+        with pytest.raises(ValueError, match="contiguous"):
+            await sender.push({"w": Piece(torch.ones(4, 2).t(), whole=(16,), offset=0)}, version=1)
+        with pytest.raises(ValueError, match="one_copy"):
+            await sender.push({"w": Piece(torch.ones(4), whole=(8,), offset=0)}, version=1,
+                              one_copy=True)

@@ -880,3 +880,40 @@ def test_lazy_tensors_first_packed_in_one_bucket_are_made_in_one_batch() -> None
     for index in sorted(firsts):
         expected += [("enter", ""), *(("make", n) for n in firsts[index]), ("exit", "")]
     assert events == expected
+
+
+def test_lazy_tensors_of_another_batch_context_do_not_split_a_batch() -> None:
+    """A bucket holding lazy tensors of a ``batch()`` context (gathers) and lazy tensors of
+    none (a cast of a rank's own rows): the first are still made together, inside their
+    context, in plan order; the others alone."""
+    tensors = model_tensors()
+    plan = plan_buckets(
+        [TensorMeta.of(name, t) for name, t in tensors.items()], bucket_bytes=1 << 20
+    )
+    assert len(plan) == 1
+    events: list[tuple[str, str]] = []
+
+    @contextlib.contextmanager
+    def batch() -> Iterator[None]:
+        events.append(("enter", ""))
+        yield
+        events.append(("exit", ""))
+
+    def lazy(index: int, name: str, tensor: torch.Tensor) -> LazyTensor:
+        def make() -> torch.Tensor:
+            events.append(("make", name))
+            return tensor
+
+        return LazyTensor(shape=tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device,
+                          make=make, batch=batch if index % 2 else None)
+
+    lazies = {name: lazy(i, name, t) for i, (name, t) in enumerate(tensors.items())}
+    makes = Makes(plan, lazies)
+    _, made = makes.for_bucket(plan[0])
+    assert set(made) == set(tensors)
+    order = [slot.name for slot in plan[0].slots]
+    gathered = [n for n in order if lazies[n].batch is not None]
+    alone = [n for n in order if lazies[n].batch is None]
+    inside = events[events.index(("enter", "")) + 1 : events.index(("exit", ""))]
+    assert inside == [("make", n) for n in gathered]
+    assert [n for kind, n in events if kind == "make" and n in alone] == alone

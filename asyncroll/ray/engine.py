@@ -429,6 +429,10 @@ class RayEngine:
         delivery: Delivery | None = await self._call("last_delivery")
         return delivery
 
+    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
+        ranges: list[dict[str, tuple[int, int]] | None] = await self._call("read_ranges")
+        return ranges
+
     # -- internals -------------------------------------------------------------------------
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:

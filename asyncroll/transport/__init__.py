@@ -18,7 +18,8 @@ receiver.close()
 
 from asyncroll.transport.backends import Backend, CudaIpcBackend, ShmBackend
 from asyncroll.transport.lazy import LazyTensor
-from asyncroll.transport.plan import Bucket, Slot, TensorMeta, default_group, plan_buckets
+from asyncroll.transport.piece import Piece
+from asyncroll.transport.plan import Bucket, Part, Slot, TensorMeta, default_group, plan_buckets
 from asyncroll.transport.receiver import (
     LoadFn,
     ReceiverBucketTimes,
@@ -40,6 +41,8 @@ __all__ = [
     "CudaIpcBackend",
     "LazyTensor",
     "LoadFn",
+    "Part",
+    "Piece",
     "PushReport",
     "ReceiveReport",
     "ReceiverBucketTimes",

@@ -596,7 +596,7 @@ class BroadcastReceiver:
                 entry = transfer.entries[0]
                 target = None
                 if place is not None and failure is None:
-                    target = place(entry.name, dtype_by_name(entry.dtype), entry.shape)
+                    target = place(entry.name, dtype_by_name(entry.dtype), entry.shape, None)
                 if target is not None and target.numel() == transfer.nbytes:
                     into = target
                 else:

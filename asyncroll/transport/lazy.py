@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -56,8 +57,8 @@ class LazyTensor:
 
 class Makes:
     """The lazy tensors of one push, made a bucket at a time in plan order, each once: those
-    whose first slot is in a bucket are made together (inside their ``batch()`` context, if
-    they have one) when it is packed."""
+    whose first slot is in a bucket are made when it is packed, those of one ``batch()``
+    context together inside it."""
 
     def __init__(self, plan: Sequence[Bucket], tensors: Mapping[str, object]) -> None:
         firsts: dict[int, list[str]] = {}
@@ -131,10 +132,17 @@ class Makes:
             lazy = self._tensors[name]
             assert isinstance(lazy, LazyTensor)
             lazies.append(lazy)
-        contexts = {lazy.batch for lazy in lazies}
-        batch = contexts.pop() if len(contexts) == 1 else None  # one batch, or each alone
-        with batch() if batch is not None else contextlib.nullcontext():
-            made = [lazy.make() for lazy in lazies]
+        # Those of one ``batch`` context are made together inside it (in plan order), those
+        # of none alone; contexts in the order of their first tensor (the same on every rank).
+        by_context: dict[object, list[int]] = {}
+        for index, lazy in enumerate(lazies):
+            by_context.setdefault(lazy.batch, []).append(index)
+        made: list[torch.Tensor] = [None] * len(lazies)  # type: ignore[list-item]
+        for context, indices in by_context.items():
+            batch = cast("Callable[[], AbstractContextManager[object]] | None", context)
+            with batch() if batch is not None else contextlib.nullcontext():
+                for index in indices:
+                    made[index] = lazies[index].make()
         for name, lazy, tensor in zip(names, lazies, made, strict=True):
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != lazy.shape:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)

@@ -30,6 +30,7 @@ import torch
 __all__ = [
     "ALIGN",
     "Bucket",
+    "Part",
     "Slot",
     "TensorMeta",
     "default_group",
@@ -62,6 +63,17 @@ def default_group(name: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """Where a pushed tensor sits in the tensor it is a piece of: a receiver that reads only
+    some rows of a tensor (a tensor-parallel worker, its shard) may be pushed just those."""
+
+    whole: tuple[int, ...]
+    """The shape of the whole tensor."""
+    offset: int
+    """Element offset of the piece's first element in the whole (contiguous) tensor."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorMeta:
     """What the planner needs to know about one named tensor."""
@@ -69,6 +81,8 @@ class TensorMeta:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    part: Part | None = None
+    """Set if the tensor pushed is a piece of a larger one (``shape`` is the piece's)."""
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +113,8 @@ class Slot:
     """Bytes of the whole tensor."""
     spanning: bool = False
     """The tensor belongs to a group that spans buckets: the receiver copies it out."""
+    part: Part | None = None
+    """The tensor is a piece of a larger one (``TensorMeta.part``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,4 +261,5 @@ def _slot(
         start=start,
         total=meta.nbytes,
         spanning=spanning,
+        part=meta.part,
     )

@@ -50,7 +50,7 @@ from asyncroll.errors import (
 from asyncroll.transport import wire
 from asyncroll.transport.backends import Backend, MappedBuffer, make_backend, poll_until
 from asyncroll.transport.packing import SpanAssembler, dtype_by_name, slot_view
-from asyncroll.transport.plan import Slot
+from asyncroll.transport.plan import Part, Slot
 from asyncroll.transport.security import RateLimitedLog
 
 __all__ = ["LoadFn", "PlaceFn", "ReceiveReport", "ReceiverStatistics", "WeightReceiver"]
@@ -60,11 +60,11 @@ log = logging.getLogger(__name__)
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], Any]
 """Called once per bucket with (name, tensor) pairs; the tensors are valid only during the call."""
 
-PlaceFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
-"""Asked once per push for each tensor larger than a bucket, at its first piece: where its bytes
-go verbatim (a flat uint8 tensor of exactly its size, on the buffers' device), an empty tensor
-to drop them (the model does not need them), or None to have it reassembled and handed to
-``load_fn`` as usual."""
+PlaceFn = Callable[[str, torch.dtype, tuple[int, ...], "Part | None"], "torch.Tensor | None"]
+"""Asked once per push for each tensor larger than a bucket, at its first piece, with its name,
+dtype, shape and ``Part`` (None: a whole tensor): where its bytes go verbatim (a flat uint8
+tensor of exactly its size, on the buffers' device), an empty tensor to drop them (the model
+does not need them), or None to have it reassembled and handed to ``load_fn`` as usual."""
 
 CLOSE_LINGER_MS: Final = 1000
 """How long close() lets the final message drain before dropping it."""
@@ -147,6 +147,13 @@ class _Batch(list[tuple[str, torch.Tensor]]):
     the layout: a loader may keep them to read later pushes (``LoadPlan`` does). False for a
     one-copy push: the trainer's storages are theirs, and may be new next push."""
 
+    parts: dict[str, Part]
+    """The batch's tensors that are pieces of larger ones (``Part``), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = {}
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for item in super().__iter__():
             self.current = item[0]
@@ -182,6 +189,8 @@ class WeightReceiver:
         """One-copy mode: the trainer's storages mapped, by the sender's id."""
         self._spans = SpanAssembler()
         self._place: PlaceFn | None = None
+        self._span_parts: dict[str, Part] = {}
+        """This push's spanning tensors that are pieces of larger ones."""
         self._placed: dict[str, torch.Tensor] = {}
         """This push's spanning tensors that ``place`` gave a destination (empty: dropped)."""
         self._conn = secrets.token_bytes(16)
@@ -339,6 +348,7 @@ class WeightReceiver:
         timeout = self._timeout_now = self._timeout if timeout is None else timeout
         self._spans.clear()
         self._placed.clear()
+        self._span_parts.clear()
         self._place = place
         self._load_seconds = 0.0
         stage = self._stage = dict.fromkeys(self._stage, 0.0)
@@ -461,9 +471,12 @@ class WeightReceiver:
                 if entry.offset + entry.nbytes > self._bucket_bytes or entry.nbytes < 0:
                     raise ValueError(f"slot of {entry.name!r} lies outside the staging buffer")
                 dtype = dtype_by_name(entry.dtype)
+                part = _part(entry)
                 if entry.spanning:
                     batch.current = entry.name
-                    target = self._target(entry, dtype)
+                    if part is not None:
+                        self._span_parts[entry.name] = part
+                    target = self._target(entry, dtype, part)
                     if target is None:
                         self._spans.add(_slot(entry, dtype), buffer)
                         continue
@@ -481,8 +494,14 @@ class WeightReceiver:
                         view = slot_view(buffer, entry.offset, entry.nbytes, dtype, entry.shape)
                         self._views[key] = view
                     batch.append((entry.name, view))
+                    if part is not None:
+                        batch.parts[entry.name] = part
             batch.current = ""
-            batch.extend(self._spans.take([n for n in bucket.completes if n not in self._placed]))
+            completed = self._spans.take([n for n in bucket.completes if n not in self._placed])
+            batch.extend(completed)
+            for name, _ in completed:
+                if name in self._span_parts:
+                    batch.parts[name] = self._span_parts[name]
             if batch:
                 load_fn(batch)
             recording = time.perf_counter()
@@ -517,14 +536,16 @@ class WeightReceiver:
             ) from None
         self._landed = time.perf_counter()
 
-    def _target(self, entry: wire.Entry, dtype: torch.dtype) -> torch.Tensor | None:
+    def _target(
+        self, entry: wire.Entry, dtype: torch.dtype, part: Part | None
+    ) -> torch.Tensor | None:
         """Where a spanning piece goes straight (None: the scratch buffer). ``place`` is asked
         at a tensor's first piece; its answer holds for the tensor's other pieces."""
         if entry.start:
             return self._placed.get(entry.name)
         if self._place is None:
             return None
-        target = self._place(entry.name, dtype, tuple(entry.shape))
+        target = self._place(entry.name, dtype, tuple(entry.shape), part)
         if target is None:
             return None
         if target.dtype != torch.uint8 or target.dim() != 1 or target.numel() not in (
@@ -711,6 +732,13 @@ _MAX_VIEWS = 1 << 14
 
 def _unclosed_warning(receiver: WeightReceiver) -> None:
     warnings.warn(f"unclosed {receiver!r}", ResourceWarning, stacklevel=2)
+
+
+def _part(entry: wire.Entry) -> Part | None:
+    if not entry.part:
+        return None
+    offset, *whole = entry.part
+    return Part(whole=tuple(whole), offset=offset)
 
 
 def _slot(entry: wire.Entry, dtype: torch.dtype) -> Slot:

@@ -72,6 +72,7 @@ from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.packing import dtype_name, pack_bucket
 from asyncroll.transport.peers import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from asyncroll.transport.peers import ControlPlane, Peer, PeerHooks
+from asyncroll.transport.piece import Piece, split_pieces
 from asyncroll.transport.plan import Bucket, GroupOf, TensorMeta, default_group, plan_buckets
 from asyncroll.transport.security import JobIdentity
 from asyncroll.transport.shared import SharedStorages, check_shareable
@@ -211,6 +212,8 @@ class WeightSender:
             Callable[[dict[str, torch.Tensor], dict[str, torch.dtype]], dict[str, bytes]] | None
         ) = None
         """Fingerprints the lazy tensors made for each bucket of the current push."""
+        self._pieces: frozenset[str] = frozenset()
+        """The current push's tensors that are pieces (never fingerprinted as if whole)."""
         self._made: list[list[torch.Tensor]] = [[] for _ in range(buffers)]
         """Per staging buffer, the lazy tensors made for its bucket: alive until the buffer's
         copies are done (the next bucket into it, or the end of the push)."""
@@ -332,8 +335,8 @@ class WeightSender:
 
     async def push(
         self,
-        named_tensors: Mapping[str, torch.Tensor | LazyTensor]
-        | Iterable[tuple[str, torch.Tensor | LazyTensor]],
+        named_tensors: Mapping[str, torch.Tensor | LazyTensor | Piece]
+        | Iterable[tuple[str, torch.Tensor | LazyTensor | Piece]],
         *,
         version: int,
         one_copy: bool = False,
@@ -353,6 +356,9 @@ class WeightSender:
         fingerprints travel after the last bucket. If the push fails, the lazy tensors not made
         yet are made and dropped before it raises (no other rank waits in a collective).
 
+        A ``Piece`` pushes part of a tensor (``asyncroll.transport.piece``): its own tensor
+        travels, and receivers are told where it sits in the whole.
+
         ``one_copy`` (CUDA IPC only): no staging; receivers read the tensors in place, through
         IPC handles of their storages (exported once while the sender keeps them). The tensors
         must be contiguous and must not change until this returns: by then every receiver's
@@ -366,21 +372,26 @@ class WeightSender:
         """
         self._control.check_usable()
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        tensors = dict(pairs)
-        if len(tensors) != len(pairs):
+        given = dict(pairs)
+        if len(given) != len(pairs):
             raise ValueError("tensor names must be unique")
+        tensors, parts = split_pieces(given)
         lazy = any(isinstance(t, LazyTensor) for t in tensors.values())
         if one_copy:
-            if lazy:
-                raise ValueError("one_copy reads tensors in place: none may be a LazyTensor")
-            check_shareable(self._backend, tensors)
+            if lazy or parts:
+                raise ValueError("one_copy reads whole tensors in place: no LazyTensor or Piece")
+            whole = cast(dict[str, torch.Tensor], tensors)
+            check_shareable(self._backend, whole)
             if self._expected is not None:
                 await self.wait_receivers(self._expected)
             async with self._push_lock:
                 self._fingerprints = dict(fingerprints or {})
-                return await self._run_shared_push(tensors, version)
+                return await self._run_shared_push(whole, version)
         plan = self._plan_for(
-            tuple(TensorMeta(name=n, dtype=t.dtype, shape=tuple(t.shape)) for n, t in pairs)
+            tuple(
+                TensorMeta(name=n, dtype=t.dtype, shape=tuple(t.shape), part=parts.get(n))
+                for n, t in tensors.items()
+            )
         )
         makes = Makes(plan, tensors) if lazy else None
         try:
@@ -389,6 +400,7 @@ class WeightSender:
             async with self._push_lock:
                 self._fingerprints = dict(fingerprints or {})
                 self._fingerprint = fingerprint if lazy else None
+                self._pieces = frozenset(parts)
                 return await self._run_push(plan, tensors, version, makes=makes)
         except BaseException:
             if makes is not None and makes.pending:  # the other ranks' collectives
@@ -675,8 +687,10 @@ class WeightSender:
         with _packing(), self._backend.copy_context():
             pack_bucket(bucket, self._staging[index].tensor, sources, self._views[index])
         if made and self._fingerprint is not None:
+            made = {n: t for n, t in made.items() if n not in self._pieces}  # not whole ones
             dtypes = {slot.name: slot.dtype for slot in bucket.slots if slot.name in made}
-            self._fingerprints.update(self._fingerprint(made, dtypes))
+            if made:
+                self._fingerprints.update(self._fingerprint(made, dtypes))
         marker = self._backend.record_copies(index) if early else self._backend.mark_copies()
         stamps[-1]["queued"] = time.perf_counter()
         return marker
@@ -823,6 +837,7 @@ class WeightSender:
                 start=s.start,
                 total=s.total,
                 spanning=s.spanning,
+                part=[] if s.part is None else [s.part.offset, *s.part.whole],
             )
             for s in bucket.slots
         ]

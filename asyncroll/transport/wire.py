@@ -95,6 +95,9 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
     start: int
     total: int
     spanning: bool
+    part: list[int] = []
+    """Empty, or the tensor is a piece of a larger one: ``[offset, *whole_shape]``
+    (``plan.Part``)."""
 
 
 class Bucket(msgspec.Struct, tag=True, frozen=True):

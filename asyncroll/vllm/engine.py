@@ -489,6 +489,13 @@ class VLLMEngine:
         whole = await self._llm.collective_rpc("asyncroll_abort_weight_update")
         return all(whole)
 
+    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
+        ranges = await self._llm.collective_rpc("asyncroll_read_ranges")
+        return [
+            None if found is None else {name: (int(a), int(b)) for name, (a, b) in found.items()}
+            for found in ranges
+        ]
+
     async def last_delivery(self) -> Delivery | None:
         """What the workers took in the last push, summed (None before the first push, or if a
         worker's last push is another than the others')."""

@@ -48,12 +48,13 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
-from asyncroll.errors import WeightSyncError
+from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.fingerprints import Fingerprinter, holds_exactly
 from asyncroll.load_plan import LoadPlan, PlanStatistics
 from asyncroll.transport import WeightReceiver
 from asyncroll.transport.broadcast import BroadcastReceiver
-from asyncroll.transport.receiver import ReceiveReport
+from asyncroll.transport.plan import Part
+from asyncroll.transport.receiver import PlaceFn, ReceiveReport
 from asyncroll.vllm.compat import worker_runs_the_session
 
 __all__ = ["BACKEND_NAME", "AsyncrollWeightTransferEngine", "AsyncrollWorkerExtension"]
@@ -250,13 +251,28 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         a push where they differ loaded less than it delivered, and fails loudly."""
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
-            received.update((name, (t.dtype, tuple(t.shape))) for name, t in batch)
+            parts: dict[str, Part] = getattr(batch, "parts", None) or {}
+            persist = bool(getattr(batch, "sources_persist", False))
+            received.update(
+                (name, (t.dtype, parts[name].whole if name in parts else tuple(t.shape)))
+                for name, t in batch
+            )
+            if parts and not self._planning:
+                raise PieceNotPlannedError(
+                    f"pieces of tensors ({next(iter(parts))!r}, ...) need the direct load with a"
+                    " load plan"
+                )
             self.before_load(batch)
             batch = self.to_load(batch)
             self._touched = True  # from here on a failure may leave the batch partly loaded
             try:
-                if batch:
+                if batch and parts:
+                    assert self._plan is not None
+                    self._plan.load(batch, parts=parts, sources_persist=persist)
+                elif batch:
                     load_batch(batch)
+            except PieceNotPlannedError:
+                raise
             except Exception as exc:  # name the tensors: vLLM's loaders often say nothing
                 names = ", ".join(name for name, _ in batch[:4])
                 raise RuntimeError(f"loading [{names}]: {type(exc).__name__}: {exc}") from exc
@@ -266,16 +282,18 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if not direct:
                 _detach_pending_views()
 
-        place: Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor | None] | None = None
+        place: PlaceFn | None = None
         if self._planning and self._plan is not None and not keep:
             plan = self._plan
 
-            def place(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+            def place(
+                name: str, dtype: torch.dtype, shape: tuple[int, ...], part: Part | None
+            ) -> torch.Tensor | None:
                 """A tensor larger than a bucket (an embedding) goes straight where the plan
                 says, piece by piece, with no reassembly and no second copy."""
-                target = plan.destination(name, dtype, shape)
+                target = plan.destination(name, dtype, shape, part)
                 if target is not None:
-                    received[name] = (dtype, tuple(shape))
+                    received[name] = (dtype, tuple(shape) if part is None else part.whole)
                     self.before_load([(name, target)])
                     if not self.to_load([(name, target)]):
                         return torch.empty(0, dtype=torch.uint8)  # dropped: counted below
@@ -377,6 +395,18 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """The model's own loader, under the ``torch.device`` mode vLLM calls it in."""
         with self._device_context():
             return loader(batch)
+
+    def drop_plan(self) -> None:
+        if self._plan is not None:
+            self._plan.forget_sources()
+        self._plan = None
+
+    def read_ranges(self) -> dict[str, tuple[int, int]] | None:
+        """The element range of each pushed tensor that this worker's load reads
+        (``LoadPlan.read_ranges``); None without a load plan."""
+        if not self._planning or self._plan is None:
+            return None
+        return self._plan.read_ranges()
 
     @property
     def plan_statistics(self) -> PlanStatistics | None:
@@ -736,6 +766,21 @@ class AsyncrollWorkerExtension:
                 "unplannable": dict(list(stats.unplannable.items())[:8]),
             }
         return out
+
+    def asyncroll_read_ranges(self) -> dict[str, tuple[int, int]] | None:
+        """What of each pushed tensor this worker reads (``LoadPlan.read_ranges``): a
+        sharded trainer pushes a worker only its rows where it holds them."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, AsyncrollWeightTransferEngine):
+            return None
+        return engine.read_ranges()
+
+    def asyncroll_drop_load_plan(self) -> None:
+        """Forget the load plan (the next push learns it again, through ``load_weights``):
+        after the model's parameters were replaced outside a push, say."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, AsyncrollWeightTransferEngine):
+            engine.drop_plan()
 
     def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
         """Per-parameter sums of the served model (tests compare them across engines)."""

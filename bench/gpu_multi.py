@@ -123,7 +123,7 @@ async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Ite
         report = await pusher.update(tensors, global_steps=next(steps))
         extras.append(torch.cuda.max_memory_allocated() - before)
         updates.append((report.push_seconds + report.finish_seconds) * 1e3)
-        pieces.append(len(pusher.pieces))
+        pieces.append(len(getattr(pusher, "pieces", ())))
         moved.append(report.push.bytes if report.push is not None else 0)
         if report.push is not None:
             packs.append(report.push.pack_seconds * 1e3)
@@ -443,17 +443,23 @@ async def main() -> None:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     steps = iter(range(1, 10**6))
     started = time.perf_counter()
+    def save() -> None:
+        if rank == 0:
+            (args.out / "gpu_multi.json").write_text(json.dumps(out, indent=1))
+
     for size in args.sizes.split(","):
         await multi(size, work, out, steps, correctness=size == "1.5b")
-        if not args.skip_ipc:
-            await vllm_ipc_multi(size, work, out)
+        save()
         await single(size, work, out, steps)
         if rank == 0:
             two, one = out[f"{size} two GPUs"]["ours"], out[f"{size} one GPU"]["ours"]
             out[f"{size} two GPUs"]["vs one GPU"] = round(two["update_ms"] / one["update_ms"], 3)
-            (args.out / "gpu_multi.json").write_text(json.dumps(out, indent=1))
             log(f"{size}: two GPUs {two['update_ms']:.1f} ms, one GPU {one['update_ms']:.1f} ms,"
                 f" ratio {out[f'{size} two GPUs']['vs one GPU']}")
+        save()
+        if not args.skip_ipc:
+            await vllm_ipc_multi(size, work, out)
+            save()
     log(f"done in {time.perf_counter() - started:.0f} s")
     dist.destroy_process_group()
 

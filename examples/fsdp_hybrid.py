@@ -32,8 +32,13 @@ from asyncroll.testing import make_tiny_model
 from asyncroll.trainer import ReferenceTrainer
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-                      "MASTER_PORT")
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+                      "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+"""torchrun's variables, hidden from vLLM while it launches (``bench/gpu_multi.py`` hides the
+same ones, and its TP=2 engines start on GPUs under torchrun)."""
 
 
 @contextlib.contextmanager
@@ -81,6 +86,7 @@ async def main(args: argparse.Namespace) -> None:
                     folder / "policy", tensor_parallel_size=world, max_model_len=128,
                     skip_tokenizer_init=True, enable_sleep_mode=torch.cuda.is_available()))
             engines = [engine]
+        dist.barrier()  # the others wait here (not in the pusher's group set-up) for the engine
         pusher = DistributedWeightPusher(engines, dtype=dtype)
         stack.push_async_callback(pusher.aclose)
         manager = None

@@ -21,7 +21,7 @@ import torch
 
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.load_plan import LoadPlan
-from asyncroll.transport import Part, Piece, ShmBackend, WeightReceiver
+from asyncroll.transport import LazyTensor, Part, Piece, ShmBackend, WeightReceiver
 from asyncroll.transport.sender import open_weight_sender
 
 H, KV, INTER, VOCAB, PADDED = 16, 8, 24, 40, 48
@@ -590,3 +590,42 @@ async def test_a_bad_piece_is_refused_by_the_sender() -> None:
         with pytest.raises(ValueError, match="one_copy"):
             await sender.push({"w": Piece(torch.ones(4), whole=(8,), offset=0)}, version=1,
                               one_copy=True)
+
+
+async def test_a_piece_made_lazily_in_another_dtype_arrives_cast_with_its_part() -> None:
+    """A rank's float32 rows pushed as a bf16 piece (a ``LazyTensor`` made at packing, cast
+    into the staging buffer): the receiver gets the bf16 rows, bitwise, with their ``Part``."""
+    whole = torch.randn(8, 4, generator=torch.Generator().manual_seed(5))
+    rows = whole[4:].contiguous()
+    made: list[int] = []
+
+    def make() -> torch.Tensor:
+        made.append(1)
+        return rows
+
+    lazy = LazyTensor(shape=(4, 4), dtype=torch.bfloat16, device=rows.device, make=make)
+    got: dict[str, tuple[torch.Tensor, Part | None]] = {}
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        parts = getattr(batch, "parts", {})
+        got.update((name, (t.clone(), parts.get(name))) for name, t in batch)
+
+    async with open_weight_sender(backend=ShmBackend(), bucket_bytes=1024, receivers=1) as sender:
+        receiver = WeightReceiver.from_config(sender.receiver_config(), name="cast-piece")
+
+        def serve() -> None:
+            receiver.connect()
+            receiver.receive(load)
+
+        worker = asyncio.create_task(asyncio.to_thread(serve))
+        try:
+            report = await sender.push(
+                {"w": Piece(lazy, whole=(8, 4), offset=16), "b": torch.ones(3)}, version=1
+            )
+            await worker
+        finally:
+            await asyncio.to_thread(receiver.close)
+    tensor, part = got["w"]
+    assert made == [1] and report.bytes == 4 * 4 * 2 + 3 * 4
+    assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, rows.to(torch.bfloat16))
+    assert part == Part(whole=(8, 4), offset=16) and got["b"][1] is None

@@ -837,6 +837,31 @@ async def test_a_failing_make_fails_the_push_and_the_rest_are_still_made(child: 
     assert reply["versions"] == [2] and reply["digests"] == digests(tensors)
 
 
+def recording_batch(events: list[tuple[str, str]]) -> Callable[[], Any]:
+    """A ``batch()`` context that notes when it is entered and left."""
+
+    @contextlib.contextmanager
+    def batch() -> Iterator[None]:
+        events.append(("enter", ""))
+        yield
+        events.append(("exit", ""))
+
+    return batch
+
+
+def recording_lazy(
+    events: list[tuple[str, str]], name: str, tensor: torch.Tensor, batch: Any
+) -> LazyTensor:
+    """A lazy ``tensor`` whose ``make()`` notes that it ran."""
+
+    def make() -> torch.Tensor:
+        events.append(("make", name))
+        return tensor
+
+    return LazyTensor(shape=tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device,
+                      make=make, batch=batch)
+
+
 def test_lazy_tensors_first_packed_in_one_bucket_are_made_in_one_batch() -> None:
     """``Makes``: the lazy tensors whose first slot is in a bucket are made together, inside
     their ``batch()`` context (one launch of their all-gathers); a drain after a failure makes
@@ -846,20 +871,10 @@ def test_lazy_tensors_first_packed_in_one_bucket_are_made_in_one_batch() -> None
         [TensorMeta.of(name, t) for name, t in tensors.items()], bucket_bytes=16 * KB
     )
     events: list[tuple[str, str]] = []
-
-    @contextlib.contextmanager
-    def batch() -> Iterator[None]:
-        events.append(("enter", ""))
-        yield
-        events.append(("exit", ""))
+    batch = recording_batch(events)
 
     def lazy(name: str, tensor: torch.Tensor) -> LazyTensor:
-        def make() -> torch.Tensor:
-            events.append(("make", name))
-            return tensor
-
-        return LazyTensor(shape=tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device,
-                          make=make, batch=batch)
+        return recording_lazy(events, name, tensor, batch)
 
     makes = Makes(plan, {name: lazy(name, t) for name, t in tensors.items()})
     firsts: dict[int, list[str]] = {}
@@ -892,20 +907,10 @@ def test_lazy_tensors_of_another_batch_context_do_not_split_a_batch() -> None:
     )
     assert len(plan) == 1
     events: list[tuple[str, str]] = []
-
-    @contextlib.contextmanager
-    def batch() -> Iterator[None]:
-        events.append(("enter", ""))
-        yield
-        events.append(("exit", ""))
+    batch = recording_batch(events)
 
     def lazy(index: int, name: str, tensor: torch.Tensor) -> LazyTensor:
-        def make() -> torch.Tensor:
-            events.append(("make", name))
-            return tensor
-
-        return LazyTensor(shape=tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device,
-                          make=make, batch=batch if index % 2 else None)
+        return recording_lazy(events, name, tensor, batch if index % 2 else None)
 
     lazies = {name: lazy(i, name, t) for i, (name, t) in enumerate(tensors.items())}
     makes = Makes(plan, lazies)

@@ -8,6 +8,9 @@ gather): rank 0 records the error it gets, the engine's label, and what it serve
 
 ``--die-rank 0``: after one push, rank 0 (the coordinator, and the engine with it) dies inside a
 gather instead; rank 1 records what its update raised.
+
+``--engines 2`` (``--die-rank -1``): rank 0 holds two data-parallel engines (TP=1) instead, whose
+workers the two ranks serve one each; the ranks push A, then B, and nobody dies.
 """
 
 from __future__ import annotations
@@ -100,6 +103,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     model_a, model_b = sharded_model(args.model_a), sharded_model(args.model_b)
     out: dict[str, Any] = {}
     engine = None
+    if args.engines > 1:
+        await data_parallel(out, args, model_a, model_b)
+        return out
     async with contextlib.AsyncExitStack() as stack:
         if rank == 0:
             engine = await stack.enter_async_context(
@@ -111,6 +117,40 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         else:
             await run(out, engine, model_a, model_b, args.timeout)
     return out
+
+
+async def data_parallel(
+    out: dict[str, Any], args: argparse.Namespace, model_a: torch.nn.Module,
+    model_b: torch.nn.Module,
+) -> None:
+    """Rank 0 holds ``args.engines`` engines of one worker each (worker ``i`` served by rank
+    ``i % 2``); push A then B; what each engine serves after each, and what each took."""
+    from engine_helpers import ENGINE_ARGS, greedy
+
+    from asyncroll import DistributedWeightPusher, VLLMEngine
+
+    async with contextlib.AsyncExitStack() as stack:
+        engines = []
+        if dist.get_rank() == 0:
+            for index in range(args.engines):
+                engines.append(await stack.enter_async_context(
+                    VLLMEngine.launch(args.model_b, name=f"dp{index}", **ENGINE_ARGS)
+                ))
+            out["fresh_b"] = [await greedy(e, f"fresh-b-{e.name}") for e in engines]
+        dist.barrier()
+        pusher = DistributedWeightPusher(engines, timeout=args.timeout)
+        for steps, model, tag in ((1, model_a, "a"), (2, model_b, "b")):
+            report = await pusher.update(model.named_parameters(), global_steps=steps)
+            assert report.push is not None
+            out[f"receivers_{tag}"] = report.push.receivers  # this rank's workers
+            if engines:
+                out[f"on_{tag}"] = [await greedy(e, f"on-{tag}-{e.name}") for e in engines]
+                out[f"delivery_{tag}"] = [
+                    [report.deliveries[e.name].workers, report.deliveries[e.name].tensors]
+                    for e in engines
+                ]
+                out[f"steps_{tag}"] = [e.global_steps for e in engines]
+        await pusher.aclose()
 
 
 async def coordinator_dies(
@@ -186,6 +226,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--die-rank", type=int, default=1)
+    parser.add_argument("--engines", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(

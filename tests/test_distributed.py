@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 async def run_ranks(
-    folder: Path, model_a: Path, model_b: Path, *, die_rank: int
+    folder: Path, model_a: Path, model_b: Path, *, die_rank: int, engines: int = 1
 ) -> tuple[list[int | None], str]:
     """Both ranks of the scenario; their exit codes, and the log of the one that survives."""
     port = free_port()
@@ -42,6 +42,7 @@ async def run_ranks(
             sys.executable, str(SCENARIO), "--rank", str(rank), "--port", str(port),
             "--model-a", str(model_a), "--model-b", str(model_b), "--die-rank", str(die_rank),
             "--out", str(folder / f"rank{rank}.json"), "--timeout", "120",
+            "--engines", str(engines),
             stdout=logs[rank], stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         for rank in (0, 1)
@@ -60,7 +61,8 @@ async def run_ranks(
             # trainer would: vLLM's engine core does not watch its parent. End them all.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(rank.pid, signal.SIGKILL)
-    return codes, (folder / f"rank{1 - die_rank}.log").read_text()[-3000:]
+    survivor = 1 - die_rank if die_rank in (0, 1) else 0
+    return codes, (folder / f"rank{survivor}.log").read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +115,27 @@ async def test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank
     found = json.loads((tmp_path / "rank1.json").read_text())
     assert found["died"].startswith("WeightSyncError"), found["died"]
     assert found["died_after_s"] < 120
+
+
+async def test_two_ranks_push_into_two_data_parallel_engines(
+    tiny_model_a: Path, tiny_model_b: Path, tmp_path: Path
+) -> None:
+    """Two engines of one worker each on rank 0: worker ``i`` is served by rank ``i % 2``, so
+    each rank's sender feeds one worker; both engines take every tensor, label each update,
+    and serve A, then B token for token as a fresh engine on B does."""
+    codes, log = await run_ranks(tmp_path, tiny_model_a, tiny_model_b, die_rank=-1, engines=2)
+    assert codes == [0, 0], f"exit codes {codes}; rank 0:\n{log}"
+    found = json.loads((tmp_path / "rank0.json").read_text())
+    fresh_b = found["fresh_b"]
+    assert fresh_b[0] == fresh_b[1]
+    assert found["on_a"][0] == found["on_a"][1] != fresh_b[0]
+    assert found["on_b"] == fresh_b
+    for tag, steps in (("a", 1), ("b", 2)):
+        assert found[f"delivery_{tag}"] == [[1, 27], [1, 27]]
+        assert found[f"steps_{tag}"] == [steps, steps]
+        assert found[f"receivers_{tag}"] == 1  # rank 0 fed one of the two workers
+    other = json.loads((tmp_path / "rank1.json").read_text())
+    assert other["receivers_a"] == other["receivers_b"] == 1  # and rank 1 the other
 
 
 async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(

@@ -146,6 +146,7 @@ class DistributedWeightPusher:
         self._reads: list[dict[str, tuple[int, int]] | None] | None = None
         """(Coordinator.) Per worker, what its load reads of each tensor (None: not known)."""
         self._read_updates = 0
+        self._piece_failures = 0
         self._last_pieces: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
@@ -206,16 +207,20 @@ class DistributedWeightPusher:
             return await self._push(
                 pushed, named, pieces, made, steps, mode, connect=connect, workers=workers
             )
-        except WeightSyncError as exc:
-            if not pieces or PieceNotPlannedError.__name__ not in str(exc):
-                raise
-            # A worker's load plan no longer maps a name it was pushed a piece of (its
-            # parameters moved): every rank gets the same verdict, and pushes whole tensors.
+        except _PiecesFailed as exc:
+            # A worker's load plan could not load a piece (its parameters moved, say): the
+            # coordinator said so to every rank, and every rank pushes whole tensors now,
+            # after agreeing again on the engines' workers (one may have died meanwhile).
             logger.warning("rank %d: pushing whole tensors again: %s", self.rank, exc)
             self._reads = None
+            self._piece_failures += 1
+        connect = self.is_coordinator and not self._attached()
+        connect, workers = (await self._all_gather((connect, self._workers())))[self._coordinator]
         made = set()
         pushed, _ = self._pushed(pairs, made)
-        return await self._push(pushed, named, [], made, steps, mode)
+        return await self._push(
+            pushed, named, [], made, steps, mode, connect=connect, workers=workers
+        )
 
     @property
     def pieces(self) -> frozenset[str]:
@@ -247,13 +252,14 @@ class DistributedWeightPusher:
     ) -> UpdateReport:
         """One push of the update by every rank (whole tensors, or ``pieces`` as pieces)."""
         version = steps if steps is not None else -1
-        with_pieces = self._with_pieces(pushed, named, pieces)
+        with_pieces: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
         self._last_pieces = frozenset(pieces)
         try:
+            with_pieces = self._with_pieces(pushed, named, pieces)
             if connect:
                 await self._connect(list(workers))
             if self._pusher is not None:
-                report = await self._coordinate(with_pieces, steps, mode)
+                report = await self._coordinate(with_pieces, steps, mode, pieces=bool(pieces))
                 if self._reads is None or self._read_updates < 2:
                     await self._learn_reads()
                 return report
@@ -267,6 +273,8 @@ class DistributedWeightPusher:
         (worker ``i``: rank ``i % world_size``), as a worker's load plan says."""
         reads = self._reads
         if not self._use_pieces or not reads or any(r is None for r in reads):
+            return set()
+        if self._piece_failures >= 2:  # it keeps failing: whole tensors from now on
             return set()
         world = self.world_size
         names = set()
@@ -317,8 +325,9 @@ class DistributedWeightPusher:
         self._read_updates += 1
         try:
             reads: list[dict[str, tuple[int, int]] | None] = []
-            for engine in self._live():
-                reads += await engine.read_ranges()
+            async with asyncio.timeout(self._timeout):
+                for engine in self._live():
+                    reads += await engine.read_ranges()
         except Exception:
             logger.warning("could not learn what the workers read", exc_info=True)
             return
@@ -446,14 +455,23 @@ class DistributedWeightPusher:
         pushed: dict[str, torch.Tensor | LazyTensor | Piece],
         steps: int | None,
         mode: ResumeMode,
+        *,
+        pieces: bool = False,
     ) -> UpdateReport:
-        """The update sequence here; then the outcome to every rank."""
+        """The update sequence here; then the outcome to every rank (``_PiecesFailed``'s
+        kind where pieces were pushed and a worker could not load one: every rank retries)."""
         assert self._pusher is not None
         outcome: tuple[str, Any] = ("failed", "the coordinator's update was cancelled")
         try:
             report = await self._pusher.update(pushed, global_steps=steps, mode=mode)  # type: ignore[arg-type]
             outcome = ("ok", report)
             return report
+        except WeightSyncError as exc:
+            outcome = (type(exc).__name__, str(exc))
+            if pieces and PieceNotPlannedError.__name__ in str(exc):
+                outcome = (_PiecesFailed.__name__, str(exc))
+                raise _PiecesFailed(str(exc)) from exc
+            raise
         except Exception as exc:
             outcome = (type(exc).__name__, str(exc))
             raise
@@ -500,6 +518,8 @@ class DistributedWeightPusher:
             return dataclasses.replace(value, push=own)
         if kind == InvalidRequestError.__name__:
             raise InvalidRequestError(value)
+        if kind == _PiecesFailed.__name__:
+            raise _PiecesFailed(value)
         raise WeightSyncError(value)
 
     def _finish_makes(
@@ -643,6 +663,11 @@ def _lazily(
     return LazyTensor(
         shape=tuple(tensor.shape), dtype=target, device=device, make=make, batch=batch
     )
+
+
+class _PiecesFailed(WeightSyncError):
+    """The coordinator's verdict: a worker could not load a piece; every rank pushes the
+    update again, as whole tensors."""
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:

@@ -213,6 +213,7 @@ class LoadPlan:
             copy.offset != part.offset
             or math.prod(copy.size) != count
             or copy.stride != _contiguous_strides(copy.size)
+            or copy.dst.numel() != count
             or not copy.dst.is_contiguous()
             or copy.dst.dtype != dtype
         ):
@@ -306,7 +307,10 @@ class LoadPlan:
             sources_persist = bool(getattr(batch, "sources_persist", False))
         key: tuple[Any, ...] = ()
         if sources_persist:
-            key = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in batch)
+            key = tuple(
+                (name, t.data_ptr(), t.dtype, t.shape, t.stride(), parts.get(name))
+                for name, t in batch
+            )
             pairs = self._replays.get(key)
             if pairs is None and (pairs := self._replays_before.pop(key, None)) is not None:
                 self._replays[key] = pairs
@@ -347,12 +351,16 @@ class LoadPlan:
                 self._learn(learn)
             if fallback:
                 self._load_weights(fallback)
-        except Exception:
+        except Exception as exc:
             split = bool(planned) + bool(learn) + bool(fallback) > 1 or bool(
                 self._solo.intersection(name for name, _ in learn)
             )
             if not split:
                 raise
+            if parts:  # a whole-batch load would take the pieces for whole tensors
+                raise PieceNotPlannedError(
+                    f"a batch with pieces failed to load apart: {type(exc).__name__}: {exc}"
+                ) from exc
             # Loaded apart, a name failed: the loader may need the batch in one call. Whole,
             # the batch loads exactly as without a plan (replayed names again, same bytes).
             self._load_weights(list(batch))
@@ -370,7 +378,14 @@ class LoadPlan:
     def _check_pieces(self, batch: Batch, parts: Mapping[str, Part]) -> None:
         """Every piece of ``batch`` can be replayed: the plan knows its name (and not only
         with its batch), for a whole tensor of its dtype and shape, and every element its
-        copies read lies inside the piece."""
+        copies read lies inside the piece; and no name of the batch loads only with its
+        batch (``load_weights`` would take the pieces for whole tensors)."""
+        together = [name for name, _ in batch if name in self._with_batch]
+        if together:
+            raise PieceNotPlannedError(
+                f"a batch with pieces holds {together[0]!r}, which loads only with its whole"
+                " batch"
+            )
         for name, tensor in batch:
             part = parts.get(name)
             if part is None:

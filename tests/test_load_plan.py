@@ -629,3 +629,21 @@ async def test_a_piece_made_lazily_in_another_dtype_arrives_cast_with_its_part()
     assert made == [1] and report.bytes == 4 * 4 * 2 + 3 * 4
     assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, rows.to(torch.bfloat16))
     assert part == Part(whole=(8, 4), offset=16) and got["b"][1] is None
+
+
+def test_pieces_beside_a_name_that_loads_only_with_its_batch_are_refused() -> None:
+    """A batch whose names include one that loads only with its whole batch (a tied head,
+    checked against the embedding by the loader) goes through ``load_weights``, which would
+    take a piece for the whole tensor: a piece in such a batch is refused instead."""
+    twins = Twins(pad_vocab=False, tied_check=True)
+    for step in range(4):
+        twins.push(pushed(30 + step))
+    assert "with the rest of its batch" in twins.plan.statistics().unplannable["lm_head.weight"]
+    tensors = pushed(50)
+    q = "self_attn.q_proj.weight"
+    rows = tensors[q][H // 2 :].contiguous()
+    batch = [(q, rows), *((n, tensors[n]) for n in ("embed_tokens.weight", "lm_head.weight"))]
+    before = [p.detach().clone() for p in twins.planned.parameters()]
+    with pytest.raises(PieceNotPlannedError, match="loads only with its whole batch"):
+        twins.plan.load(batch, parts={q: Part(whole=(H, H), offset=H // 2 * H)})
+    assert all(torch.equal(a, b) for a, b in zip(before, twins.planned.parameters(), strict=True))

@@ -44,6 +44,26 @@ def sharded_model(path: str) -> torch.nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def pieces_forced(names: list[str]) -> Any:
+    """The coordinator's next update pushes ``names`` as pieces, whatever the workers read."""
+    from asyncroll.distributed import DistributedWeightPusher
+
+    original = DistributedWeightPusher._piece_names
+    pending = list(names)
+
+    def forced(self: Any, named: Any) -> set[str]:
+        chosen = set(pending) or original(self, named)
+        pending.clear()
+        return chosen
+
+    DistributedWeightPusher._piece_names = forced  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DistributedWeightPusher._piece_names = original  # type: ignore[method-assign]
+
+
 def die_in_gather(after: int) -> None:
     """This rank exits (as if killed) in the middle of its ``after``-th gather from now."""
     import asyncroll.distributed
@@ -209,7 +229,14 @@ async def run(
             delivery = report.deliveries[engine.name]
             out[f"delivery_{tag}"] = [delivery.workers, delivery.tensors, delivery.verified]
         out[f"report_{tag}"] = [report.global_steps, report.tensors, report.push is not None]
-    await pusher.update(model_b.named_parameters(), global_steps=4)  # B again: then rank 1 dies
+    # B again, with one tensor forced to travel as pieces, which these workers (layerwise
+    # loads, no load plan) cannot load: every rank pushes whole tensors again, at once.
+    with pieces_forced(["model.layers.0.self_attn.q_proj.weight"]):
+        report = await pusher.update(model_b.named_parameters(), global_steps=4)
+    out["retried"] = [report.global_steps, sorted(pusher.pieces)]
+    if engine is not None:
+        out["on_b_retried"] = await greedy(engine, "on-b-retried")
+    # then rank 1 dies
     await push_as_one_dies(out, pusher, model_a, steps=5, dying=1)
     if engine is not None:
         out["steps_after"] = engine.global_steps

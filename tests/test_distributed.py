@@ -92,6 +92,14 @@ def test_pushes_from_two_ranks_are_token_exact(outcome: dict[str, Any]) -> None:
         assert verified > 0  # checked against fingerprints of the gathered tensors
 
 
+def test_a_piece_a_worker_cannot_load_is_pushed_again_whole(outcome: dict[str, Any]) -> None:
+    """The coordinator has a tensor pushed as pieces (each rank its own rows) that the workers
+    cannot load (no load plan): they refuse it (``PieceNotPlannedError``), the coordinator's
+    verdict tells every rank, and both push whole tensors in the same update, which lands."""
+    assert outcome["retried"] == [4, []]  # the update's last push carried no pieces
+    assert outcome["on_b_retried"] == outcome["fresh_b"]
+
+
 def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
     outcome: dict[str, Any],
 ) -> None:

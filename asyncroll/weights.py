@@ -381,6 +381,12 @@ class SenderChannel:
             )
             for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)
         }
+        for name, tensor in tensors.items():
+            if isinstance(tensor, Piece):
+                try:
+                    tensor.part()
+                except ValueError as exc:
+                    raise InvalidRequestError(f"{name!r}: {exc}") from None
         if made_later and self._backend_name == "broadcast":
             raise InvalidRequestError("the broadcast transport takes whole tensors, not lazy ones")
         if self._one_copy:

@@ -20,6 +20,7 @@ from engine_helpers import (
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.testing.faults import inject_fault
+from asyncroll.transport import Piece
 from asyncroll.weights import WeightPusher
 
 pytestmark = pytest.mark.engine
@@ -114,6 +115,24 @@ async def test_lower_version_is_refused(engine: VLLMEngine, tiny_model_a: Path) 
     with pytest.raises(InvalidRequestError, match="backwards"):
         await engine.update_weights(load_weights(tiny_model_a), global_steps=current - 1)
     assert engine.global_steps == current
+
+
+async def test_a_piece_that_does_not_fit_its_tensor_is_refused_before_the_pause(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    """A ``Piece`` whose rows lie outside its whole tensor: ``InvalidRequestError`` naming it,
+    before anything pauses; the engine keeps its label and serves as before."""
+    current = engine.global_steps
+    served = await greedy(engine, "before-bad-piece")
+    tensors: dict[str, torch.Tensor | Piece] = dict(load_weights(tiny_model_a))
+    name = "model.norm.weight"
+    norm = tensors[name]
+    assert isinstance(norm, torch.Tensor)
+    tensors[name] = Piece(norm, whole=tuple(norm.shape), offset=1)
+    with pytest.raises(InvalidRequestError, match=r"model\.norm\.weight.*does not fit"):
+        await engine.update_weights(tensors, global_steps=await _next_steps(engine))
+    assert engine.global_steps == current and not engine.statistics().holding
+    assert await greedy(engine, "after-bad-piece") == served
 
 
 async def test_push_while_asleep_is_refused(engine: VLLMEngine, tiny_model_a: Path) -> None:

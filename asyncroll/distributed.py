@@ -18,10 +18,15 @@ update:
    coordinator attaches each engine worker to the sender of its rank (worker ``i`` of all
    engines, counted in order, to rank ``i % world_size``).
 3. The coordinator runs the update sequence (pause, push, label, cache reset, resume) while
-   every other rank pushes into its workers. A sharded tensor (``DTensor``) is gathered when
-   its first bucket is packed (``asyncroll.transport.lazy``): every rank gathers the same
-   tensors in the same order, and the peak memory is the staging buffers plus the buckets in
-   flight, never a full copy of the model.
+   every other rank pushes into its workers. Where every worker reads only rows that its rank
+   holds (the workers' load plans say what they read, asked after the first pushes), each
+   rank pushes its own rows as a ``Piece`` (``asyncroll.transport.piece``), with no gather;
+   the coordinator chooses these in step 1's collective, so every rank plans the same
+   buckets. Any other sharded tensor (``DTensor``) is gathered when its first bucket is packed
+   (``asyncroll.transport.lazy``): every rank gathers the same tensors in the same order, and
+   the peak memory is the staging buffers plus the buckets in flight, never a full copy of
+   the model. A worker that cannot load a piece (its plan was dropped) fails the push; the
+   coordinator's verdict says so, and every rank pushes whole tensors in the same update.
 4. The coordinator tells every rank the outcome: each returns the coordinator's
    ``UpdateReport`` (with its own ``PushReport``) or raises the same ``WeightSyncError``.
 

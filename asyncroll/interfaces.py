@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Delivery",
     "Engine",
+    "RESUME_MODES",
     "ReceivingEngine",
     "ResumeMode",
     "UpdatableEngine",
@@ -34,9 +35,20 @@ __all__ = [
     "WeightUpdater",
 ]
 
-ResumeMode = Literal["abort", "keep"]
-"""How an update treats requests in flight: ``abort`` ends them with their partial output (the
-manager resubmits prompt + output), ``keep`` freezes them in their engine until the resume."""
+ResumeMode = Literal["abort", "keep", "recompute"]
+"""How an update treats requests in flight:
+
+- ``abort`` ends them with their partial output; the manager resubmits prompt + output, so
+  their KV is computed again by the new weights (and a request may move to another engine).
+- ``keep`` freezes them in their engine; they go on from their KV cache, which the old weights
+  computed, with the new weights (an in-flight update, as PipelineRL does): the cheapest.
+- ``recompute`` freezes them in their engine too, but drops their KV: it is computed again by
+  the new weights before they go on (vLLM preempts them). Same tokens as ``abort``, with no
+  round trip through the manager.
+
+Each token is labelled with the weights that sampled it in every mode."""
+
+RESUME_MODES: tuple[ResumeMode, ...] = ("abort", "keep", "recompute")
 
 
 class Engine(Protocol):
@@ -100,7 +112,8 @@ class UpdatableEngine(Engine, Protocol):
         paused, after a successful push, before the resume."""
 
     async def reset_prefix_cache(self) -> None:
-        """Drop cached KV of the old weights; raise ``WeightSyncError`` if it was not dropped."""
+        """No request admitted after this call reuses KV cached before it (``VLLMEngine``
+        moves to a new cache salt); raise ``WeightSyncError`` if that cannot be promised."""
 
 
 @runtime_checkable

@@ -30,6 +30,7 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.interfaces import (
+    RESUME_MODES,
     Engine,
     ReceivingEngine,
     ResumeMode,
@@ -102,8 +103,10 @@ class AsyncServerManager:
         """Args:
             engines: The engines to route over (started by the caller, who also closes them).
             resume_mode: How in-flight requests live through a weight update: ``abort`` ends
-                them and resubmits prompt + partial output (recompute the KV with the new
-                weights), ``keep`` freezes them in their engine and continues.
+                them and resubmits prompt + partial output (the new weights compute their KV
+                again), ``keep`` freezes them in their engine and goes on from the KV the old
+                weights computed (the cheapest), ``recompute`` freezes them and has the new
+                weights compute their KV again in the engine (``ResumeMode``).
             partial_rollout: If False, interrupted requests come back with
                 ``finish_reason="abort"`` instead of being resumed.
             sticky_margin: How much busier than the least-loaded engine a session's engine may
@@ -114,8 +117,10 @@ class AsyncServerManager:
         """
         if not engines:
             raise InvalidRequestError("AsyncServerManager needs at least one engine")
-        if resume_mode not in ("abort", "keep"):
-            raise InvalidRequestError(f"resume_mode must be abort or keep, not {resume_mode!r}")
+        if resume_mode not in RESUME_MODES:
+            raise InvalidRequestError(
+                f"resume_mode must be one of {', '.join(RESUME_MODES)}, not {resume_mode!r}"
+            )
         self._engines: list[Engine] = list(engines)
         self._in_flight: dict[str, int] = {engine.name: 0 for engine in self._engines}
         self.resume_mode: ResumeMode = resume_mode

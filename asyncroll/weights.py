@@ -44,6 +44,7 @@ from asyncroll.errors import (
 )
 from asyncroll.fingerprints import Fingerprinter, fingerprints
 from asyncroll.interfaces import (
+    RESUME_MODES,
     Delivery,
     ReceivingEngine,
     ResumeMode,
@@ -66,6 +67,7 @@ from asyncroll.transport.broadcast import (
 )
 from asyncroll.transport.plan import ALIGN
 from asyncroll.transport.sender import open_weight_sender
+from asyncroll.types import PauseMode
 from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
 
 __all__ = [
@@ -162,6 +164,10 @@ class VersionedUpdater:
                 previous label and serves its previous weights or holds (the error says which).
         """
         global_steps = check_global_steps(global_steps)
+        if mode not in RESUME_MODES:
+            raise InvalidRequestError(
+                f"mode must be one of {', '.join(RESUME_MODES)}, not {mode!r}"
+            )
         tensors = _materialize(named_tensors)
         if changed and any(isinstance(t, LazyTensor | Piece) for t in tensors.values()):
             raise InvalidRequestError(
@@ -178,11 +184,15 @@ class VersionedUpdater:
             started = time.perf_counter()
             marks = [started]
             pausable = [engine for engine in engines if not engine.is_asleep]
+            # ``recompute`` is vLLM's ``keep`` with its caches cleared: the kept requests are
+            # preempted, so their KV is computed again, by the new weights, when they resume.
+            # No other mode clears here: the reset after the push keeps new requests off the
+            # old weights' KV (and ``keep`` keeps its requests' own).
+            pause_mode: PauseMode = "keep" if mode == "recompute" else mode
             try:
-                # The clear here frees the blocks of kept requests (``keep``), without which
-                # the reset after the push fails; that later reset is the one that counts.
                 paused = await asyncio.gather(
-                    *(e.pause(mode, clear_cache=True) for e in pausable), return_exceptions=True
+                    *(e.pause(pause_mode, clear_cache=mode == "recompute") for e in pausable),
+                    return_exceptions=True,
                 )
                 for outcome in paused:
                     if isinstance(outcome, BaseException):

@@ -275,7 +275,7 @@ async def _manager_load(
     res: Results, engine: VLLMEngine, weights: dict[str, torch.Tensor]
 ) -> None:
     s = "manager"
-    for mode in ("abort", "keep"):
+    for mode in ("abort", "keep", "recompute"):
         async with AsyncServerManager([engine], resume_mode=mode) as manager:
             params = {"max_tokens": 1500, "temperature": 1.0, "ignore_eos": True}
             started = time.perf_counter()
@@ -676,7 +676,7 @@ async def main() -> int:
     parser.add_argument("--verify-pairs", type=int, default=40,
                         help="ABBA pairs measuring the fingerprint check's cost (push section)")
     parser.add_argument("--interval", type=float, default=2.0)
-    parser.add_argument("--policies", default="none,abort,keep,drain")
+    parser.add_argument("--policies", default="none,abort,keep,recompute,drain")
     parser.add_argument("--slow-turns", action="store_true",
                         help="sample the loop thread's stack on long turns (perturbs the run)")
     parser.add_argument("--no-slow-turns", action="store_true", help="the default; kept")

@@ -1,9 +1,10 @@
 """Rollout throughput on a real vLLM CPU engine while weights update every few seconds.
 
-One run, one engine, the same long-tailed workload (fixed seed) under four policies:
+One run, one engine, the same long-tailed workload (fixed seed) under five policies:
 - ``none``: no weight updates (the ceiling),
 - ``abort``: updates interrupt requests; asyncroll resubmits prompt + partial output,
-- ``keep``: updates freeze requests in the engine; they continue after the push,
+- ``keep``: updates freeze requests in the engine; they go on from their KV after the push,
+- ``recompute``: as ``keep``, but the new weights compute the requests' KV again,
 - ``drain``: the synchronous baseline: stop admitting, wait for every in-flight request to
   finish, update, admit again (what trainers without partial rollout do).
 Prints tokens/s, the ratio to ``none`` and to ``drain``, updates done, requests resumed,
@@ -195,7 +196,7 @@ async def run_policy(
     engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
     interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = False,
 ) -> dict[str, Any]:
-    mode: ResumeMode = "keep" if policy == "keep" else "abort"
+    mode: ResumeMode = policy if policy in ("keep", "recompute") else "abort"  # type: ignore[assignment]
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
     for i, (prompt, n) in enumerate(jobs):
@@ -300,7 +301,7 @@ async def main() -> None:
             await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
             gc.collect()
             gc.freeze()  # start-up's objects live forever: keep full collections off the loop
-            for policy in ("none", "abort", "keep", "drain"):
+            for policy in ("none", "abort", "keep", "recompute", "drain"):
                 print(f"running {policy}...", flush=True)
                 results[policy] = await run_policy(engine, weights, policy, jobs, args.interval)
                 print(f"  {results[policy]['tokens_per_s']:.0f} tokens/s", flush=True)

@@ -80,12 +80,13 @@ async def test_keep_mode_request_spans_both_versions(
     assert segment.global_steps == (before,) * switch + (before + 1,) * (300 - switch)
 
 
-async def test_keep_mode_labels_without_vllm_spans_switch_exactly_where_new_weights_took_over(
+async def test_recompute_mode_labels_without_vllm_spans_switch_exactly_where_new_weights_took_over(
     engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM 0.24 reports no weight versions; the adapter labels tokens from the boundaries it
-    records while paused. Forced on here (vLLM 0.32) and checked against the weights: the
-    tokens from the switch on are model B's greedy continuation of everything before it."""
+    records while paused. Forced on here (vLLM 0.32) and checked against the weights: with
+    ``recompute`` the tokens from the switch on are model B's greedy continuation of
+    everything before it (B computed the whole KV again)."""
     monkeypatch.setattr(engine, "native_versions", False)
     before = engine.global_steps
     assert before is not None
@@ -95,7 +96,9 @@ async def test_keep_mode_labels_without_vllm_spans_switch_exactly_where_new_weig
         engine.generate("no-spans", prompt_ids=prompt, sampling_params=greedy_long)
     )
     await until_decoding(engine, 1)
-    await engine.update_weights(load_weights(tiny_model_b), global_steps=before + 1, mode="keep")
+    await engine.update_weights(
+        load_weights(tiny_model_b), global_steps=before + 1, mode="recompute"
+    )
     segment = await long
     switch = segment.global_steps.index(before + 1)
     assert 0 < switch < 300
@@ -107,6 +110,42 @@ async def test_keep_mode_labels_without_vllm_spans_switch_exactly_where_new_weig
     cont_a = await engine.generate("cont-a", prompt_ids=head, sampling_params=greedy_16)
     assert segment.token_ids[switch : switch + 16] == cont_b.token_ids != cont_a.token_ids
     assert cont_a.global_steps == (before + 2,) * 16
+
+
+async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
+    engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """``keep`` is an in-flight update: the kept request is not preempted, so after the switch
+    model B attends over the KV model A computed, and its tokens differ from B's continuation
+    of the same text from scratch (what ``recompute`` gives, test above). The prefix cache
+    still serves nothing of A's to a new request."""
+    await engine.update_weights(load_weights(tiny_model_a), global_steps=await _next_steps(engine))
+    before = engine.global_steps
+    assert before is not None
+    prompt = [11, 12, 13]
+    greedy_long = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    long = asyncio.create_task(
+        engine.generate("kept-kv", prompt_ids=prompt, sampling_params=greedy_long)
+    )
+    await until_decoding(engine, 1)
+    await engine.update_weights(load_weights(tiny_model_b), global_steps=before + 1, mode="keep")
+    segment = await long
+    switch = segment.global_steps.index(before + 1)
+    assert 0 < switch < 300
+    assert segment.global_steps == (before,) * switch + (before + 1,) * (300 - switch)
+    head = prompt + list(segment.token_ids[:switch])
+    greedy_16 = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    cont_b = await engine.generate("kept-cont-b", prompt_ids=head, sampling_params=greedy_16)
+    assert cont_b.num_cached_tokens == 0  # nothing of A's KV reached the new request
+    assert segment.token_ids[switch : switch + 16] != cont_b.token_ids
+    await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
+
+
+async def test_an_unknown_resume_mode_is_refused_before_the_pause(engine: VLLMEngine) -> None:
+    current = engine.global_steps
+    with pytest.raises(InvalidRequestError, match="mode must be one of abort, keep, recompute"):
+        await engine.update_weights({}, global_steps=current, mode="stale")  # type: ignore[arg-type]
+    assert engine.global_steps == current and not engine.is_paused
 
 
 async def test_lower_version_is_refused(engine: VLLMEngine, tiny_model_a: Path) -> None:
@@ -235,6 +274,30 @@ async def test_an_update_resets_the_prefix_cache(engine: VLLMEngine, tiny_model_
     await engine.update_weights(load_weights(tiny_model_a), global_steps=await _next_steps(engine))
     cold = await engine.generate("cache-3", prompt_ids=prompt, sampling_params=params)
     assert cold.num_cached_tokens == 0  # no KV computed with the old weights is reused
+    warm_again = await engine.generate("cache-4", prompt_ids=prompt, sampling_params=params)
+    assert warm_again.num_cached_tokens >= 128  # the new weights' KV is cached and hit
+
+
+async def test_an_update_keeps_kept_requests_off_the_old_cache_and_new_ones_too(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    """vLLM cannot reset its prefix cache while kept requests hold blocks; the update still
+    succeeds in ``keep`` mode, and a new request reuses none of the old weights' KV."""
+    prompt = [20 + i % 400 for i in range(300)]
+    params = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    await engine.generate("kept-cache-1", prompt_ids=prompt, sampling_params=params)
+    long = asyncio.create_task(
+        engine.generate(
+            "kept-holds-blocks", prompt_ids=prompt,  # 300 + 150 tokens fit max_model_len 512
+            sampling_params={"max_tokens": 150, "ignore_eos": True},
+        )
+    )
+    await until_decoding(engine, 1)
+    steps = await _next_steps(engine)
+    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps, mode="keep")
+    cold = await engine.generate("kept-cache-2", prompt_ids=prompt, sampling_params=params)
+    assert cold.num_cached_tokens == 0
+    assert (await long).finish_reason == "length"
 
 
 def _rss_mib(pid: int) -> float:

@@ -184,32 +184,47 @@ async def _correctness(
     res.check(s, "push A back: greedy equals A's again", await greedy(engine, "a2") == fresh_a)
     res.check(s, "tokens after update(global_steps=2) are labelled 2",
               all(o.global_steps == (2,) * 16 for o in outs))
-    # keep mode across an update to B: labels switch where B's weights took over
-    prompt = [11, 12, 13]
-    params = {"max_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
-    long = asyncio.create_task(engine.generate("span", prompt_ids=prompt, sampling_params=params))
-    await asyncio.sleep(0.5)
-    await engine.update_weights(weights_b, global_steps=3, mode="keep")
-    seg = await long
-    labels = seg.global_steps
-    switch = labels.index(3) if 3 in labels else -1
-    res.check(s, "keep mode: one output, labels 2 then 3", len(seg.token_ids) == 3000
-              and 0 < switch < 3000 and labels == (2,) * switch + (3,) * (3000 - switch),
-              f"switch at {switch}")
-    if 0 < switch < 3000:
-        head = list(prompt) + list(seg.token_ids[:switch])
-        cont_b = (await engine.generate("cont-b", prompt_ids=head, sampling_params={
-            "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
-        await engine.update_weights(weights_a, global_steps=4)
-        cont_a = (await engine.generate("cont-a", prompt_ids=head, sampling_params={
-            "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
-        after = seg.token_ids[switch:switch + 16]
-        res.check(s, "keep mode: tokens from the switch are B's continuation, not A's",
-                  after == cont_b and after != cont_a,
-                  {"after": after, "B": cont_b, "A": cont_a})
-        res.record(s, "keep switch position", switch)
+    # keep and recompute across an update to B: labels switch where B's weights took over;
+    # recompute continues as B would from scratch, keep from the KV A computed (neither)
+    steps = 2
+    for mode in ("recompute", "keep"):
+        prompt = [11, 12, 13]
+        params = {"max_tokens": 3000, "temperature": 0.0, "ignore_eos": True}
+        long = asyncio.create_task(
+            engine.generate(f"span-{mode}", prompt_ids=prompt, sampling_params=params))
+        await asyncio.sleep(0.5)
+        await engine.update_weights(weights_b, global_steps=steps + 1, mode=mode)  # type: ignore[arg-type]
+        seg = await long
+        labels = seg.global_steps
+        switch = labels.index(steps + 1) if steps + 1 in labels else -1
+        res.check(s, f"{mode} mode: one output, labels {steps} then {steps + 1}",
+                  len(seg.token_ids) == 3000 and 0 < switch < 3000
+                  and labels == (steps,) * switch + (steps + 1,) * (3000 - switch),
+                  f"switch at {switch}")
+        if 0 < switch < 3000:
+            head = list(prompt) + list(seg.token_ids[:switch])
+            cont_b = (await engine.generate(f"cont-b-{mode}", prompt_ids=head, sampling_params={
+                "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
+            await engine.update_weights(weights_a, global_steps=steps + 2)
+            cont_a = (await engine.generate(f"cont-a-{mode}", prompt_ids=head, sampling_params={
+                "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
+            after = seg.token_ids[switch:switch + 16]
+            if mode == "recompute":
+                res.check(s, "recompute mode: tokens from the switch are B's continuation, "
+                          "not A's", after == cont_b and after != cont_a,
+                          {"after": after, "B": cont_b, "A": cont_a})
+            else:
+                res.check(s, "keep mode: tokens from the switch are neither A's continuation "
+                          "nor B's from scratch (B on the KV A computed)",
+                          after != cont_b and after != cont_a,
+                          {"after": after, "B": cont_b, "A": cont_a})
+            res.record(s, f"{mode} switch position", switch)
+        else:
+            await engine.update_weights(weights_a, global_steps=steps + 2)
+        steps += 2
     # a receiver-side failure (with backup) leaves the served weights untouched
     served = await greedy(engine, "before-fail")
+    label = engine.global_steps
     pusher = WeightPusher([engine], backup=True)
     try:
         async with inject_fault(engine, "load", tensor="model.layers.1.mlp.down_proj.weight"):
@@ -221,7 +236,7 @@ async def _correctness(
         await pusher.aclose()
     res.check(s, "receiver failure raises WeightSyncError naming the tensor", failed)
     res.check(s, "after the failure: old weights and label serve",
-              await greedy(engine, "after-fail") == served and engine.global_steps == 4)
+              await greedy(engine, "after-fail") == served and engine.global_steps == label)
 
 
 async def _hybrid(

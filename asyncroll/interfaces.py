@@ -41,7 +41,10 @@ ResumeMode = Literal["abort", "keep", "recompute"]
 - ``abort`` ends them with their partial output; the manager resubmits prompt + output, so
   their KV is computed again by the new weights (and a request may move to another engine).
 - ``keep`` freezes them in their engine; they go on from their KV cache, which the old weights
-  computed, with the new weights (an in-flight update, as PipelineRL does): the cheapest.
+  computed, with the new weights (an in-flight update, as PipelineRL does): the cheapest. This
+  holds for every request that reached the engine before the update, including those still
+  queued in vLLM: their prompts may hit prefix blocks the old weights computed. Requests
+  admitted after the update never do.
 - ``recompute`` freezes them in their engine too, but drops their KV: it is computed again by
   the new weights before they go on (vLLM preempts them). Same tokens as ``abort``, with no
   round trip through the manager.

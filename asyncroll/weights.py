@@ -1,6 +1,6 @@
 """Trainer side of a weight update: the update sequence, once, over ``UpdatableEngine``.
 
-``VersionedUpdater`` runs the sequence (check, pause, push, label, reset caches, resume) for any
+``VersionedUpdater`` runs the sequence (check, pause, push, label, new cache epoch, resume) for any
 engines and any ``WeightChannel``. ``WeightPusher`` is that sequence with a ``SenderChannel``:
 one ``WeightSender`` whose receivers are the workers of every engine (for vLLM, the engine
 adapter maps ``attach``/``begin_update``/``receive``/``commit_version`` onto vLLM's weight-update
@@ -18,8 +18,10 @@ Invariants:
   each engine serves its previous weights (a backup was restored) or holds, admitting nothing
   until a push succeeds; ``WeightSyncError`` says which. Never a mix.
 - Every wait is bounded by ``timeout``: a worker that dies mid-push fails the update, not hangs it.
-- After the new weights are in, the prefix cache is reset and the reset is checked: no KV
-  computed with old weights is served as a cache hit.
+- No request admitted after an update is served KV the old weights computed: the engines move
+  to a new prefix-cache epoch (``VLLMEngine`` salts each request's cache key with it), and the
+  ``abort`` and ``recompute`` pauses clear vLLM's cache as well. Only ``keep`` leaves the
+  requests that came before the update on the old weights' KV, by design (``ResumeMode``).
 - Engines paused here are resumed here, whatever happens.
 """
 
@@ -120,7 +122,8 @@ class VersionedUpdater:
     """The update sequence, over any ``UpdatableEngine``; ``channel`` moves the bytes.
 
     Per update: check ``global_steps`` and the tensors, pause the live engines that are awake,
-    push, then (shielded from cancellation) release holds, label every engine, reset caches;
+    push, then (shielded from cancellation) release holds, label every engine, move them to a
+    new cache epoch;
     resume whatever happened. A failed push ends the update in every engine through the
     channel, and engines left without whole weights hold.
     """
@@ -147,8 +150,8 @@ class VersionedUpdater:
         mode: ResumeMode = "abort",
         changed: bool = False,
     ) -> UpdateReport:
-        """Pause, push to every live engine at once, label ``global_steps``, reset caches,
-        resume.
+        """Pause, push to every live engine at once, label ``global_steps``, move to a new
+        prefix-cache epoch, resume.
 
         ``changed=True`` says the weights differ from the previous update's: each tensor is
         fingerprinted (64 sampled elements, its shape and dtype; a gather and one copy to the
@@ -186,12 +189,14 @@ class VersionedUpdater:
             pausable = [engine for engine in engines if not engine.is_asleep]
             # ``recompute`` is vLLM's ``keep`` with its caches cleared: the kept requests are
             # preempted, so their KV is computed again, by the new weights, when they resume.
-            # No other mode clears here: the reset after the push keeps new requests off the
-            # old weights' KV (and ``keep`` keeps its requests' own).
+            # ``abort`` clears too: a request that passed an engine's gate just before the
+            # pause can reach vLLM after it, salted with the old epoch, and run at the resume
+            # (found in review). ``keep`` alone keeps the cache, and with it the old weights'
+            # KV for every request that came before the update (see ``ResumeMode``).
             pause_mode: PauseMode = "keep" if mode == "recompute" else mode
             try:
                 paused = await asyncio.gather(
-                    *(e.pause(pause_mode, clear_cache=mode == "recompute") for e in pausable),
+                    *(e.pause(pause_mode, clear_cache=mode != "keep") for e in pausable),
                     return_exceptions=True,
                 )
                 for outcome in paused:
@@ -200,7 +205,7 @@ class VersionedUpdater:
                 marks.append(time.perf_counter())
                 push = await self._push(engines, tensors, global_steps)
                 marks.append(time.perf_counter())
-                # The new weights are in: label them and reset the caches even if our caller
+                # The new weights are in: label them and start a new cache epoch even if our caller
                 # is cancelled meanwhile (new weights under the old label would be a lie).
                 await _shielded(_commit(engines, global_steps, marks))
             finally:

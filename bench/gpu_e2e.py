@@ -222,6 +222,19 @@ async def _correctness(
         else:
             await engine.update_weights(weights_a, global_steps=steps + 2)
         steps += 2
+    # the prefix cache across an update in keep mode (no reset in vLLM: a new cache salt)
+    cached = {}
+    prompt = [5 + i % 900 for i in range(200)]
+    short = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    for name in ("cache-1", "cache-2"):
+        cached[name] = (await engine.generate(name, prompt_ids=prompt,
+                                              sampling_params=short)).num_cached_tokens
+    await engine.update_weights(weights_a, global_steps=steps + 1, mode="keep")
+    for name in ("cache-3", "cache-4"):
+        cached[name] = (await engine.generate(name, prompt_ids=prompt,
+                                              sampling_params=short)).num_cached_tokens
+    res.check(s, "prefix cache: hit before an update, missed right after it, hit again",
+              cached["cache-2"] > 0 and cached["cache-3"] == 0 and cached["cache-4"] > 0, cached)
     # a receiver-side failure (with backup) leaves the served weights untouched
     served = await greedy(engine, "before-fail")
     label = engine.global_steps

@@ -21,6 +21,7 @@ from engine_helpers import (
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.testing.faults import inject_fault
 from asyncroll.transport import Piece
+from asyncroll.types import PauseMode
 from asyncroll.weights import WeightPusher
 
 pytestmark = pytest.mark.engine
@@ -117,35 +118,51 @@ async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
 ) -> None:
     """``keep`` is an in-flight update: the kept request is not preempted, so after the switch
     model B attends over the KV model A computed, and its tokens differ from B's continuation
-    of the same text from scratch (what ``recompute`` gives, test above). The prefix cache
-    still serves nothing of A's to a new request."""
+    of the same text from scratch (what ``recompute`` gives, test above). The kept request's
+    260-token prompt fills two of the CPU build's 128-token blocks with A's KV; a new request
+    with the same head reuses none of it."""
     await engine.update_weights(load_weights(tiny_model_a), global_steps=await _next_steps(engine))
     before = engine.global_steps
     assert before is not None
-    prompt = [11, 12, 13]
-    greedy_long = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    prompt = [11 + i % 300 for i in range(260)]
+    greedy_long = {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}  # 460 <= 512
     long = asyncio.create_task(
         engine.generate("kept-kv", prompt_ids=prompt, sampling_params=greedy_long)
     )
     await until_decoding(engine, 1)
-    await engine.update_weights(load_weights(tiny_model_b), global_steps=before + 1, mode="keep")
-    segment = await long
-    switch = segment.global_steps.index(before + 1)
-    assert 0 < switch < 300
-    assert segment.global_steps == (before,) * switch + (before + 1,) * (300 - switch)
-    head = prompt + list(segment.token_ids[:switch])
-    greedy_16 = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-    cont_b = await engine.generate("kept-cont-b", prompt_ids=head, sampling_params=greedy_16)
-    assert cont_b.num_cached_tokens == 0  # nothing of A's KV reached the new request
-    assert segment.token_ids[switch : switch + 16] != cont_b.token_ids
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
+    try:
+        await engine.update_weights(
+            load_weights(tiny_model_b), global_steps=before + 1, mode="keep"
+        )
+        segment = await long
+        switch = segment.global_steps.index(before + 1)
+        assert 0 < switch < 200 - 16
+        assert segment.global_steps == (before,) * switch + (before + 1,) * (200 - switch)
+        head = prompt + list(segment.token_ids[:switch])
+        greedy_16 = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        cont_b = await engine.generate("kept-cont-b", prompt_ids=head, sampling_params=greedy_16)
+        assert cont_b.num_cached_tokens == 0  # A's 256 cached prompt tokens are not reused
+        after = segment.token_ids[switch : switch + 16]
+        assert len(after) == 16 and after != cont_b.token_ids
+    finally:
+        await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
 
 
-async def test_an_unknown_resume_mode_is_refused_before_the_pause(engine: VLLMEngine) -> None:
+async def test_an_unknown_resume_mode_is_refused_before_the_pause(
+    engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pauses: list[str] = []
+    real_pause = engine.pause
+
+    async def counted_pause(mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
+        pauses.append(mode)
+        await real_pause(mode, clear_cache=clear_cache)
+
+    monkeypatch.setattr(engine, "pause", counted_pause)
     current = engine.global_steps
     with pytest.raises(InvalidRequestError, match="mode must be one of abort, keep, recompute"):
         await engine.update_weights({}, global_steps=current, mode="stale")  # type: ignore[arg-type]
-    assert engine.global_steps == current and not engine.is_paused
+    assert engine.global_steps == current and pauses == []
 
 
 async def test_lower_version_is_refused(engine: VLLMEngine, tiny_model_a: Path) -> None:
@@ -297,7 +314,9 @@ async def test_an_update_keeps_kept_requests_off_the_old_cache_and_new_ones_too(
     await engine.update_weights(load_weights(tiny_model_a), global_steps=steps, mode="keep")
     cold = await engine.generate("kept-cache-2", prompt_ids=prompt, sampling_params=params)
     assert cold.num_cached_tokens == 0
-    assert (await long).finish_reason == "length"
+    kept = await long
+    assert kept.finish_reason == "length" and kept.global_steps[-1] == steps
+    assert kept.global_steps[0] < steps  # it was in flight across the update, and kept
 
 
 def _rss_mib(pid: int) -> float:

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,7 +133,9 @@ class VLLMEngine:
         self._version_marks: dict[str, list[tuple[int | None, int]]] = {}
         self._cache_epoch = 0
         """Salts every request's prefix-cache key (vLLM's ``cache_salt``); a new epoch makes
-        the KV cached before it unreachable (``reset_prefix_cache``)."""
+        the KV cached before it unreachable (``reset_prefix_cache``, ``commit_version``)."""
+        self._cache_salt = f"asyncroll-{secrets.token_hex(8)}"
+        """Unique to this engine, so two engines' keys never meet in a shared KV store."""
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -526,6 +529,7 @@ class VLLMEngine:
             await self._llm.finish_weight_update()
         if global_steps is not None:
             self._global_steps = global_steps
+        self._cache_epoch += 1  # the label and the cache epoch always move together
         await self._mark_version_boundary(self._global_steps)
 
     async def reset_prefix_cache(self) -> None:
@@ -621,7 +625,7 @@ class VLLMEngine:
         marks = [(dispatched_at, 0)]
         if not self.native_versions:
             self._version_marks[request_id] = marks
-        salt = f"asyncroll-{self._cache_epoch}"
+        salt = f"{self._cache_salt}-{self._cache_epoch}"
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params, request_id
         )

@@ -67,7 +67,12 @@ from asyncroll.transport import (
 from asyncroll.transport.lazy import Makes
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.update_check import check_update
-from asyncroll.weights import DEFAULT_BUCKET_BYTES, WeightPusher, check_global_steps
+from asyncroll.weights import (
+    DEFAULT_BUCKET_BYTES,
+    WeightPusher,
+    check_global_steps,
+    check_resume_mode,
+)
 
 __all__ = ["DistributedWeightPusher"]
 
@@ -184,6 +189,7 @@ class DistributedWeightPusher:
                 previous weights, or hold), or a rank died.
         """
         steps = check_global_steps(global_steps)
+        check_resume_mode(mode)  # only the coordinator pauses, but every rank says it is wrong
         if changed:
             raise InvalidRequestError("changed=True needs whole tensors: not with a sharded push")
         made: set[str] = set()

@@ -30,7 +30,6 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.interfaces import (
-    RESUME_MODES,
     Engine,
     ReceivingEngine,
     ResumeMode,
@@ -46,7 +45,7 @@ from asyncroll.types import (
     TokenOutput,
 )
 from asyncroll.validation import check_prompt, check_request_id, resolve_sampling_params
-from asyncroll.weights import WeightPusher, check_global_steps
+from asyncroll.weights import WeightPusher, check_global_steps, check_resume_mode
 
 __all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
@@ -117,10 +116,7 @@ class AsyncServerManager:
         """
         if not engines:
             raise InvalidRequestError("AsyncServerManager needs at least one engine")
-        if resume_mode not in RESUME_MODES:
-            raise InvalidRequestError(
-                f"resume_mode must be one of {', '.join(RESUME_MODES)}, not {resume_mode!r}"
-            )
+        check_resume_mode(resume_mode, what="resume_mode")
         self._engines: list[Engine] = list(engines)
         self._in_flight: dict[str, int] = {engine.name: 0 for engine in self._engines}
         self.resume_mode: ResumeMode = resume_mode

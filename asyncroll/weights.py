@@ -79,6 +79,7 @@ __all__ = [
     "VersionedUpdater",
     "WeightPusher",
     "check_global_steps",
+    "check_resume_mode",
 ]
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,13 @@ def check_global_steps(global_steps: object) -> int | None:
             f"global_steps must be in [0, 2**63 - 1], got {global_steps}"
         )
     return global_steps
+
+
+def check_resume_mode(mode: object, *, what: str = "mode") -> ResumeMode:
+    """Return ``mode`` if it is a ``ResumeMode``, else raise ``InvalidRequestError``."""
+    if mode not in RESUME_MODES:
+        raise InvalidRequestError(f"{what} must be one of {', '.join(RESUME_MODES)}, not {mode!r}")
+    return mode
 
 
 class VersionedUpdater:
@@ -167,10 +175,7 @@ class VersionedUpdater:
                 previous label and serves its previous weights or holds (the error says which).
         """
         global_steps = check_global_steps(global_steps)
-        if mode not in RESUME_MODES:
-            raise InvalidRequestError(
-                f"mode must be one of {', '.join(RESUME_MODES)}, not {mode!r}"
-            )
+        mode = check_resume_mode(mode)
         tensors = _materialize(named_tensors)
         if changed and any(isinstance(t, LazyTensor | Piece) for t in tensors.values()):
             raise InvalidRequestError(

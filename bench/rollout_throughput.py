@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, ResumeMode, VLLMEngine
 from asyncroll.testing import make_tiny_model
+from asyncroll.weights import check_resume_mode
 
 CONCURRENCY = 32
 
@@ -196,7 +197,7 @@ async def run_policy(
     engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
     interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = False,
 ) -> dict[str, Any]:
-    mode: ResumeMode = policy if policy in ("keep", "recompute") else "abort"  # type: ignore[assignment]
+    mode: ResumeMode = check_resume_mode(policy) if policy in ("keep", "recompute") else "abort"
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
     for i, (prompt, n) in enumerate(jobs):

@@ -49,6 +49,7 @@ async def test_bad_updates_are_refused_before_anything_runs() -> None:
         ([], {}, "no tensors"),
         ([("w", weight)], {"changed": True}, "changed=True"),
         ([("w", weight)], {"global_steps": -1}, "global_steps"),
+        ([("w", weight)], {"mode": "stale"}, "mode must be one of abort, keep, recompute"),
     ]
     for tensors, options, message in cases:
         with pytest.raises(InvalidRequestError, match=message):

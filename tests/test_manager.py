@@ -41,7 +41,7 @@ async def both_on_a(
     return [engine, engine_b]
 
 
-@pytest.fixture(params=["abort", "keep"])
+@pytest.fixture(params=["abort", "keep", "recompute"])
 async def manager(
     request: pytest.FixtureRequest, both_on_a: list[VLLMEngine]
 ) -> AsyncIterator[AsyncServerManager]:

@@ -541,6 +541,8 @@ class VLLMEngine:
         block pool (14 ms for a 0.5B model on an H100) and fails while kept requests hold
         blocks. The old blocks stay free and are evicted as the pool needs them. Requests
         already in the engine keep the salt they came with (``keep`` mode's stale KV).
+        ``commit_version`` moves the epoch too, so the label and the epoch never part; an
+        update through ``WeightPusher`` calls both, which costs one more integer.
         """
         self._check_alive()
         self._cache_epoch += 1

@@ -43,6 +43,7 @@ Limits: a loader that writes a parameter from C++ or a custom kernel is invisibl
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 from collections import Counter
@@ -54,7 +55,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from asyncroll.errors import PieceNotPlannedError
-from asyncroll.transport.packing import copy_many
+from asyncroll.transport.packing import CopySplit, run_copies, split_copies
 from asyncroll.transport.plan import Part
 
 __all__ = ["LoadPlan", "PlanStatistics"]
@@ -62,8 +63,6 @@ __all__ = ["LoadPlan", "PlanStatistics"]
 logger = logging.getLogger(__name__)
 
 Batch = Sequence[tuple[str, torch.Tensor]]
-_Pairs = tuple[list[torch.Tensor], list[torch.Tensor]]
-"""Copies as (destinations, sources)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +73,19 @@ class _Copy:
     stride: tuple[int, ...]
     offset: int
     """Source offset in elements from the pushed tensor's first element."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Replay:
+    """A batch's copies, coalesced and sorted once (``split_copies``), to replay."""
+
+    split: CopySplit
+    copies: int
+    """Copies of the plan they carry out (more than the calls)."""
+
+    @property
+    def calls(self) -> int:
+        return len(self.split[0]) + bool(self.split[2])
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +106,9 @@ class PlanStatistics:
     """Tensors the last push loaded with ``load_weights`` because the plan cannot map them."""
     copies: int
     """Copies the last push replayed."""
+    calls: int = 0
+    """Copy calls those took: adjacent copies coalesced (``q``, ``k``, ``v`` into one fused
+    parameter), and every small one in one fused launch (``packing.split_copies``)."""
     unplannable: dict[str, str] = field(default_factory=dict)
     """Name -> why it is not planned (every name seen so far, a few at most per reason)."""
     invalidations: int = 0
@@ -126,11 +141,12 @@ class LoadPlan:
         of ``whole_target`` hold while it stays the same."""
         self._invalidations = 0
         self._counts: Counter[str] = Counter()
-        self._replays: dict[tuple[Any, ...], _Pairs] = {}
+        self._replays: dict[tuple[Any, ...], _Replay] = {}
         """Batches seen whole-planned, by their layout (names, addresses, dtypes, shapes,
-        strides): the (destination, source) pairs of their copies, made once. A push from the
-        same staging buffers replays these, with no per-copy view or check."""
-        self._replays_before: dict[tuple[Any, ...], _Pairs] = {}
+        strides): the (destination, source) pairs of their copies, made and sorted once
+        (``split_copies``). A push from the same staging buffers (or of the same trainer
+        storages, one-copy) replays these, with no per-copy view or check."""
+        self._replays_before: dict[tuple[Any, ...], _Replay] = {}
         """The previous push's: kept one push, then dropped (the sources they hold may be a
         buffer no longer in use)."""
 
@@ -146,6 +162,7 @@ class LoadPlan:
             learned=self._counts["learned"],
             fallback=self._counts["fallback"],
             copies=self._counts["copies"],
+            calls=self._counts["calls"],
             unplannable=dict(self._unplannable),
             invalidations=self._invalidations,
             remembered=self._counts["remembered"],
@@ -196,7 +213,7 @@ class LoadPlan:
         if target.numel() == 0 and self._entries[name].copies == ():
             self._counts.update(planned=1)
             return torch.empty(0, dtype=torch.uint8)
-        self._counts.update(planned=1, copies=1)
+        self._counts.update(planned=1, copies=1, calls=1)
         return target.reshape(-1).view(torch.uint8)
 
     def _piece_destination(
@@ -218,7 +235,7 @@ class LoadPlan:
             or copy.dst.dtype != dtype
         ):
             return None
-        self._counts.update(planned=1, copies=1)
+        self._counts.update(planned=1, copies=1, calls=1)
         return copy.dst.reshape(-1).view(torch.uint8)
 
     def read_ranges(self) -> dict[str, tuple[int, int]]:
@@ -316,8 +333,10 @@ class LoadPlan:
                 self._replays[key] = pairs
             if pairs is not None:
                 with torch.no_grad():
-                    copy_many(*pairs)
-                self._counts.update(planned=len(batch), copies=len(pairs[0]), remembered=1)
+                    run_copies(pairs.split)
+                self._counts.update(
+                    planned=len(batch), copies=pairs.copies, calls=pairs.calls, remembered=1
+                )
                 return
         planned: list[tuple[_Entry, torch.Tensor, int]] = []
         """(entry, tensor, element offset of the tensor in the pushed whole)."""
@@ -335,15 +354,19 @@ class LoadPlan:
                 fallback.append((name, tensor))
             else:
                 learn.append((name, tensor))
-        made: _Pairs = ([], [])
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for entry, tensor, shift in planned:
             base = tensor.storage_offset() - shift
             for copy in entry.copies:
-                made[0].append(copy.dst)
-                made[1].append(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
+                dsts.append(copy.dst)
+                srcs.append(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
+        # Destinations that overlap (a tied alias) keep their copies in order.
+        made = _Replay(split_copies(dsts, srcs, disjoint=_disjoint(dsts), coalesce=True), len(dsts))
         with torch.no_grad():
-            copy_many(*made)
-        copies = len(made[0])
+            run_copies(made.split)
+        copies = len(dsts)
+        self._counts.update(calls=made.calls)
         if sources_persist and len(planned) == len(batch):
             self._replays[key] = made
         try:
@@ -547,6 +570,14 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
         return start, -1  # never inside a pushed tensor's extent
     span = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True)) + 1
     return start, start + span * tensor.element_size()
+
+
+def _disjoint(tensors: Sequence[torch.Tensor]) -> bool:
+    """No two of ``tensors`` share a byte of memory (judged by their extents)."""
+    extents = sorted(_extent(t) for t in tensors if t.numel())
+    if any(end < start for start, end in extents):  # a negative stride
+        return False
+    return all(b[0] >= a[1] for a, b in itertools.pairwise(extents))
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:

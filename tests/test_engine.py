@@ -74,6 +74,36 @@ async def test_statistics_and_repr(engine: VLLMEngine) -> None:
     assert "VLLMEngine shared running" in repr(engine)
 
 
+async def test_pause_clears_vllm_caches_by_mode_unless_told(
+    engine: VLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default ``abort`` and ``wait`` clear vLLM's caches in the pause; ``keep`` does not
+    (vLLM's clear preempts running requests: a bare keep would recompute their KV).
+    ``clear_cache`` overrides either way."""
+    from asyncroll.vllm import compat
+
+    seen: list[tuple[str, bool]] = []
+    real = compat.pause_generation
+
+    async def spy(llm: Any, *, mode: str, clear_cache: bool) -> None:
+        seen.append((mode, clear_cache))
+        await real(llm, mode=mode, clear_cache=clear_cache)
+
+    monkeypatch.setattr(compat, "pause_generation", spy)
+    calls: list[tuple[Any, dict[str, bool]]] = [
+        ("abort", {}), ("wait", {}), ("keep", {}), ("keep", {"clear_cache": True}),
+        ("abort", {"clear_cache": False}),
+    ]
+    for mode, options in calls:
+        await engine.pause(mode, **options)
+        await engine.resume()
+    assert seen == [
+        ("abort", True), ("wait", True), ("keep", False), ("keep", True), ("abort", False)
+    ]
+    segment = await engine.generate("after-pauses", prompt_ids=PROMPT, sampling_params=_params(4))
+    assert len(segment.token_ids) == 4
+
+
 async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Path) -> None:
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # shared engines
     engine = await VLLMEngine.start(tiny_model_a, name="doomed", max_model_len=256)

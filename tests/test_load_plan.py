@@ -22,6 +22,7 @@ import torch
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.load_plan import LoadPlan
 from asyncroll.transport import LazyTensor, Part, Piece, ShmBackend, WeightReceiver
+from asyncroll.transport.packing import FUSE_BYTES
 from asyncroll.transport.sender import open_weight_sender
 
 H, KV, INTER, VOCAB, PADDED = 16, 8, 24, 40, 48
@@ -239,11 +240,14 @@ def test_pushes_through_the_same_buffer_replay_remembered_copies_exactly() -> No
         assert stats.remembered == (1 if step >= 2 else 0)  # learned, planned, remembered
         if step >= 1:
             assert stats.planned == len(tensors) and stats.fallback == 0
+            # 11 copies in 2 calls: q, k, v from adjacent slots into qkv_weight coalesce, so do
+            # gate and up; the norm's cast is a copy_ of its own; the rest go in one fused call.
+            assert (stats.copies, stats.calls) == (11, 2)
     twins.plan.forget_sources()
     twins.plan.begin_push()
     twins.plan.load(views, sources_persist=True)
     assert twins.plan.statistics().remembered == 0
-    for _ in range(3):  # sources that may not persist (one-copy): never remembered
+    for _ in range(3):  # sources that may not persist: never remembered
         twins.plan.begin_push()
         twins.plan.load(views)
         stats = twins.plan.statistics()
@@ -647,3 +651,37 @@ def test_pieces_beside_a_name_that_loads_only_with_its_batch_are_refused() -> No
     with pytest.raises(PieceNotPlannedError, match="loads only with its whole batch"):
         twins.plan.load(batch, parts={q: Part(whole=(H, H), offset=H // 2 * H)})
     assert all(torch.equal(a, b) for a, b in zip(before, twins.planned.parameters(), strict=True))
+
+
+class _Aliased(torch.nn.Module):
+    """A loader that writes ``a`` over the first rows and ``b`` over all of them: loaded in
+    that order, ``b`` wins everywhere."""
+
+    ROWS = 2 * FUSE_BYTES // 16  # float32 x 4: ``b`` is too big to fuse, ``a`` is small
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(self.ROWS, 4), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, w in weights:
+            (self.weight.data[:4] if name == "a" else self.weight.data).copy_(w)
+        return {name for name, _ in weights}
+
+
+def test_remembered_copies_into_overlapping_destinations_keep_their_order() -> None:
+    """Replayed copies put the small ones last only where destinations are disjoint: here the
+    small ``a`` lies inside the big ``b``, and every push, replayed or not, ends as the model's
+    loader leaves it (``b`` over ``a``), not with ``a`` copied last."""
+    planned, plain = _Aliased(), _Aliased()
+    plan = LoadPlan(planned, planned.load_weights)
+    views = [("a", torch.zeros(4, 4)), ("b", torch.zeros(_Aliased.ROWS, 4))]
+    for step in range(4):
+        for i, (_, view) in enumerate(views):
+            view.fill_(float(10 * step + i + 1))
+        plan.begin_push()
+        plan.load(views, sources_persist=True)
+        plain.load_weights([(n, v.clone()) for n, v in views])
+        assert torch.equal(planned.weight, plain.weight), step
+        assert planned.weight[0, 0].item() == 10 * step + 2
+    assert plan.statistics().remembered == 1

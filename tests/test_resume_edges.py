@@ -66,7 +66,9 @@ class ScriptedEngine:
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         pass
 
-    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
+    async def pause(
+        self, mode: PauseMode = "abort", *, clear_cache: bool | None = None
+    ) -> None:
         pass
 
     async def resume(self) -> None:

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from asyncroll.transport.packing import SpanAssembler, pack_bucket, slot_view
+from asyncroll.transport.packing import (
+    FUSE_BYTES,
+    SpanAssembler,
+    copy_many,
+    pack_bucket,
+    slot_view,
+    split_copies,
+)
 from asyncroll.transport.plan import (
     ALIGN,
     Bucket,
@@ -92,6 +101,26 @@ def test_fused_group_that_would_straddle_opens_a_new_bucket() -> None:
     ]
 
 
+def test_a_fused_group_is_laid_out_kind_by_kind_so_its_copies_coalesce() -> None:
+    """Hugging Face order interleaves weights and biases (q.weight, q.bias, k.weight, ...);
+    the plan lays a group out kind by kind, in input order within a kind: q, k, v weights end
+    to end, as ``qkv_proj.weight`` holds them, so a receiver copies them in one go."""
+    prefix = "model.layers.0.self_attn"
+    metas = [
+        meta(f"{prefix}.{p}_proj.{kind}", 256 if kind == "weight" else 16)
+        for p in "qkv"
+        for kind in ("weight", "bias")
+    ]
+    (bucket,) = plan_buckets([*metas, meta("model.norm.weight", 16)], bucket_bytes=4096)
+    assert names(bucket) == [
+        *(f"{prefix}.{p}_proj.bias" for p in "qkv"),
+        *(f"{prefix}.{p}_proj.weight" for p in "qkv"),
+        "model.norm.weight",
+    ]
+    weights = [slot for slot in bucket.slots if slot.name.endswith("weight")][:3]
+    assert all(a.offset + a.nbytes == b.offset for a, b in itertools.pairwise(weights))
+
+
 def test_custom_grouping_function() -> None:
     metas = [meta("x", 700), meta("pair.a", 200), meta("pair.b", 200)]
     plan = plan_buckets(
@@ -175,3 +204,30 @@ def test_pack_and_unpack_in_memory_is_bit_exact() -> None:
     assert got.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_disjoint_copies_fuse_the_small_ones_and_copy_every_byte() -> None:
+    """Small copies (same dtype) between disjoint destinations go in one fused launch after
+    the big ones; a cast, a lone small copy and the big ones stay ``copy_``; every byte lands."""
+    big = FUSE_BYTES // 4 + 1  # float32 elements: just over the limit
+    dsts = [torch.zeros(big), torch.zeros(3), torch.zeros(5), torch.zeros(4, dtype=torch.bfloat16)]
+    srcs = [torch.randn(big), torch.randn(3), torch.randn(5), torch.randn(4)]  # the last casts
+    plain, _, fused_dsts, fused_srcs = split_copies(dsts, srcs, disjoint=True)
+    assert [d.numel() for d in plain] == [big, 4] and [d.numel() for d in fused_dsts] == [3, 5]
+    assert [s.numel() for s in fused_srcs] == [3, 5]
+    copy_many(dsts, srcs, disjoint=True)
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst, src.to(dst.dtype))
+    one_small = split_copies(dsts[:2], srcs[:2], disjoint=True)
+    assert len(one_small[0]) == 2 and not one_small[2]  # nothing to fuse with
+
+
+def test_copies_that_may_overlap_keep_their_order() -> None:
+    """Without ``disjoint``, two small copies into the same memory run in order (the last one
+    wins), as ``copy_`` one by one would."""
+    dst = torch.zeros(4)
+    first, last = torch.full((4,), 1.0), torch.full((4,), 2.0)
+    split = split_copies([dst, dst[:2]], [first, last[:2]], disjoint=False)
+    assert not split[2]
+    copy_many([dst, dst[:2]], [first, last[:2]])
+    assert dst.tolist() == [2.0, 2.0, 1.0, 1.0]

@@ -337,7 +337,9 @@ class RayEngine:
         if ids and not self.is_dead:
             await self._call("abort", ids)
 
-    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
+    async def pause(
+        self, mode: PauseMode = "abort", *, clear_cache: bool | None = None
+    ) -> None:
         self._check_alive()
         await self._call("pause", mode, clear_cache=clear_cache)
 

@@ -220,7 +220,9 @@ class FakeEngine:
                 slot.aborted = True
                 slot.wake()
 
-    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
+    async def pause(
+        self, mode: PauseMode = "abort", *, clear_cache: bool | None = None
+    ) -> None:
         """Stop admitting; ``abort`` ends running requests, ``wait`` drains them, ``keep``
         freezes them until ``resume()``. ``clear_cache`` is accepted (there is no cache)."""
         if mode not in ("abort", "wait", "keep"):

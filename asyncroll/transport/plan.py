@@ -5,7 +5,9 @@ Pure and synchronous: no I/O, no torch kernels, nothing but arithmetic on metada
 Invariants of ``plan_buckets``:
 
 * tensors keep their order; members of a fused group are gathered at the place of the group's first
-  member, in input order;
+  member, kind by kind (by the last part of their names: ``bias``, then ``weight``), in input order
+  within a kind: the order the fused parameter holds them in, so that a receiver's copies of
+  ``q, k, v`` into ``qkv_proj.weight`` read one contiguous range and coalesce into one copy;
 * every slot starts at a multiple of ``ALIGN`` bytes inside its bucket, so a view of any dtype
   is legal, and no bucket uses more than ``bucket_bytes`` (the staging buffers are fixed);
 * a group (a lone tensor is a group of one) that fits in a bucket is never split: it goes whole
@@ -140,7 +142,8 @@ def align(n: int) -> int:
 def group_metas(
     metas: Sequence[TensorMeta], group_of: GroupOf = default_group
 ) -> list[list[TensorMeta]]:
-    """Gather fused groups at the place of their first member; keep everything else in order."""
+    """Gather fused groups at the place of their first member, kind by kind (see the module's
+    invariants); keep everything else in order."""
     groups: list[list[TensorMeta]] = []
     by_key: dict[str, list[TensorMeta]] = {}
     for meta in metas:
@@ -152,6 +155,8 @@ def group_metas(
         else:
             by_key[key] = [meta]
             groups.append(by_key[key])
+    for group in by_key.values():
+        group.sort(key=lambda meta: meta.name.rpartition(".")[2])  # stable: input order within
     return groups
 
 

@@ -142,10 +142,11 @@ class _Batch(list[tuple[str, torch.Tensor]]):
 
     current = ""
     sources_persist = False
-    """The tensors are views of memory that stays mapped, at the same addresses, for the
-    connection's life (the staging buffers), and the same view objects come every push of
-    the layout: a loader may keep them to read later pushes (``LoadPlan`` does). False for a
-    one-copy push: the trainer's storages are theirs, and may be new next push."""
+    """The tensors are views of memory that stays mapped at the same addresses while the
+    loader keeps them (the staging buffers; a one-copy push's trainer storages, which a kept
+    view keeps mapped), so a loader may keep them to read later pushes of the same layout
+    (``LoadPlan`` does, by address: a storage the trainer replaced maps elsewhere, and the
+    views kept of it are dropped a push later)."""
 
     parts: dict[str, Part]
     """The batch's tensors that are pieces of larger ones (``Part``), by name."""
@@ -568,6 +569,7 @@ class WeightReceiver:
         every tensor in place from them, and finish the reads on the device before the ack
         (the trainer may change its tensors once every receiver has acked)."""
         batch = _Batch()
+        batch.sources_persist = True
         try:
             if self._backend is None:
                 raise TransportBrokenError("a shared push before the welcome")

@@ -312,11 +312,19 @@ class VLLMEngine:
             return
         await self._call(self._llm.abort(live))
 
-    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = True) -> None:
+    async def pause(
+        self, mode: PauseMode = "abort", *, clear_cache: bool | None = None
+    ) -> None:
         """Stop scheduling: ``abort`` ends in-flight requests, ``wait`` drains them, ``keep``
-        freezes them until ``resume()``. New requests wait at the gate until then."""
+        freezes them until ``resume()``. New requests wait at the gate until then.
+
+        ``clear_cache`` (default: for ``abort`` and ``wait``, not for ``keep``): clear vLLM's
+        caches in the pause. vLLM's clear preempts the running requests, so a kept request
+        would compute its KV cache again on resume."""
         if mode not in ("abort", "wait", "keep"):
             raise InvalidRequestError(f"pause mode must be abort, wait or keep, not {mode!r}")
+        if clear_cache is None:
+            clear_cache = mode != "keep"
         self._check_alive()
         self._paused = True
         self._gate.clear()

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from engine_helpers import ENGINE_ARGS, load_weights, until_decoding
 
-import asyncroll.transport.sender as sender_module
+import asyncroll.transport.pipeline as pipeline_module
 from asyncroll import (
     AsyncServerManager,
     InvalidRequestError,
@@ -98,8 +98,8 @@ async def test_requests_complete_exactly_across_repeated_updates(
     # process) runs in the sender's worker thread. A check on threads, not on timings: a timed
     # bound on loop turns flakes on the garbage collector's full passes (~0.3 s of CPU with torch
     # and vLLM loaded), which are not our code; bench/rollout_throughput.py reports loop lag.
-    packer = ThreadRecorder(sender_module.pack_bucket)
-    monkeypatch.setattr(sender_module, "pack_bucket", packer)
+    packer = ThreadRecorder(pipeline_module.pack_bucket)
+    monkeypatch.setattr(pipeline_module, "pack_bucket", packer)
     params = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0}
     tasks = [
         asyncio.create_task(

@@ -492,10 +492,10 @@ async def test_copies_that_do_not_finish_in_time_fail_the_push_not_the_sender(
 async def test_buffers_with_copies_still_queued_are_never_freed(child: Child) -> None:
     """Closing a sender whose copies have not finished (simulated) must not hand the staging
     memory back to the allocator, where the queued copies could overwrite someone's tensor."""
-    from asyncroll.transport import sender as sender_module
+    from asyncroll.transport import staging as staging_module
 
     backend = AsyncCopiesShm(slow_copies=1_000)
-    kept = len(sender_module._QUARANTINE)
+    kept = len(staging_module._QUARANTINE)
     async with open_weight_sender(
         backend=backend, bucket_bytes=16 * KB, receivers=1, ack_timeout=30
     ) as sender:
@@ -506,8 +506,8 @@ async def test_buffers_with_copies_still_queued_are_never_freed(child: Child) ->
         with pytest.raises(ChildError, match="WeightSyncError"):
             await asyncio.to_thread(child.result)
         await child.acall("close")
-    assert len(sender_module._QUARANTINE) == kept + 2  # both buffers, kept, not closed
-    assert all(buffer.tensor.numel() == 16 * KB for buffer in sender_module._QUARANTINE[kept:])
+    assert len(staging_module._QUARANTINE) == kept + 2  # both buffers, kept, not closed
+    assert all(buffer.tensor.numel() == 16 * KB for buffer in staging_module._QUARANTINE[kept:])
 
 
 async def test_silent_receiver_times_out_naming_it(child: Child) -> None:

@@ -2,6 +2,9 @@
 
 Double-buffered and bucketed over shared staging memory (``shm`` or ``cuda_ipc``), with a
 ZeroMQ ``ipc://`` control channel authenticated by a per-job secret. Independent of vLLM.
+The sender's side, one concept a module: ``sender`` (the ``WeightSender`` facade),
+``pipeline`` (the per-bucket hot path), ``staging`` (the buffers), ``pushes`` (one push's state
+and End), ``waits`` (waits on the device), ``peers`` (the control plane), ``wire`` (messages).
 
 ```python
 async with open_weight_sender(receivers=2) as sender:

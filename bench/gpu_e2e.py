@@ -51,6 +51,7 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 import torch
+import uvloop
 from _timeline import render as render_timeline
 from _timeline import summarize as summarize_timeline
 from safetensors.torch import load_file
@@ -695,7 +696,7 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
     res.record("rollout", "results", table)
 
 
-async def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--sections", default="correctness,hybrid,manager,push,rollout")
@@ -710,7 +711,12 @@ async def main() -> int:
     parser.add_argument("--no-slow-turns", action="store_true", help="the default; kept")
     parser.add_argument("--eager", action="store_true",
                         help="rollout engine without CUDA graphs (enforce_eager)")
-    args = parser.parse_args()
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the trainer's event loop (asyncroll's examples run uvloop)")
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         log("gpu_e2e needs CUDA and CUDA vLLM; skipped (see docs/gpu.md)")
         return 0
@@ -719,6 +725,7 @@ async def main() -> int:
     res = Results(args.out)
     res.record("env", "gpu", torch.cuda.get_device_name())
     res.record("env", "torch", torch.__version__)
+    res.record("env", "event loop", args.loop)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []
@@ -759,4 +766,5 @@ def finish(res: Results) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    arguments = parse_args()
+    sys.exit((uvloop.run if arguments.loop == "uvloop" else asyncio.run)(main(arguments)))

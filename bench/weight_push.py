@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import uvloop
 import zmq
 
 from asyncroll.transport import CudaIpcBackend, ShmBackend, WeightReceiver, open_weight_sender
@@ -257,7 +258,10 @@ def main() -> None:
     parser.add_argument("--buckets", default=None, help="bucket sizes in MiB, comma separated")
     parser.add_argument("--pushes", type=int, default=None, help="timed pushes per config")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the sender's event loop (asyncroll's examples run uvloop)")
     args = parser.parse_args()
+    run = uvloop.run if args.loop == "uvloop" else asyncio.run
     cuda = args.device.startswith("cuda")
     gib = args.gib or (8.0 if cuda else 1.0)
     buckets = [
@@ -290,7 +294,7 @@ def main() -> None:
                 configs.append((2, "double_sync", False))
             for buffers, label, events in configs:
                 log(f"bucket {mib} MiB, {label} buffer: {pushes} pushes ...")
-                row[label] = asyncio.run(
+                row[label] = run(
                     bench_staged(
                         parent,
                         tensors,

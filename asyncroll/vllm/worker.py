@@ -761,6 +761,7 @@ class AsyncrollWorkerExtension:
                 "learned": stats.learned,
                 "fallback": stats.fallback,
                 "copies": stats.copies,
+                "calls": stats.calls,
                 "remembered": stats.remembered,
                 "invalidations": stats.invalidations,
                 "unplannable": dict(list(stats.unplannable.items())[:8]),

@@ -287,6 +287,12 @@ class LoadPlan:
             return None
         return dst
 
+    def end_push(self) -> None:
+        """Drop what the previous push remembered and this one did not use: the sources it
+        holds may be storages the sender no longer lists (a one-copy push's trainer tensors,
+        replaced), which a kept view would keep mapped, and allocated in the trainer."""
+        self._replays_before.clear()
+
     def forget_sources(self) -> None:
         """Drop every reference to pushed tensors (call when their buffers go away)."""
         self._replays.clear()
@@ -307,11 +313,12 @@ class LoadPlan:
         read inside the piece; else ``PieceNotPlannedError`` (nothing of the batch loaded).
 
         ``sources_persist`` (default: the batch's own ``sources_persist`` attribute, which the
-        transport's receiver sets for staging buffers, else False): the tensors are views of
-        memory that stays mapped at the same addresses, so a batch the plan maps whole is
-        remembered, its copies' (destination, source) pairs kept for the next push of the
-        same layout, until a push does not use them or ``forget_sources``. False: nothing of
-        the batch is kept past the call (one-copy pushes, the trainer's own storages)."""
+        transport's receiver sets for staging buffers and one-copy pushes, else False): the
+        tensors are views of memory that stays mapped at the same addresses while viewed, so
+        a batch the plan maps whole is remembered, its copies' (destination, source) pairs
+        kept for the next push of the same layout (by address), until the end of a push that
+        does not use them (``end_push``) or ``forget_sources``. False: nothing of the batch is
+        kept past the call."""
         if parts is None:
             parts = getattr(batch, "parts", None) or {}
         if parts:
@@ -366,7 +373,6 @@ class LoadPlan:
         with torch.no_grad():
             run_copies(made.split)
         copies = len(dsts)
-        self._counts.update(calls=made.calls)
         if sources_persist and len(planned) == len(batch):
             self._replays[key] = made
         try:
@@ -395,7 +401,11 @@ class LoadPlan:
             self._counts.update(fallback=len(batch))
             return
         self._counts.update(
-            planned=len(planned), learned=len(learn), fallback=len(fallback), copies=copies
+            planned=len(planned),
+            learned=len(learn),
+            fallback=len(fallback),
+            copies=copies,
+            calls=made.calls,
         )
 
     def _check_pieces(self, batch: Batch, parts: Mapping[str, Part]) -> None:

@@ -685,3 +685,60 @@ def test_remembered_copies_into_overlapping_destinations_keep_their_order() -> N
         assert torch.equal(planned.weight, plain.weight), step
         assert planned.weight[0, 0].item() == 10 * step + 2
     assert plan.statistics().remembered == 1
+
+
+class _Halves(torch.nn.Module):
+    """A loader that writes ``a`` and ``b`` into the two halves of one parameter."""
+
+    HALF = FUSE_BYTES // 4 + 1  # float32: each copy too big to fuse
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2 * self.HALF), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, w in weights:
+            self.weight.data.narrow(0, 0 if name == "a" else self.HALF, self.HALF).copy_(w)
+        return {name for name, _ in weights}
+
+
+def test_copies_into_one_parameter_from_adjacent_slots_coalesce_into_one_call() -> None:
+    """``a`` and ``b`` from end-to-end slots into the two halves of one parameter (as ``q, k,
+    v`` into ``qkv_proj``): planned, the two copies are one call, and the bytes are exact."""
+    planned, plain = _Halves(), _Halves()
+    plan = LoadPlan(planned, planned.load_weights)
+    buffer = torch.zeros(2 * _Halves.HALF)
+    views = [("a", buffer[: _Halves.HALF]), ("b", buffer[_Halves.HALF :])]
+    for step in range(3):
+        buffer.copy_(torch.randn(buffer.shape))
+        plan.begin_push()
+        plan.load(views, sources_persist=True)
+        plan.end_push()
+        plain.load_weights(views)
+        assert torch.equal(planned.weight, plain.weight)
+        if step:
+            assert (plan.statistics().copies, plan.statistics().calls) == (2, 1)
+
+
+def test_a_push_lets_go_of_remembered_sources_it_did_not_use() -> None:
+    """Copies remembered from one push and not used by the next are dropped at its end, so
+    a buffer (a one-copy push's trainer storage) the sender stopped listing is let go."""
+    import gc
+    import weakref
+
+    model = _Halves()
+    plan = LoadPlan(model, model.load_weights)
+    old = torch.randn(2 * _Halves.HALF)
+    gone = weakref.ref(old)
+    for _ in range(3):  # learned, planned, replayed
+        plan.begin_push()
+        plan.load([("a", old[: _Halves.HALF]), ("b", old[_Halves.HALF :])], sources_persist=True)
+        plan.end_push()
+    assert plan.statistics().remembered == 1
+    new = torch.randn(2 * _Halves.HALF)  # the next push reads other storage
+    plan.begin_push()
+    plan.load([("a", new[: _Halves.HALF]), ("b", new[_Halves.HALF :])], sources_persist=True)
+    plan.end_push()
+    del old
+    gc.collect()
+    assert gone() is None

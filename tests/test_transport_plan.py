@@ -231,3 +231,30 @@ def test_copies_that_may_overlap_keep_their_order() -> None:
     assert not split[2]
     copy_many([dst, dst[:2]], [first, last[:2]])
     assert dst.tolist() == [2.0, 2.0, 1.0, 1.0]
+
+
+def test_copies_that_continue_each_other_coalesce_and_the_rest_do_not() -> None:
+    """With ``coalesce``, two big copies whose destinations and sources both lie end to end
+    in one storage become one copy; a strided source, and a broadcast (a source smaller than
+    its destination, which would read past itself if merged), stay apart; every byte lands."""
+    half = FUSE_BYTES // 4 + 1  # float32 elements: each copy too big to fuse
+    dst, src = torch.zeros(2 * half), torch.randn(2 * half)
+    merged = split_copies([dst[:half], dst[half:]], [src[:half], src[half:]],
+                          disjoint=True, coalesce=True)
+    assert len(merged[0]) == 1 and merged[0][0].numel() == 2 * half
+    apart = split_copies([dst[:half], dst[half:]], [src[:half], src[half:]], disjoint=True)
+    assert len(apart[0]) == 2
+    grid = torch.randn(half, 2)
+    strided = split_copies([dst[:half], dst[half:]], [grid[:, 0], src[half:]],
+                           disjoint=True, coalesce=True)
+    assert len(strided[0]) == 2
+    small = torch.zeros(8)
+    row = torch.tensor([10.0, 11, 12, 13, 14])
+    copy_split = split_copies([small[:4], small[4:]], [row[:1], row[1:]],
+                              disjoint=True, coalesce=True)
+    assert len(copy_split[2]) + len(copy_split[0]) == 2  # the broadcast stays apart
+    copy_many([small[:4], small[4:]], [row[:1], row[1:]], disjoint=True)
+    from asyncroll.transport.packing import run_copies
+
+    run_copies(copy_split)
+    assert small.tolist() == [10.0, 10, 10, 10, 11, 12, 13, 14]

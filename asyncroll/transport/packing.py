@@ -86,7 +86,15 @@ def _coalesced(
     out_dsts: list[torch.Tensor] = []
     out_srcs: list[torch.Tensor] = []
     for dst, src in zip(dsts, srcs, strict=True):
-        if out_dsts and _continues(out_dsts[-1], dst) and _continues(out_srcs[-1], src):
+        if (
+            out_dsts
+            # neither a broadcast: element i of each source lands at element i of its
+            # destination, so the merged copy does too
+            and dst.numel() == src.numel()
+            and out_dsts[-1].numel() == out_srcs[-1].numel()
+            and _continues(out_dsts[-1], dst)
+            and _continues(out_srcs[-1], src)
+        ):
             total = out_dsts[-1].numel() + dst.numel()
             out_dsts[-1] = _flat(out_dsts[-1], total)
             out_srcs[-1] = _flat(out_srcs[-1], total)

@@ -331,6 +331,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             with self._device_context():  # a rollback reloads through vLLM, as it expects
                 self.abort_update()
             raise
+        finally:
+            if self._planning and self._plan is not None:
+                self._plan.end_push()  # the last push's unused copies: their sources may be gone
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
 

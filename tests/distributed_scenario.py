@@ -132,6 +132,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 VLLMEngine.launch(args.model_b, name="tp2", tensor_parallel_size=2, **ENGINE_ARGS)
             )
             out["fresh_b"] = await greedy(engine, "fresh-b")
+        # Rank 1 waits here for rank 0's engine (two minutes or more to start on a busy CI
+        # machine), not in the pusher's group set-up, whose timeout bounds a push, not a start.
+        dist.barrier()
         if args.die_rank == 0:
             await coordinator_dies(out, engine, model_a, model_b, args.timeout)
         else:

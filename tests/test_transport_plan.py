@@ -12,6 +12,7 @@ from asyncroll.transport.packing import (
     SpanAssembler,
     copy_many,
     pack_bucket,
+    run_copies,
     slot_view,
     split_copies,
 )
@@ -254,7 +255,5 @@ def test_copies_that_continue_each_other_coalesce_and_the_rest_do_not() -> None:
                               disjoint=True, coalesce=True)
     assert len(copy_split[2]) + len(copy_split[0]) == 2  # the broadcast stays apart
     copy_many([small[:4], small[4:]], [row[:1], row[1:]], disjoint=True)
-    from asyncroll.transport.packing import run_copies
-
     run_copies(copy_split)
     assert small.tolist() == [10.0, 10, 10, 10, 11, 12, 13, 14]

@@ -91,3 +91,15 @@ def _arrived(engine: Engine, count: int) -> bool:
     if isinstance(engine, VLLMEngine):
         return engine.num_unfinished_in_vllm() >= count
     return engine.statistics().in_flight >= count  # a fake engine decodes what it admitted
+
+
+async def hold(target: AsyncServerManager | Engine) -> None:
+    """Freeze every request inside ``target``'s engines (vLLM's ``keep`` pause): none can finish
+    until the update that follows pauses and resumes the engines itself.
+
+    Call it after ``until_decoding`` when a test needs its requests still in flight at the
+    update: the update's work before its own pause (a new manager opening its weight channel,
+    weights read from disk) is otherwise a race against the requests' token budgets, which a
+    fast machine loses (a CI run saw four 400-token requests finish first)."""
+    engines = target.engines if isinstance(target, AsyncServerManager) else (target,)
+    await asyncio.gather(*(engine.pause("keep") for engine in engines))

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_helpers import load_weights, until_decoding
+from engine_helpers import hold, load_weights, until_decoding
 
 from asyncroll import AsyncServerManager, TokenOutput, VLLMEngine
 from asyncroll.agent_loop import Sample
@@ -60,6 +60,7 @@ class RecordingManager:
             await asyncio.wait([call, decoding], return_when=asyncio.FIRST_COMPLETED)
             decoding.cancel()  # a turn that ended first gets no update; the test counts them
             if not call.done():
+                await hold(self.manager)  # the turn cannot end before the update's pause
                 steps = (self.manager.global_steps or 0) + 1
                 await self.manager.update_weights(self.weights, global_steps=steps)
         output = await call

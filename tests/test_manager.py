@@ -12,7 +12,7 @@ from typing import Any
 
 import psutil
 import pytest
-from engine_helpers import ENGINE_ARGS, load_weights, until_decoding
+from engine_helpers import ENGINE_ARGS, hold, load_weights, until_decoding
 
 import asyncroll.transport.pipeline as pipeline_module
 from asyncroll import (
@@ -77,8 +77,10 @@ async def _update_until_done(
     at_least: int = 1,
 ) -> int:
     """Push updates while ``tasks`` run. The first ``at_least`` land mid-decode on any machine
-    (after ``until_decoding``, back to back); more follow every 0.5 s while any task is left."""
+    (after ``until_decoding`` and ``hold``, back to back); more follow every 0.5 s while any task
+    is left."""
     await until_decoding(manager, len(tasks))
+    await hold(manager)
     for _ in range(at_least):
         await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
     updates = at_least
@@ -243,6 +245,7 @@ async def test_partial_rollout_off_marks_interrupted_requests_abort(
             for i in range(4)
         ]
         await until_decoding(manager, 4)
+        await hold(manager)
         await manager.update_weights(weights_a, global_steps=(manager.global_steps or 0) + 1)
         outputs = await asyncio.gather(*tasks)
     for output in outputs:

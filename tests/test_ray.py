@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
-from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, load_weights, until_decoding
+from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, hold, load_weights, until_decoding
 
 from asyncroll import AsyncServerManager, EngineDeadError, VLLMEngine, WeightPusher
 from asyncroll.testing.contract import ENGINE_CHECKS, UPDATE_CHECKS
@@ -100,6 +100,7 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
             f"mix-{mode}-{i}", prompt_ids=[5, i + 2],
             sampling_params={**PARAMS, "max_tokens": LONG})) for i in range(8)]
         await until_decoding(manager, 8)  # every call is inside an engine, both engines busy
+        await hold(manager)  # none ends before the update's pause
         before = {engine.global_steps, remote.global_steps}  # (they may differ)
         steps = (manager.global_steps or 0) + 1
         report = await manager.update_weights(weights_b, global_steps=steps)

@@ -14,6 +14,7 @@ from engine_helpers import (
     PROBE_PROMPTS,
     PROMPT_PARAMS,
     greedy,
+    hold,
     load_weights,
     until_decoding,
 )
@@ -73,6 +74,7 @@ async def test_keep_mode_request_spans_both_versions(
         )
     )
     await until_decoding(engine, 1)
+    await hold(engine)
     await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 1, mode="keep")
     segment = await long
     assert segment.finish_reason == "length" and len(segment.token_ids) == 300
@@ -97,6 +99,7 @@ async def test_recompute_mode_labels_without_vllm_spans_switch_exactly_where_new
         engine.generate("no-spans", prompt_ids=prompt, sampling_params=greedy_long)
     )
     await until_decoding(engine, 1)
+    await hold(engine)
     await engine.update_weights(
         load_weights(tiny_model_b), global_steps=before + 1, mode="recompute"
     )
@@ -130,6 +133,7 @@ async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
         engine.generate("kept-kv", prompt_ids=prompt, sampling_params=greedy_long)
     )
     await until_decoding(engine, 1)
+    await hold(engine)
     try:
         await engine.update_weights(
             load_weights(tiny_model_b), global_steps=before + 1, mode="keep"
@@ -310,6 +314,7 @@ async def test_an_update_keeps_kept_requests_off_the_old_cache_and_new_ones_too(
         )
     )
     await until_decoding(engine, 1)
+    await hold(engine)
     steps = await _next_steps(engine)
     await engine.update_weights(load_weights(tiny_model_a), global_steps=steps, mode="keep")
     cold = await engine.generate("kept-cache-2", prompt_ids=prompt, sampling_params=params)

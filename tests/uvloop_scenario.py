@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import uvloop
-from engine_helpers import until_decoding
+from engine_helpers import hold, until_decoding
 from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, VLLMEngine
@@ -30,7 +30,8 @@ async def scenario(model: Path) -> None:
                     )
                     for i in range(16)
                 ]
-                await until_decoding(manager, len(tasks))  # the first update lands mid-decode
+                await until_decoding(manager, len(tasks))
+                await hold(manager)  # the first update lands mid-decode
                 await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
                 updates = 1
                 pending = {task for task in tasks if not task.done()}

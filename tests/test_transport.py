@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.context import SpawnProcess
@@ -21,6 +22,7 @@ import pytest
 import torch
 import transport_helpers as helpers
 
+import asyncroll.transport.waits as waits_module
 from asyncroll.errors import (
     TransportBrokenError,
     TransportClosedError,
@@ -542,6 +544,68 @@ async def test_cancelled_push_is_counted_and_the_next_push_works(child: Child) -
         reply = await asyncio.to_thread(child.result)
         await child.acall("close")
     assert reply["digests"] == digests(tensors)
+
+
+async def test_a_pack_job_outliving_its_cancelled_push_leaves_the_next_push_alone(
+    child: Child, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A packing job already in the sender's packing thread when its push is cancelled runs
+    on after the next push opened: it must not make that push's lazy tensors (for its own
+    bucket, out of the plan's order: ranks gathering in different orders deadlock) or pack
+    anything. The first push's job for bucket 2 is held in the thread (in its wait for the
+    buffer's last loads) across the cancel, while the next push queues its first job."""
+    tensors = model_tensors()
+    held, inside = threading.Event(), threading.Event()
+    calls: list[int] = []
+    loads = waits_module.DeviceWaits.loads
+
+    def held_loads(self: waits_module.DeviceWaits, readers: Any) -> None:
+        calls.append(len(readers))
+        if len(calls) == 3:  # the first push's bucket 2, in buffer 0 again
+            inside.set()
+            held.wait()
+        loads(self, readers)
+
+    asked: list[int] = []
+    second_packs = asyncio.Event()  # the second push is handing its first job to the thread
+    readers = waits_module.DeviceWaits.readers
+
+    def counted_readers(self: waits_module.DeviceWaits, index: int, loaders: Any) -> Any:
+        asked.append(index)  # on the loop, just before each bucket's job is handed over
+        if len(asked) == 4:  # after the first push's buckets 0, 1 and 2
+            second_packs.set()
+        return readers(self, index, loaders)
+
+    monkeypatch.setattr(waits_module.DeviceWaits, "loads", held_loads)
+    monkeypatch.setattr(waits_module.DeviceWaits, "readers", counted_readers)
+    made: list[tuple[str, float]] = []
+    async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0")
+        child.start("receive")
+        first = asyncio.create_task(sender.push(tensors, version=1))
+        try:
+            assert await asyncio.to_thread(inside.wait, 30)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            with pytest.raises(ChildError, match=r"WeightSyncError.*cancelled"):
+                await asyncio.to_thread(child.result)
+            child.start("receive")
+            second = asyncio.create_task(
+                sender.push(lazy_copies(tensors, made), version=2)
+            )
+            await second_packs.wait()  # its job is handed over in the same step as the ask
+        finally:
+            held.set()
+        await second
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+    assert reply["digests"] == digests(tensors)
+    names = [name for name, _ in made]
+    plan = plan_buckets(
+        [TensorMeta.of(name, t) for name, t in tensors.items()], bucket_bytes=16 * KB
+    )
+    assert names == list(dict.fromkeys(s.name for b in plan for s in b.slots))  # in order, once
 
 
 async def test_close_during_a_push_fails_the_push_and_cleans_up(child: Child) -> None:

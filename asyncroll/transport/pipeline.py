@@ -134,11 +134,12 @@ class PushPipeline:
                 previous = unsignalled[2] if unsignalled is not None else None
                 if inline:
                     marker = await self._pack_here(
-                        bucket, index, tensors, readers, previous, stamps, early
+                        state, bucket, index, tensors, readers, previous, stamps, early
                     )
                 else:
                     marker = await self._in_packer(
-                        self._pack, bucket, index, tensors, readers, previous, stamps, early
+                        self._pack, state, bucket, index, tensors, readers, previous, stamps,
+                        early,
                     )
                 wait_s += stamp["free"] - stamp["waited"]
                 pack_s += clock() - stamp["free"]
@@ -277,7 +278,7 @@ class PushPipeline:
     # ---------------------------------------------------------------- a bucket: pack
 
     def _pack(
-        self, bucket: Bucket, index: int, tensors: _Sources, readers: Readers,
+        self, state: PushState, bucket: Bucket, index: int, tensors: _Sources, readers: Readers,
         previous: object | None, stamps: _Stamps, early: bool = False,
     ) -> object:
         """Wait until the buffer's last readers finished on the device, queue the bucket's
@@ -285,7 +286,7 @@ class PushPipeline:
         the copy events) for none. Returns this one's marker. Stamps ``loads_done``,
         ``queued`` and ``copied`` (the last, of the bucket waited for)."""
         self._waits.loads(readers)
-        marker = self._queue(bucket, index, tensors, stamps, early)
+        marker = self._queue(state, bucket, index, tensors, stamps, early)
         waited, which = self._signal_waits_for(marker, previous, early, stamps)
         if which:
             self._waits.copies(waited)
@@ -293,14 +294,14 @@ class PushPipeline:
         return marker
 
     async def _pack_here(
-        self, bucket: Bucket, index: int, tensors: _Sources, readers: Readers,
+        self, state: PushState, bucket: Bucket, index: int, tensors: _Sources, readers: Readers,
         previous: object | None, stamps: _Stamps, early: bool = False,
     ) -> object:
         """``_pack`` on the event loop, for a backend whose packing only queues device work
         (``inline_packing``): no thread hop a bucket, and the device waits are polls that let
         the loop run (the acks of the other buffer arrive meanwhile)."""
         await self._waits.poll_loads(readers)
-        marker = self._queue(bucket, index, tensors, stamps, early)
+        marker = self._queue(state, bucket, index, tensors, stamps, early)
         waited, which = self._signal_waits_for(marker, previous, early, stamps)
         if which:
             await self._waits.poll_copies(waited)
@@ -308,15 +309,22 @@ class PushPipeline:
         return marker
 
     def _queue(
-        self, bucket: Bucket, index: int, tensors: _Sources, stamps: _Stamps, early: bool = False
+        self, state: PushState, bucket: Bucket, index: int, tensors: _Sources, stamps: _Stamps,
+        early: bool = False,
     ) -> object:
         """Queue the bucket's copies (its buffer's readers are done); returns its marker (with
-        ``early``, the buffer's copy event, recorded). Stamps ``loads_done`` and ``queued``."""
+        ``early``, the buffer's copy event, recorded). Stamps ``loads_done`` and ``queued``.
+
+        Nothing is made or packed once ``state``'s push has ended: a job that was already in
+        the packing thread when its push was cut short (cancelled) may start after the next
+        push opened, whose lazy tensors and buffers are not its to touch."""
         stamps[-1]["loads_done"] = time.perf_counter()
-        state = self._pushes.current  # None once a push cut short has ended: make nothing
+        if self._pushes.current is not state:
+            stamps[-1]["queued"] = time.perf_counter()
+            return self._backend.mark_copies()
         made: dict[str, torch.Tensor] = {}
         sources = cast(Mapping[str, torch.Tensor], tensors)  # lazy ones only with ``makes``
-        if state is not None and state.makes is not None:
+        if state.makes is not None:
             state.made[index].clear()  # the buffer's readers are done: so are its copies
             sources, made = state.makes.for_bucket(bucket)
             state.made[index].extend(sources.values())
@@ -324,7 +332,7 @@ class PushPipeline:
         with _packing(), self._backend.copy_context():
             buffer = self._staging.buffers[index].tensor
             pack_bucket(bucket, buffer, sources, self._staging.views[index])
-        if made and state is not None and state.fingerprint is not None:
+        if made and state.fingerprint is not None:
             made = {n: t for n, t in made.items() if n not in state.pieces}  # not whole ones
             dtypes = {slot.name: slot.dtype for slot in bucket.slots if slot.name in made}
             if made:

@@ -130,6 +130,17 @@ def test_custom_grouping_function() -> None:
     assert [names(b) for b in plan] == [["x"], ["pair.a", "pair.b"]]
 
 
+def test_a_custom_group_keeps_numbered_members_in_numeric_order() -> None:
+    """Members named by number (``experts.2``, ``experts.10``) sort as numbers, not text: the
+    order a stacked parameter holds them in, so their copies can coalesce."""
+    metas = [meta(f"moe.experts.{i}", 64) for i in (0, 1, 2, 10, 11)]
+    (bucket,) = plan_buckets(
+        [meta("x", 64), *reversed(metas)], bucket_bytes=4096,
+        group_of=lambda n: "experts" if ".experts." in n else None,
+    )
+    assert names(bucket) == ["x", *(m.name for m in metas)]
+
+
 def test_tensor_larger_than_a_bucket_spans_and_completes_once() -> None:
     plan = plan_buckets([meta("a", 100), meta("big", 3000), meta("b", 100)], bucket_bytes=1024)
     pieces = [s for b in plan for s in b.slots if s.name == "big"]

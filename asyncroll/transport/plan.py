@@ -5,9 +5,10 @@ Pure and synchronous: no I/O, no torch kernels, nothing but arithmetic on metada
 Invariants of ``plan_buckets``:
 
 * tensors keep their order; members of a fused group are gathered at the place of the group's first
-  member, kind by kind (by the last part of their names: ``bias``, then ``weight``), in input order
-  within a kind: the order the fused parameter holds them in, so that a receiver's copies of
-  ``q, k, v`` into ``qkv_proj.weight`` read one contiguous range and coalesce into one copy;
+  member, kind by kind (by the last part of their names: ``bias``, then ``weight``; numbers in
+  numeric order), in input order within a kind: the order the fused parameter holds them in,
+  so that a receiver's copies of ``q, k, v`` into ``qkv_proj.weight`` read one contiguous range
+  and coalesce into one copy;
 * every slot starts at a multiple of ``ALIGN`` bytes inside its bucket, so a view of any dtype
   is legal, and no bucket uses more than ``bucket_bytes`` (the staging buffers are fixed);
 * a group (a lone tensor is a group of one) that fits in a bucket is never split: it goes whole
@@ -156,8 +157,15 @@ def group_metas(
             by_key[key] = [meta]
             groups.append(by_key[key])
     for group in by_key.values():
-        group.sort(key=lambda meta: meta.name.rpartition(".")[2])  # stable: input order within
+        group.sort(key=_kind)  # stable: input order within a kind
     return groups
+
+
+def _kind(meta: TensorMeta) -> tuple[int, int, str]:
+    """The sort key of a fused group's member: the last part of its name, a number compared as
+    a number (a custom ``group_of`` may group ``experts.2`` with ``experts.10``)."""
+    last = meta.name.rpartition(".")[2]
+    return (0, int(last), "") if last.isdigit() else (1, 0, last)
 
 
 def group_nbytes(group: Sequence[TensorMeta]) -> int:

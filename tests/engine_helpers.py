@@ -74,7 +74,7 @@ async def until_decoding(target: AsyncServerManager | Engine, num_requests: int)
             engines = (target,)
         busy = [engine for engine in engines if counts.get(engine.name)]
         if sum(counts.values()) >= num_requests and all(
-            _arrived(engine, counts[engine.name]) for engine in busy
+            [await _arrived(engine, counts[engine.name]) for engine in busy]
         ):
             break
         await asyncio.sleep(0.005)
@@ -86,10 +86,15 @@ async def until_decoding(target: AsyncServerManager | Engine, num_requests: int)
     )
 
 
-def _arrived(engine: Engine, count: int) -> bool:
-    """Whether ``count`` requests are inside the engine (past our adapter's admission gate)."""
+async def _arrived(engine: Engine, count: int) -> bool:
+    """Whether ``count`` requests are inside the engine's vLLM (past our adapter's admission
+    gate; for a Ray engine, inside the actor's vLLM: the actor may run calls out of order, and
+    the adapter counts a call before it is sent)."""
     if isinstance(engine, VLLMEngine):
         return engine.num_unfinished_in_vllm() >= count
+    remote = getattr(engine, "remote_unfinished", None)
+    if remote is not None:
+        return int(await remote()) >= count
     return engine.statistics().in_flight >= count  # a fake engine decodes what it admitted
 
 

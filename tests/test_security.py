@@ -17,7 +17,7 @@ import transport_helpers as helpers
 import zmq
 from test_transport import KB, Child, ChildError, digests, model_tensors, on_disk, pair
 
-from asyncroll.errors import TransportAuthError
+from asyncroll.errors import TransportAuthError, TransportTimeoutError
 from asyncroll.transport import ShmBackend, open_weight_sender, wire
 from asyncroll.transport.security import JobIdentity, make_runtime_dir, restricted_loads
 
@@ -92,14 +92,19 @@ async def test_rogue_process_injects_nothing_and_the_push_is_exact(
 
 
 async def test_receiver_with_the_wrong_secret_fails_on_both_sides(child: Child) -> None:
-    async with open_weight_sender(bucket_bytes=16 * KB, connect_timeout=1.0) as sender:
+    # The impostor is refused first (its own error says so), then the sender's wait for a
+    # receiver expires and names the failure it saw before the wait: event-ordered, so a slow
+    # child cannot turn the authentication error into a plain timeout.
+    async with open_weight_sender(bucket_bytes=16 * KB, connect_timeout=0.2) as sender:
         config = sender.receiver_config() | {"secret": os.urandom(32).hex()}
         child.start("connect", config, "impostor")
-        with pytest.raises(TransportAuthError, match="failed authentication"):
-            await sender.wait_receivers(1)
         with pytest.raises(ChildError, match=r"TransportAuthError.*wrong secret") as info:
             await asyncio.to_thread(child.result)
         assert info.value.kind == "TransportAuthError"
+        with pytest.raises(TransportAuthError, match="failed authentication"):
+            await sender.wait_receivers(1)
+        with pytest.raises(TransportTimeoutError):  # told once: the next wait is a plain timeout
+            await sender.wait_receivers(1)
         assert sender.statistics().receivers == 0
 
 

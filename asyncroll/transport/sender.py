@@ -110,6 +110,8 @@ class WeightSender:
         self._bucket_bytes = bucket_bytes
         self._expected = receivers
         self._connect_timeout = connect_timeout
+        self._auth_failures_told = 0
+        """Authentication failures a ``wait_receivers`` has seen already (it reports newer ones)."""
         self._ack_timeout = ack_timeout
         self._close_timeout = close_timeout
         self._seal_when_ready = seal
@@ -192,7 +194,8 @@ class WeightSender:
 
         Raises:
             TransportBrokenError: sealed, and a receiver has left since (fails at once).
-            TransportAuthError: not enough receivers came, and some peer failed authentication.
+            TransportAuthError: not enough receivers came, and some peer failed authentication
+                since the last wait (or since the sender opened), before this one or during it.
             TransportTimeoutError: not enough receivers came within the timeout.
             TransportClosedError: the sender was closed.
         """
@@ -202,19 +205,20 @@ class WeightSender:
                 f"{control.ready_count()} of {n} receivers left, and the sender is sealed (no new"
                 " receiver can connect): open a new sender"
             )
-        failures_before = control.statistics().auth_failures
         timeout = self._connect_timeout
         try:
             await control.wait(lambda: control.ready_count() >= n, within=timeout)
         except TimeoutError:
             msg = f"{control.ready_count()} of {n} receivers connected within {timeout:g} s"
-            failures = control.statistics().auth_failures - failures_before
+            seen = control.statistics().auth_failures
+            failures, self._auth_failures_told = seen - self._auth_failures_told, seen
             if failures:
                 raise TransportAuthError(
                     f"{msg}; {failures} peer message(s) failed authentication (a receiver with"
                     " the wrong secret?)"
                 ) from None
             raise TransportTimeoutError(msg) from None
+        self._auth_failures_told = control.statistics().auth_failures
         if self._seal_when_ready and not control.sealed:
             self._staging.unlink()
             control.seal()

@@ -431,14 +431,18 @@ async def test_timeout_around_generate_leaves_nothing_in_flight() -> None:
     engines = _engines()
     async with _manager(engines) as manager:
 
-        async def freeze_engines_mid_generation() -> None:
+        async def freeze_engines_mid_generation(deadline: asyncio.Timeout) -> None:
+            """Freeze the engines mid-generation, then let the caller's timeout expire: the
+            deadline follows the freeze (a fixed 50 ms could expire first on a busy machine,
+            and the freezer would then wait forever for tokens)."""
             await _progress(engines, 4)
             for engine in engines:
                 await engine.pause("keep")
+            deadline.reschedule(asyncio.get_running_loop().time())
 
-        freezer = asyncio.create_task(freeze_engines_mid_generation())
         with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.05):
+            async with asyncio.timeout(None) as deadline:
+                freezer = asyncio.create_task(freeze_engines_mid_generation(deadline))
                 await manager.generate("t", prompt_ids=[5], sampling_params={"max_tokens": 400})
         await freezer
         for engine in engines:

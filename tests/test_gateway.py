@@ -377,10 +377,15 @@ async def test_a_client_that_leaves_mid_turn_aborts_it_and_nothing_is_recorded(
         post = asyncio.create_task(http.post(f"/s/{session.id}/v1/chat/completions",
                                              json=long_turn))
         await until_decoding(recording.manager, 1)
-        post.cancel()  # the client gives up: its connection closes
-        with pytest.raises(asyncio.CancelledError):
-            await post
-        result = await gateway.finish_session(session.id)  # waits for the turn to end
+        await hold(recording.manager)  # the turn cannot finish before the client leaves
+        try:
+            post.cancel()  # the client gives up: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await post
+            result = await gateway.finish_session(session.id)  # waits for the turn to end
+        finally:
+            for engine in recording.manager.engines:
+                await engine.resume()
         assert result.trajectories == () and recording.calls == []
         assert recording.manager.statistics().in_flight == 0
         missing = await http.get("/v1/no-such-route")

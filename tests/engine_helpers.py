@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, VLLMEngine
 from asyncroll.interfaces import Engine
+from asyncroll.testing.contract import requests_inside
 from asyncroll.testing.faults import FAULTS_EXTENSION
 
 PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
@@ -90,12 +91,7 @@ async def _arrived(engine: Engine, count: int) -> bool:
     """Whether ``count`` requests are inside the engine's vLLM (past our adapter's admission
     gate; for a Ray engine, inside the actor's vLLM: the actor may run calls out of order, and
     the adapter counts a call before it is sent)."""
-    if isinstance(engine, VLLMEngine):
-        return engine.num_unfinished_in_vllm() >= count
-    remote = getattr(engine, "remote_unfinished", None)
-    if remote is not None:
-        return int(await remote()) >= count
-    return engine.statistics().in_flight >= count  # a fake engine decodes what it admitted
+    return await requests_inside(engine) >= count  # a fake engine decodes what it admitted
 
 
 async def hold(target: AsyncServerManager | Engine) -> None:

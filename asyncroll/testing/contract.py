@@ -31,6 +31,7 @@ __all__ = [
     "bad_inputs",
     "check_engine",
     "check_updatable_engine",
+    "requests_inside",
     "until_decoding",
 ]
 
@@ -54,13 +55,14 @@ async def until_decoding(engine: Engine, num_requests: int) -> None:
     "Inside" is what vLLM itself tracks, in our process or in a Ray actor's (whose calls may
     run out of order: the adapter's own count goes up before the call is even sent).
     """
-    while await _inside(engine) < num_requests:  # noqa: ASYNC110
+    while await requests_inside(engine) < num_requests:  # noqa: ASYNC110
         await asyncio.sleep(0.005)  # vLLM offers no event for it: the time only spaces polls
     await engine.generate(_rid("clock"), prompt_ids=[9], sampling_params=_params(8))
 
 
-async def _inside(engine: Engine) -> int:
-    """Requests inside ``engine``'s vLLM (a fake engine: those it admitted)."""
+async def requests_inside(engine: Engine) -> int:
+    """Requests inside ``engine``'s vLLM, in our process or a Ray actor's (a fake engine: those
+    it admitted): what a test waits on before it acts on running requests."""
     local = getattr(engine, "num_unfinished_in_vllm", None)
     if local is not None:
         return int(local())

@@ -802,6 +802,47 @@ async def test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_re
         assert reply["digests"] == expected
 
 
+class _ExportCounter:
+    """Stands in for the CUDA IPC backend in ``SharedStorages`` (CPU storages, fake handles)."""
+
+    def __init__(self) -> None:
+        self.exported = 0
+
+    def export_storage(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+        self.exported += 1
+        whole = torch.empty(0, dtype=torch.uint8)
+        whole.set_(tensor.untyped_storage())
+        return whole, f"handle {self.exported}".encode()
+
+
+def test_one_copy_reuses_its_last_message_only_for_the_same_tensors_at_the_same_places() -> None:
+    """A one-copy push of the tensors of the last one, unchanged in place, reuses its message;
+    a tensor with a new storage, a new shape or a new dtype at the same address, or a storage
+    the last push let go of, is shared again (and only a new storage is exported)."""
+    from asyncroll.transport.shared import SharedStorages
+
+    backend: Any = _ExportCounter()
+    base = torch.zeros(64)
+    tensors = {"a": base[:32], "b": base[32:], "c": torch.ones(8)}
+    shared = SharedStorages()
+    first = shared.share(backend, tensors)
+    assert backend.exported == 2 and len(first[0]) == 2
+    tensors["a"].mul_(2)  # in place: the same message
+    assert shared.share(backend, dict(tensors)) is first
+    tensors["c"] = torch.ones(8)  # a new storage: exported, the others kept
+    second = shared.share(backend, tensors)
+    assert second is not first and backend.exported == 3
+    assert [e.storage for e in second[1]][:2] == [e.storage for e in first[1]][:2]
+    tensors["b"] = base[32:].view(4, 8)  # the same address, another shape
+    third = shared.share(backend, tensors)
+    assert third is not second and third[1][1].shape == [4, 8] and backend.exported == 3
+    tensors["b"] = base[32:].view(torch.int32)  # and another dtype
+    assert shared.share(backend, tensors)[1][1].dtype == "int32"
+    shared.keep_only(set())  # the last push's storages let go of: exported again
+    shared.share(backend, tensors)
+    assert backend.exported == 5
+
+
 async def test_one_copy_needs_cuda_tensors_and_says_so() -> None:
     async with open_weight_sender(backend=ShmBackend(), bucket_bytes=16 * KB) as sender:
         with pytest.raises(ValueError, match="cuda_ipc"):

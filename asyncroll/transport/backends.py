@@ -354,12 +354,11 @@ class CudaIpcBackend:
         whole.set_(tensor.untyped_storage())
         return whole, _export(whole)
 
-    def wait_sources(self, *, within: float) -> None:
-        """Block until the work queued before ``mark_sources_ready`` is done (one-copy mode:
-        receivers read the sources themselves, from other processes)."""
+    def sources_done(self) -> bool:
+        """Whether the work queued before ``mark_sources_ready`` is done (one-copy mode:
+        receivers read the sources themselves, from other processes; never blocks)."""
         event = self._sources_ready
-        if event is not None:
-            poll_until(event.query, within=within)
+        return event is None or bool(event.query())  # type: ignore[no-untyped-call]
 
     def copy_context(self) -> AbstractContextManager[object]:
         stream = self._copy_stream()

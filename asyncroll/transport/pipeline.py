@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -190,9 +189,7 @@ class PushPipeline:
             backend.mark_sources_ready()
             storages, entries, used = self._shared.share(backend, tensors)
             t0 = time.perf_counter()
-            await self._in_packer(
-                functools.partial(backend.wait_sources, within=self._ack_timeout)
-            )
+            await self._waits.poll_sources(backend.sources_done)
             pack_s = time.perf_counter() - t0
             self._hold(0, state, bucket=0, loads=False)  # receivers synchronise before they ack
             for peer in state.peers:

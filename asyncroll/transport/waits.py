@@ -32,6 +32,10 @@ _COPIES_LATE: Final = (
     "the staging copies did not finish within {:g} s (device work queued before the push,"
     " which the copies wait for, is still running?)"
 )
+_SOURCES_LATE: Final = (
+    "the device work queued before the one-copy push (which writes the tensors it shares) did"
+    " not finish within {:g} s"
+)
 
 
 class DeviceWaits:
@@ -92,6 +96,17 @@ class DeviceWaits:
             )
         except TimeoutError:
             raise TransportTimeoutError(_COPIES_LATE.format(self._ack_timeout)) from None
+        self._control.check_usable()
+
+    async def poll_sources(self, sources_done: Callable[[], bool]) -> None:
+        """On the event loop: the work queued before the push (the trainer's last writes to
+        the tensors a one-copy push shares) is done; no thread hop where it already is."""
+        try:
+            await apoll_until(
+                sources_done, within=self._ack_timeout, give_up=lambda: self._control.closed
+            )
+        except TimeoutError:
+            raise TransportTimeoutError(_SOURCES_LATE.format(self._ack_timeout)) from None
         self._control.check_usable()
 
     def _load_polls(

@@ -786,6 +786,10 @@ class AsyncrollWorkerExtension:
         if isinstance(engine, AsyncrollWeightTransferEngine):
             engine.drop_plan()
 
+    def asyncroll_ping(self) -> None:
+        """Nothing: one round trip through vLLM's RPC (benchmarks measure the floor that the
+        update's two RPCs, the receive and the finish, set under its time)."""
+
     def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
         """Per-parameter sums of the served model (tests compare them across engines)."""
         model = self.model_runner.model  # type: ignore[attr-defined]

@@ -451,7 +451,9 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                         (worker["began"] - r.push.timeline[0].waited) * 1e3, 3)
                     last["timeline"]["worker: vLLM called us after the sender began (ms)"] = (
                         round((worker["entered"] - r.push.timeline[0].waited) * 1e3, 3))
+                phases = update_phases(r, worker)
                 return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
+                        **phases,
                         "call_ms": call_ms,
                         "total_with_pause_resume_ms": r.seconds * 1e3,
                         "pause_ms": r.pause_seconds * 1e3, "push_ms": r.push_seconds * 1e3,
@@ -476,6 +478,9 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
             res.record(s, f"{label} timeline (last push)", last["timeline"])
             log(f"  {label}: {results[label]['update_ms']:.1f} ms; the last push by link:\n"
                 + render_timeline(last["timeline"]))
+            phase_lines = "\n".join(f"    {k[7:]:52s} {v:7.2f}"
+                                    for k, v in results[label].items() if k.startswith("phase: "))
+            log(f"  {label}: the update by phase (median ms):\n{phase_lines}")
             (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
             if planned:
                 res.record(s, f"{label} not planned", worker.get("unplannable"))
@@ -517,6 +522,29 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
     for name, r in results.items():
         log(f"  {name}: {r['update_ms']:.1f} ms ({r['vs limit'] * 100:.1f}% of its limit,"
             f" {r['vs floor through vLLM'] * 100:.1f}% of the floor through vLLM)")
+
+
+def update_phases(report: Any, worker: dict[str, Any]) -> dict[str, float]:
+    """Where one update's push and finish went, end to end, in ms: the sender's and the
+    worker's ``time.perf_counter()`` stamps on one clock (Linux), the rest by difference."""
+    timeline = worker.get("timeline") or []
+    if not timeline or not report.push.began:
+        return {}
+    began, entered, r_began = report.push.began, worker["entered"], worker["began"]
+    first, last = timeline[0]["received"], timeline[-1]["acked"]
+    r_end = r_began + worker["seconds"]
+    phases = {
+        "phase: sender began -> vLLM calls the worker": entered - began,
+        "phase: the worker prepares its receive": r_began - entered,
+        "phase: the receiver waits for the first message": first - r_began,
+        "phase: first message -> last ack": last - first,
+        "phase: last ack -> the receive returns (End, sync)": r_end - last,
+        "phase: the worker checks fingerprints": worker.get("verify_seconds", 0.0),
+    }
+    accounted = sum(phases.values())
+    phases["phase: the rest (RPC back, the pusher)"] = report.push_seconds - accounted
+    phases["phase: finish (vLLM's finish RPC, the label)"] = report.finish_seconds
+    return {name: seconds * 1e3 for name, seconds in phases.items()}
 
 
 async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:

@@ -232,6 +232,8 @@ async def test_both_sides_time_every_bucket_on_one_clock(child: Child, kind: str
     (theirs,) = reply["timelines"]
     assert [t.bucket for t in ours] == list(range(report.buckets)) and report.buckets > 4
     assert [t["bucket"] for t in theirs] == list(range(report.buckets))
+    assert 0 < report.began <= ours[0].waited  # the push's start, on the same clock
+    assert report.began + report.seconds >= theirs[-1]["acked"]
     for sent, got in zip(ours, theirs, strict=True):
         assert sent.waited <= sent.free <= sent.loads_done <= sent.queued <= sent.copied
         assert sent.copied <= sent.signalled

@@ -469,6 +469,7 @@ class BroadcastSender:
                 seconds=finished - started,
                 pack_seconds=pack_seconds,
                 wait_seconds=finished - waiting,
+                began=started,
             )
 
     async def push(

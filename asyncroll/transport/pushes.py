@@ -133,7 +133,7 @@ class Pushes:
         return PushReport(
             version=state.version, bytes=nbytes, buckets=buckets, tensors=len(tensors),
             receivers=len(state.peers), seconds=seconds, pack_seconds=pack_s,
-            wait_seconds=wait_s, timeline=timeline,
+            wait_seconds=wait_s, timeline=timeline, began=started,
         )
 
     async def send_prints(self, state: PushState) -> None:

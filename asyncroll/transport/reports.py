@@ -44,6 +44,8 @@ class PushReport:
     """Time waiting for receivers to release a buffer (and for the final acks)."""
     timeline: tuple[SenderBucketTimes, ...] = ()
     """Per bucket, where its time went (staged pushes)."""
+    began: float = 0.0
+    """When the push began (``time.perf_counter()``: it lines up with the receivers' stamps)."""
 
     @property
     def gb_per_s(self) -> float:

@@ -103,6 +103,8 @@ class DistributedWeightPusher:
 
             engines: The engines, on the coordinator rank only (empty on the others).
             coordinator: The rank that pauses, labels and resumes the engines.
+            buffers: Staging buffers on each rank: 2 (not ``WeightPusher``'s 3 with CUDA IPC;
+                every rank's GPU also holds its trainer shard and the gathered buckets).
             dtype: Push floating tensors as this dtype (the engines' ``bfloat16``, say): a
                 float32 master weight is cast as it is packed, never copied whole first.
             pieces: Where every worker reads only rows that the rank serving it holds (its

@@ -21,9 +21,9 @@ from engine_helpers import (
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.testing.faults import inject_fault
-from asyncroll.transport import Piece
+from asyncroll.transport import CudaIpcBackend, Piece, ShmBackend, WeightSender
 from asyncroll.types import PauseMode
-from asyncroll.weights import WeightPusher
+from asyncroll.weights import DEFAULT_BUFFERS, WeightPusher
 
 pytestmark = pytest.mark.engine
 
@@ -236,6 +236,10 @@ async def test_pushers_sharing_an_engine_take_turns(
     try:
         await other.update(weights_b, global_steps=steps)
         assert await greedy(engine, "turn-b") == FRESH_GREEDY["b"]
+        # the staging buffers by backend (CUDA IPC: 3), here shared memory's
+        assert isinstance(other.sender, WeightSender)
+        assert other.sender.statistics().buffers == DEFAULT_BUFFERS[ShmBackend.name] == 2
+        assert DEFAULT_BUFFERS[CudaIpcBackend.name] == 3
         await engine.update_weights(weights_a, global_steps=steps + 1)
         assert await greedy(engine, "turn-a") == FRESH_GREEDY["a"]
         await other.update(weights_b, global_steps=steps + 2)

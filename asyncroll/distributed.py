@@ -121,6 +121,8 @@ class DistributedWeightPusher:
             )
         if (self.rank == coordinator) != bool(engines):
             raise InvalidRequestError("pass the engines on the coordinator rank, and only there")
+        if not isinstance(buffers, int) or isinstance(buffers, bool) or buffers < 1:
+            raise InvalidRequestError(f"buffers must be an int of at least 1, not {buffers!r}")
         self._coordinator = coordinator
         self._dtype = dtype
         self._buffers = buffers

@@ -80,6 +80,7 @@ __all__ = [
     "WeightPusher",
     "check_global_steps",
     "check_resume_mode",
+    "default_buffers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,12 +100,20 @@ over NCCL between two GPUs 1 GiB buckets moved a 7B update 1-3 ms faster than 51
 the size vLLM's own NCCL path packs by default)."""
 
 DEFAULT_BUFFERS = {"shm": 2, "cuda_ipc": 3, "broadcast": 2, "broadcast_cpu": 2}
-"""Staging buffers by backend. With CUDA IPC a third buffer keeps the device copying while a
-bucket's signal and ack cross between the processes: a 7B update took 10-23% less time with
-3 x 512 MiB than with 2 on an H200 (six runs), between 7% less and 7% more on an H100, and the
-transport alone moved 74-79% of the copy limit instead of 68-74%, for 512 MiB more GPU memory
-(docs/benchmarks.md, sessions 13-15). Shared memory packs in a thread, where a third buffer
-did not help (1 MiB buckets on the CPU machine: 0.72 GB/s against 0.86)."""
+"""Staging buffers of a staged push, by backend. With CUDA IPC a third buffer keeps the device
+copying while a bucket's signal and ack cross between the processes: a 7B update took 10-23%
+less time with 3 x 512 MiB than with 2 on an H200 (six runs, one median each), between 8% less
+and 8% more on an H100, and the transport alone moved 4-6 points more of the copy limit (H100
+78-79% against 74%, H200 74% against 68%), for 512 MiB more GPU memory (docs/benchmarks.md,
+sessions 13-15). Shared memory packs in a thread, where a third buffer did not help (1 MiB
+buckets on the CPU machine: 0.72 GB/s against 0.86). See ``default_buffers``."""
+
+
+def default_buffers(backend: str, *, one_copy: bool = False) -> int:
+    """The staging buffers a pusher opens when not told: ``DEFAULT_BUFFERS[backend]``, or two
+    for a one-copy pusher, whose pushes never pack a bucket (its buffers only keep the
+    receivers' handshake; a third would be 512 MiB of GPU memory for nothing)."""
+    return 2 if one_copy else DEFAULT_BUFFERS[backend]
 
 
 MAX_GLOBAL_STEPS = 2**63 - 1
@@ -577,7 +586,7 @@ class SenderChannel:
             open_weight_sender(
                 backend=backend,
                 bucket_bytes=self._bucket_bytes or DEFAULT_BUCKET_BYTES[backend.name],
-                buffers=self._buffers or DEFAULT_BUFFERS[backend.name],
+                buffers=self._buffers or default_buffers(backend.name, one_copy=self._one_copy),
                 receivers=workers,
                 connect_timeout=self._timeout,
                 ack_timeout=self._timeout,
@@ -656,9 +665,9 @@ class SenderChannel:
                     bucket_bytes=self._bucket_bytes or DEFAULT_BUCKET_BYTES[
                         "broadcast" if device.type == "cuda" else "broadcast_cpu"
                     ],
-                    buffers=self._buffers or DEFAULT_BUFFERS[
+                    buffers=self._buffers or default_buffers(
                         "broadcast" if device.type == "cuda" else "broadcast_cpu"
-                    ],
+                    ),
                     peer_timeout=self._timeout,
                 )
             )
@@ -690,9 +699,10 @@ class WeightPusher(VersionedUpdater):
             engines: Engines launched with asyncroll's weight-transfer backend (the default).
             bucket_bytes: Size of each staging buffer (default by backend:
                 ``DEFAULT_BUCKET_BYTES``).
-            buffers: Staging buffers (default by backend: ``DEFAULT_BUFFERS``, 3 with CUDA
-                IPC, 2 otherwise); 3 keeps the device busy while a bucket's signal and ack
-                travel (``bench/gpu_e2e.py`` compares); 2 saves one bucket of GPU memory.
+            buffers: Staging buffers (default: ``default_buffers``, 3 with CUDA IPC, 2
+                otherwise and for ``one_copy``); 3 keeps the device busy while a bucket's
+                signal and ack travel (``bench/gpu_e2e.py`` compares); 2 saves one bucket of
+                GPU memory.
             backend: ``shm`` (CPU tensors), ``cuda_ipc`` (GPU tensors), or by the tensors
                 (``auto``): engines on this host. ``broadcast``: engines on any host (Ray
                 actors on other nodes): a process group of this process (rank 0) and every

@@ -37,6 +37,9 @@ def test_engines_belong_to_the_coordinator_only() -> None:
         DistributedWeightPusher([])
     with pytest.raises(InvalidRequestError, match="not a rank of 1"):
         DistributedWeightPusher([FakeEngine(name="e")], coordinator=1)
+    for buffers in (None, 0, True):  # on every rank, before any sender opens
+        with pytest.raises(InvalidRequestError, match="buffers must be an int of at least 1"):
+            DistributedWeightPusher([FakeEngine(name="e")], buffers=buffers)  # type: ignore[arg-type]
 
 
 @pytest.mark.usefixtures("world_of_one")

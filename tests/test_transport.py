@@ -819,8 +819,9 @@ class _ExportCounter:
 
 def test_one_copy_reuses_its_last_message_only_for_the_same_tensors_at_the_same_places() -> None:
     """A one-copy push of the tensors of the last one, unchanged in place, reuses its message;
-    a tensor with a new storage, a new shape or a new dtype at the same address, or a storage
-    the last push let go of, is shared again (and only a new storage is exported)."""
+    a tensor with a new storage, a new shape or a new dtype at the same address, the same
+    address in another storage, or a storage the last push let go of, is shared again (and
+    only a new storage is exported)."""
     from asyncroll.transport.shared import SharedStorages
 
     backend: Any = _ExportCounter()
@@ -840,9 +841,34 @@ def test_one_copy_reuses_its_last_message_only_for_the_same_tensors_at_the_same_
     assert third is not second and third[1][1].shape == [4, 8] and backend.exported == 3
     tensors["b"] = base[32:].view(torch.int32)  # and another dtype
     assert shared.share(backend, tensors)[1][1].dtype == "int32"
+    tensors["b"] = torch.from_dlpack(base[32:])  # the same address, another storage
+    fourth = shared.share(backend, tensors)
+    assert fourth[1][1].offset == 0 and fourth[1][1].storage != fourth[1][0].storage
+    assert backend.exported == 4
     shared.keep_only(set())  # the last push's storages let go of: exported again
     shared.share(backend, tensors)
-    assert backend.exported == 5
+    assert backend.exported == 7  # a, b and c: three storages
+
+
+async def test_one_copy_sources_that_never_finish_time_out_naming_them() -> None:
+    """The one-copy sender's wait for the device work queued before the push is bounded, and
+    its timeout says what it waited for; a sender closed meanwhile stops waiting at once."""
+
+    class Control:
+        closed = False
+
+        def check_usable(self) -> None:
+            if self.closed:
+                raise TransportClosedError("closed")
+
+    control: Any = Control()
+    waits = waits_module.DeviceWaits(control=control, backend=ShmBackend(), ack_timeout=0.05)
+    with pytest.raises(TransportTimeoutError, match="before the one-copy push"):
+        await waits.poll_sources(lambda: False)
+    await waits.poll_sources(lambda: True)  # done: no wait
+    control.closed = True
+    with pytest.raises(TransportClosedError):
+        await waits.poll_sources(lambda: False)
 
 
 async def test_one_copy_needs_cuda_tensors_and_says_so() -> None:

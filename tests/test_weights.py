@@ -23,7 +23,7 @@ from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, Weig
 from asyncroll.testing.faults import inject_fault
 from asyncroll.transport import CudaIpcBackend, Piece, ShmBackend, WeightSender
 from asyncroll.types import PauseMode
-from asyncroll.weights import DEFAULT_BUFFERS, WeightPusher
+from asyncroll.weights import WeightPusher, default_buffers
 
 pytestmark = pytest.mark.engine
 
@@ -236,10 +236,9 @@ async def test_pushers_sharing_an_engine_take_turns(
     try:
         await other.update(weights_b, global_steps=steps)
         assert await greedy(engine, "turn-b") == FRESH_GREEDY["b"]
-        # the staging buffers by backend (CUDA IPC: 3), here shared memory's
+        # the staging buffers by backend (``default_buffers``), here shared memory's
         assert isinstance(other.sender, WeightSender)
-        assert other.sender.statistics().buffers == DEFAULT_BUFFERS[ShmBackend.name] == 2
-        assert DEFAULT_BUFFERS[CudaIpcBackend.name] == 3
+        assert other.sender.statistics().buffers == default_buffers(ShmBackend.name) == 2
         await engine.update_weights(weights_a, global_steps=steps + 1)
         assert await greedy(engine, "turn-a") == FRESH_GREEDY["a"]
         await other.update(weights_b, global_steps=steps + 2)
@@ -344,6 +343,15 @@ async def test_thirty_pushes_keep_memory_bounded(engine: VLLMEngine, tiny_model_
     growth = _rss_mib(psutil.Process().pid) - baseline
     assert growth < 64, f"trainer + engine resident memory grew {growth:.0f} MiB over 30 pushes"
     assert await greedy(engine, "after-30") == FRESH_GREEDY["a"]
+
+
+def test_staging_buffers_default_by_backend_and_mode() -> None:
+    """Three with CUDA IPC, where a third buffer keeps the device busy across the host hops;
+    two with shared memory, over broadcast, and for a one-copy pusher (it packs nothing)."""
+    assert default_buffers(CudaIpcBackend.name) == 3
+    assert default_buffers(CudaIpcBackend.name, one_copy=True) == 2
+    assert default_buffers(ShmBackend.name) == 2
+    assert default_buffers("broadcast") == default_buffers("broadcast_cpu") == 2
 
 
 async def test_bad_pusher_options_are_rejected(engine: VLLMEngine) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,47 @@ from asyncroll.testing import make_tiny_model
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+_SESSION_LOOP: list[asyncio.AbstractEventLoop] = []
+"""The loop every async test and fixture runs on (``asyncio_default_test_loop_scope``)."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def _session_loop() -> AsyncIterator[None]:
+    _SESSION_LOOP.append(asyncio.get_running_loop())
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that timed out says what every task of the loop was waiting on, first thing in
+    its report (pytest-timeout shows only the loop's thread, idle in its selector)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed or not _SESSION_LOOP:
+        return
+    text = str(report.longrepr)
+    if "Timeout" not in text:
+        return
+    dump = io.StringIO()
+    for task in asyncio.all_tasks(_SESSION_LOOP[0]):
+        print(f"{task.get_name()}:", file=dump)
+        for where in _awaiting(task.get_coro()):
+            print(f"    {where}", file=dump)
+    report.longrepr = f"asyncio tasks pending at the timeout:\n{dump.getvalue()}\n{text}"
+
+
+def _awaiting(coro: object) -> Iterator[str]:
+    """Where a coroutine waits, outermost first, down its chain of awaits."""
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(
+            coro, "gi_frame", None
+        )
+        if frame is not None:
+            yield f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(
+            coro, "gi_yieldfrom", None
+        )
 
 @pytest.fixture(scope="session")
 def tiny_model_a(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -18,12 +18,14 @@ from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, load_weights
 import asyncroll.weights as weights_module
 from asyncroll import (
     AsyncServerManager,
+    EngineDeadError,
     InvalidRequestError,
     VLLMEngine,
     WeightPusher,
     WeightSyncError,
 )
 from asyncroll.testing.faults import inject_fault
+from asyncroll.vllm import compat
 from asyncroll.weights import SenderChannel
 
 pytestmark = pytest.mark.engine
@@ -323,4 +325,49 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
             assert not serving_a.is_dead and not serving_a.statistics().holding
             assert await greedy(serving_a, "survivor") == FRESH_GREEDY["a"]
     finally:
+        await doomed.aclose()
+
+
+@pytest.mark.timeout(300)
+async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
+    tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's client never fails a call it sent before its EngineCore exited: without the
+    adapter's own watch, the resume below waits forever (CI saw it: an update whose engine's
+    worker was killed hung in the resume after the failed push)."""
+    doomed = await VLLMEngine.start(tiny_model_a, name="core-dies", **ENGINE_ARGS)
+    try:
+        (core,) = compat.engine_core_processes(doomed.llm)
+        client = doomed.llm.engine_core
+        send = client._send_input_message
+        sent: list[object] = []
+        both_sent = asyncio.Event()
+
+        def counted(message: Any, engine: Any) -> Any:
+            sending = send(message, engine)
+
+            async def sent_then_counted() -> None:
+                await sending
+                sent.append(message)
+                if len(sent) == 2:
+                    both_sent.set()
+
+            return sent_then_counted()
+
+        monkeypatch.setattr(client, "_send_input_message", counted)
+        os.kill(core.pid, signal.SIGSTOP)  # it reads nothing from here on: no call is answered
+        calls = [
+            asyncio.ensure_future(doomed.resume()),
+            asyncio.ensure_future(doomed.read_ranges()),
+        ]
+        await both_sent.wait()  # each call now waits for an answer that never comes
+        os.kill(core.pid, signal.SIGKILL)
+        for call in calls:
+            with pytest.raises(EngineDeadError, match="core-dies"):
+                await call
+        assert doomed.is_dead and doomed.statistics().dead
+        with pytest.raises(EngineDeadError):
+            await doomed.generate("after", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 2})
+    finally:
+        monkeypatch.undo()
         await doomed.aclose()

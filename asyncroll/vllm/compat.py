@@ -7,12 +7,21 @@ import functools
 from typing import Any
 
 __all__ = [
+    "engine_core_processes",
     "labels_versions",
     "pause_generation",
     "num_unfinished_requests",
     "shutdown_weight_transfer",
     "worker_runs_the_session",
 ]
+
+
+def engine_core_processes(llm: Any) -> list[Any]:
+    """The EngineCore processes behind an ``AsyncLLM`` client (``multiprocessing`` processes,
+    with a ``sentinel``), or none where the core runs in this process."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
 
 
 def labels_versions(llm: Any) -> bool:

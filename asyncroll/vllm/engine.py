@@ -8,6 +8,9 @@ the client. Invariants:
 - Every admitted request resolves exactly once, and leaves ``statistics().in_flight`` when it
   does, whether it finished, was aborted, failed or its caller was cancelled.
 - vLLM's errors are mapped onto asyncroll's tree here, and nowhere else.
+- Every call into vLLM ends: if the EngineCore process exits, calls in flight fail with
+  ``EngineDeadError`` at once (vLLM's client leaves a call it sent before the exit pending
+  forever; the adapter watches the process itself).
 - Every token is labelled with the ``global_steps`` of the weights that produced it: from vLLM's
   own version spans where it reports them (0.32+), else (0.24) from the boundaries this adapter
   records while the engine is paused for an update (nothing is sampled during a pause, so the
@@ -136,6 +139,12 @@ class VLLMEngine:
         the KV cached before it unreachable (``reset_prefix_cache``, ``commit_version``)."""
         self._cache_salt = f"asyncroll-{secrets.token_hex(8)}"
         """Unique to this engine, so two engines' keys never meet in a shared KV store."""
+        self._died: asyncio.Future[None] | None = None
+        """Done when an EngineCore process exits (or the engine is closed): every call into
+        vLLM races it (made on first use, in the engine's loop)."""
+        self._watched: list[int] = []
+        self._watching: asyncio.AbstractEventLoop | None = None
+        self._watch_engine_cores()
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -195,7 +204,7 @@ class VLLMEngine:
         try:
             label = version_label(global_steps)
             if label is not None and engine.native_versions:
-                await llm.update_weight_version(label)
+                await engine._alive(llm.update_weight_version(label))
         except BaseException:
             await engine.aclose()
             raise
@@ -412,6 +421,8 @@ class VLLMEngine:
             return
         self._closed = True
         self._gate.set()  # waiters wake and find the engine closed
+        self._stop_watching()
+        self._mark_died()
         if self._pusher is not None:
             with contextlib.suppress(Exception):
                 await self._pusher.aclose()
@@ -463,15 +474,15 @@ class VLLMEngine:
 
         # vLLM 0.24 builds weight-transfer engines without the configs a rollback needs; the
         # RPC supplies them where they are missing (the worker checks).
-        await self._llm.collective_rpc("asyncroll_bind_weight_transfer_engine")
+        await self._alive(self._llm.collective_rpc("asyncroll_bind_weight_transfer_engine"))
         request = WeightTransferInitRequest(init_info={**config, "name": self.name})
-        await self._llm.init_weight_transfer_engine(request)
+        await self._alive(self._llm.init_weight_transfer_engine(request))
         self._attached_to = owner
 
     async def detach(self) -> None:
         """Close the workers' receivers (they release their mappings)."""
         self._attached_to = None
-        await compat.shutdown_weight_transfer(self._llm)
+        await self._alive(compat.shutdown_weight_transfer(self._llm))
 
     async def begin_update(self, *, load: str) -> None:
         """Recorded here: the workers begin the update with the receive, in one RPC
@@ -484,11 +495,15 @@ class VLLMEngine:
         load, self._begun = self._begun, None
         info = {"version": version}
         if load is None:
-            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self._alive(
+                self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            )
             return
-        failures = await self._llm.collective_rpc(
-            "asyncroll_take_update",
-            kwargs={"update_info": info, "layerwise": load == "layerwise"},
+        failures = await self._alive(
+            self._llm.collective_rpc(
+                "asyncroll_take_update",
+                kwargs={"update_info": info, "layerwise": load == "layerwise"},
+            )
         )
         failed = [(rank, why) for rank, why in enumerate(failures) if why is not None]
         if failed:
@@ -501,11 +516,11 @@ class VLLMEngine:
     async def end_failed_update(self) -> bool:
         """End the update in every worker; True if each restored its previous weights."""
         self._begun = None
-        whole = await self._llm.collective_rpc("asyncroll_abort_weight_update")
+        whole = await self._alive(self._llm.collective_rpc("asyncroll_abort_weight_update"))
         return all(whole)
 
     async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
-        ranges = await self._llm.collective_rpc("asyncroll_read_ranges")
+        ranges = await self._alive(self._llm.collective_rpc("asyncroll_read_ranges"))
         return [
             None if found is None else {name: (int(a), int(b)) for name, (a, b) in found.items()}
             for found in ranges
@@ -514,7 +529,9 @@ class VLLMEngine:
     async def last_delivery(self) -> Delivery | None:
         """What the workers took in the last push, summed (None before the first push, or if a
         worker's last push is another than the others')."""
-        reports = await self._llm.collective_rpc("asyncroll_last_receive_report")
+        reports = await self._alive(
+            self._llm.collective_rpc("asyncroll_last_receive_report")
+        )
         if not reports or any(r is None for r in reports):
             return None
         if len({r["version"] for r in reports}) != 1:
@@ -532,9 +549,11 @@ class VLLMEngine:
         """End the update in vLLM and label the weights ``global_steps`` (None keeps the
         label). Call while paused, after a successful push."""
         if self.native_versions:
-            await self._llm.finish_weight_update(weight_version=version_label(global_steps))
+            await self._alive(
+                self._llm.finish_weight_update(weight_version=version_label(global_steps))
+            )
         else:  # vLLM 0.24 labels nothing; this adapter does (see the module doc)
-            await self._llm.finish_weight_update()
+            await self._alive(self._llm.finish_weight_update())
         if global_steps is not None:
             self._global_steps = global_steps
         self._cache_epoch += 1  # the label and the cache epoch always move together
@@ -647,7 +666,7 @@ class VLLMEngine:
             error = self._map_error(exc, request_id)
             if not isinstance(error, EngineDeadError):  # leave nothing behind inside vLLM
                 with contextlib.suppress(Exception):
-                    await self._llm.abort(request_id)
+                    await self._alive(self._llm.abort(request_id))
             raise error from exc
         finally:
             self._version_marks.pop(request_id, None)
@@ -657,10 +676,74 @@ class VLLMEngine:
         return segment
 
     async def _call(self, awaitable: Any) -> Any:
+        """Await a call into vLLM (``_alive``), its errors mapped onto asyncroll's."""
         try:
-            return await awaitable
+            return await self._alive(awaitable)
+        except EngineDeadError:
+            raise
         except Exception as exc:
             raise self._map_error(exc, None) from exc
+
+    async def _alive(self, awaitable: Any) -> Any:
+        """Await a call into vLLM, failing with ``EngineDeadError`` as soon as the EngineCore
+        exits, answered or not: vLLM's client never fails a call it sent before the exit."""
+        call = asyncio.ensure_future(awaitable)
+        if not call.done():
+            try:
+                await asyncio.wait((call, self._death()), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # our caller is cancelled: so is the call
+                call.cancel()
+                raise
+        if not call.done():  # the engine died or was closed first: vLLM would never answer
+            call.cancel()
+            self._check_alive()
+            raise EngineDeadError(f"{self.name} is dead")
+        return call.result()
+
+    def _watch_engine_cores(self) -> None:
+        """Learn of an EngineCore's exit from its process sentinel, on the event loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # built outside a loop (a test's stand-in): nothing to watch
+            return
+        for process in compat.engine_core_processes(self._llm):
+            loop.add_reader(process.sentinel, self._core_exited, process)
+            self._watched.append(process.sentinel)
+        self._watching = loop
+
+    def _stop_watching(self) -> None:
+        watched, self._watched = self._watched, []
+        loop, self._watching = self._watching, None
+        if loop is None or loop.is_closed():
+            return
+        for sentinel in watched:
+            loop.remove_reader(sentinel)
+
+    def _core_exited(self, process: Any) -> None:
+        self._stop_watching()
+        if self._closed:
+            return
+        if self._dead is None:
+            code = "" if process.exitcode is None else f" with code {process.exitcode}"
+            self._dead = RuntimeError(f"vLLM's EngineCore process {process.pid} exited{code}")
+            logger.error("%s: %s", self.name, self._dead)
+        self._mark_died()
+        self._gate.set()  # requests waiting for admission wake and find the engine dead
+
+    def _death(self) -> asyncio.Future[None]:
+        """Done once the engine died or closed; one per loop the engine is called from (a
+        test may use a session's engine from more than one)."""
+        loop = asyncio.get_running_loop()
+        if self._died is None or self._died.get_loop() is not loop:
+            self._died = loop.create_future()
+            if self._closed or self._dead is not None:
+                self._died.set_result(None)
+        return self._died
+
+    def _mark_died(self) -> None:
+        """Wake every call racing ``_death`` (from the loop's thread, or with no loop running)."""
+        if self._died is not None and not self._died.done():
+            self._died.set_result(None)
 
     def _map_error(self, exc: Exception, request_id: str | None) -> Exception:
         from vllm.v1.engine.exceptions import EngineDeadError as VLLMEngineDeadError
@@ -668,6 +751,7 @@ class VLLMEngine:
         what = f"request {request_id!r} on {self.name}" if request_id else self.name
         if isinstance(exc, VLLMEngineDeadError) or self._llm.errored:
             self._dead = exc
+            self._mark_died()
             self._gate.set()  # requests waiting for admission wake and find the engine dead
             return EngineDeadError(f"{what}: the engine died ({exc!r})")
         if isinstance(exc, ValueError) or _is_input_error(exc):

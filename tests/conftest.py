@@ -33,13 +33,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     its report (pytest-timeout shows only the loop's thread, idle in its selector)."""
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
-    if report.when != "call" or not report.failed or not _SESSION_LOOP:
+    # pytest-asyncio closes a session loop per loop-factory group (``tests/both_loops``): the
+    # suite's own is the one still open.
+    loops = [loop for loop in _SESSION_LOOP if not loop.is_closed()]
+    if report.when != "call" or not report.failed or not loops:
         return
     text = str(report.longrepr)
     if "Timeout" not in text:
         return
     dump = io.StringIO()
-    for task in asyncio.all_tasks(_SESSION_LOOP[0]):
+    for task in asyncio.all_tasks(loops[-1]):
         print(f"{task.get_name()}:", file=dump)
         for where in _awaiting(task.get_coro()):
             print(f"    {where}", file=dump)

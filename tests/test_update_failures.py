@@ -24,6 +24,7 @@ from asyncroll import (
     WeightPusher,
     WeightSyncError,
 )
+from asyncroll.testing.contract import until_decoding
 from asyncroll.testing.faults import inject_fault
 from asyncroll.vllm import compat
 from asyncroll.weights import SenderChannel
@@ -354,6 +355,11 @@ async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
 
             return sent_then_counted()
 
+        decoding = asyncio.ensure_future(doomed.generate(
+            "in-flight", prompt_ids=[1, 2, 3],
+            sampling_params={"max_tokens": 400, "ignore_eos": True},
+        ))
+        await until_decoding(doomed, 1)
         monkeypatch.setattr(client, "_send_input_message", counted)
         os.kill(core.pid, signal.SIGSTOP)  # it reads nothing from here on: no call is answered
         calls = [
@@ -362,7 +368,7 @@ async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
         ]
         await both_sent.wait()  # each call now waits for an answer that never comes
         os.kill(core.pid, signal.SIGKILL)
-        for call in calls:
+        for call in [*calls, decoding]:
             with pytest.raises(EngineDeadError, match="core-dies"):
                 await call
         assert doomed.is_dead and doomed.statistics().dead

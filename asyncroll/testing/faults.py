@@ -70,12 +70,16 @@ async def inject_fault(
     """Arm a fault in every worker of ``engine`` (a ``VLLMEngine`` launched with
     ``FAULTS_EXTENSION``), or only in the worker of rank ``rank`` (tensor parallel), for the
     body of the ``async with``; cleared on exit."""
-    await engine.llm.collective_rpc("asyncroll_inject_fault", args=(point, tensor, rank))
+    # Through ``call_vllm``: a call into an engine whose core died fails, not hangs.
+    await engine.call_vllm(
+        engine.llm.collective_rpc("asyncroll_inject_fault", args=(point, tensor, rank))
+    )
     try:
         yield
     finally:
         if not engine.is_dead:
-            await engine.llm.collective_rpc("asyncroll_inject_fault", args=("", ""))
+            clear = engine.llm.collective_rpc("asyncroll_inject_fault", args=("", ""))
+            await engine.call_vllm(clear)
 
 
 def _fail_loading(tensor: str) -> Any:

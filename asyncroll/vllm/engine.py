@@ -204,7 +204,10 @@ class VLLMEngine:
         try:
             label = version_label(global_steps)
             if label is not None and engine.native_versions:
-                await engine._alive(llm.update_weight_version(label))
+                await engine.call_vllm(llm.update_weight_version(label))
+        except EngineDeadError as exc:
+            await engine.aclose()
+            raise EngineStartError(f"vLLM died as it started on {str(path)!r}: {exc}") from exc
         except BaseException:
             await engine.aclose()
             raise
@@ -441,6 +444,28 @@ class VLLMEngine:
         verbs below)."""
         return self._llm
 
+    async def call_vllm(self, awaitable: Any) -> Any:
+        """Await a call into vLLM (a coroutine of ``llm``'s), failing with ``EngineDeadError``
+        as soon as the EngineCore exits, answered or not: vLLM's client never fails a call it
+        sent before the exit. Every call the adapter makes goes through here; so should a
+        caller's own calls on ``llm``.
+
+        Raises:
+            EngineDeadError: the engine died or was closed before the call was answered.
+        """
+        call = asyncio.ensure_future(awaitable)
+        if not call.done():
+            try:
+                await asyncio.wait((call, self._death()), return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # our caller is cancelled: so is the call
+                call.cancel()
+                raise
+        if not call.done():  # the engine died or was closed first: vLLM would never answer
+            call.cancel()
+            self._check_alive()
+            raise EngineDeadError(f"{self.name} is dead")
+        return call.result()
+
     # -- the update verbs (``asyncroll.interfaces.ReceivingEngine``) ------------------------
 
     @property
@@ -474,15 +499,15 @@ class VLLMEngine:
 
         # vLLM 0.24 builds weight-transfer engines without the configs a rollback needs; the
         # RPC supplies them where they are missing (the worker checks).
-        await self._alive(self._llm.collective_rpc("asyncroll_bind_weight_transfer_engine"))
+        await self.call_vllm(self._llm.collective_rpc("asyncroll_bind_weight_transfer_engine"))
         request = WeightTransferInitRequest(init_info={**config, "name": self.name})
-        await self._alive(self._llm.init_weight_transfer_engine(request))
+        await self.call_vllm(self._llm.init_weight_transfer_engine(request))
         self._attached_to = owner
 
     async def detach(self) -> None:
         """Close the workers' receivers (they release their mappings)."""
         self._attached_to = None
-        await self._alive(compat.shutdown_weight_transfer(self._llm))
+        await self.call_vllm(compat.shutdown_weight_transfer(self._llm))
 
     async def begin_update(self, *, load: str) -> None:
         """Recorded here: the workers begin the update with the receive, in one RPC
@@ -495,11 +520,11 @@ class VLLMEngine:
         load, self._begun = self._begun, None
         info = {"version": version}
         if load is None:
-            await self._alive(
+            await self.call_vllm(
                 self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             )
             return
-        failures = await self._alive(
+        failures = await self.call_vllm(
             self._llm.collective_rpc(
                 "asyncroll_take_update",
                 kwargs={"update_info": info, "layerwise": load == "layerwise"},
@@ -516,11 +541,11 @@ class VLLMEngine:
     async def end_failed_update(self) -> bool:
         """End the update in every worker; True if each restored its previous weights."""
         self._begun = None
-        whole = await self._alive(self._llm.collective_rpc("asyncroll_abort_weight_update"))
+        whole = await self.call_vllm(self._llm.collective_rpc("asyncroll_abort_weight_update"))
         return all(whole)
 
     async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
-        ranges = await self._alive(self._llm.collective_rpc("asyncroll_read_ranges"))
+        ranges = await self.call_vllm(self._llm.collective_rpc("asyncroll_read_ranges"))
         return [
             None if found is None else {name: (int(a), int(b)) for name, (a, b) in found.items()}
             for found in ranges
@@ -529,7 +554,7 @@ class VLLMEngine:
     async def last_delivery(self) -> Delivery | None:
         """What the workers took in the last push, summed (None before the first push, or if a
         worker's last push is another than the others')."""
-        reports = await self._alive(
+        reports = await self.call_vllm(
             self._llm.collective_rpc("asyncroll_last_receive_report")
         )
         if not reports or any(r is None for r in reports):
@@ -549,11 +574,11 @@ class VLLMEngine:
         """End the update in vLLM and label the weights ``global_steps`` (None keeps the
         label). Call while paused, after a successful push."""
         if self.native_versions:
-            await self._alive(
+            await self.call_vllm(
                 self._llm.finish_weight_update(weight_version=version_label(global_steps))
             )
         else:  # vLLM 0.24 labels nothing; this adapter does (see the module doc)
-            await self._alive(self._llm.finish_weight_update())
+            await self.call_vllm(self._llm.finish_weight_update())
         if global_steps is not None:
             self._global_steps = global_steps
         self._cache_epoch += 1  # the label and the cache epoch always move together
@@ -666,7 +691,7 @@ class VLLMEngine:
             error = self._map_error(exc, request_id)
             if not isinstance(error, EngineDeadError):  # leave nothing behind inside vLLM
                 with contextlib.suppress(Exception):
-                    await self._alive(self._llm.abort(request_id))
+                    await self.call_vllm(self._llm.abort(request_id))
             raise error from exc
         finally:
             self._version_marks.pop(request_id, None)
@@ -676,29 +701,13 @@ class VLLMEngine:
         return segment
 
     async def _call(self, awaitable: Any) -> Any:
-        """Await a call into vLLM (``_alive``), its errors mapped onto asyncroll's."""
+        """Await a call into vLLM (``call_vllm``), its errors mapped onto asyncroll's."""
         try:
-            return await self._alive(awaitable)
+            return await self.call_vllm(awaitable)
         except EngineDeadError:
             raise
         except Exception as exc:
             raise self._map_error(exc, None) from exc
-
-    async def _alive(self, awaitable: Any) -> Any:
-        """Await a call into vLLM, failing with ``EngineDeadError`` as soon as the EngineCore
-        exits, answered or not: vLLM's client never fails a call it sent before the exit."""
-        call = asyncio.ensure_future(awaitable)
-        if not call.done():
-            try:
-                await asyncio.wait((call, self._death()), return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:  # our caller is cancelled: so is the call
-                call.cancel()
-                raise
-        if not call.done():  # the engine died or was closed first: vLLM would never answer
-            call.cancel()
-            self._check_alive()
-            raise EngineDeadError(f"{self.name} is dead")
-        return call.result()
 
     def _watch_engine_cores(self) -> None:
         """Learn of an EngineCore's exit from its process sentinel, on the event loop."""

@@ -713,7 +713,8 @@ async def vllm_ipc_baseline(
 
 
 async def rollout(res: Results, work: Path, interval: float, policies: list[str],
-                  slow_turns: bool, eager: bool = False) -> None:
+                  slow_turns: bool, eager: bool = False,
+                  batch: dict[str, int] | None = None) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import rollout_throughput as rt
 
@@ -728,7 +729,13 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
     # CUDA graphs on: the stall an update causes is measured on the engine users run.
     async with VLLMEngine.launch(folder, name="rollout", load_format="dummy",
                                  **engine_args(gpu_memory_utilization=0.5,
-                                               enforce_eager=eager)) as engine:
+                                               enforce_eager=eager, **(batch or {}))) as engine:
+        # What the scheduler runs at once: without arguments, AsyncLLM takes vLLM's bare
+        # fallbacks (128 sequences, 2048 tokens a step), not its serving or offline defaults.
+        scheduler = engine.llm.vllm_config.scheduler_config
+        res.record("rollout", "scheduler", {"max_num_seqs": scheduler.max_num_seqs,
+                                            "max_num_batched_tokens":
+                                                scheduler.max_num_batched_tokens})
         await rt.run_policy(engine, tensors, "none", jobs[:32], interval, concurrency=256)
         gc.collect()
         gc.freeze()
@@ -760,6 +767,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-slow-turns", action="store_true", help="the default; kept")
     parser.add_argument("--eager", action="store_true",
                         help="rollout engine without CUDA graphs (enforce_eager)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="rollout engine: sequences scheduled at once (vLLM's default)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="rollout engine: tokens a step (vLLM's default)")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="the trainer's event loop (asyncroll's examples run uvloop)")
     return parser.parse_args()
@@ -786,9 +797,13 @@ async def main(args: argparse.Namespace) -> int:
                               lambda size=size: push_benchmark(res, work, size, args.repeats,
                                                                  args.verify_pairs)))
         if "rollout" in sections:
+            batch = {key: value for key, value in (
+                ("max_num_seqs", args.max_num_seqs),
+                ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ) if value is not None}
             steps.append(("rollout", lambda: rollout(res, work, args.interval,
                                                      args.policies.split(","),
-                                                     args.slow_turns, args.eager)))
+                                                     args.slow_turns, args.eager, batch)))
         await run_steps(res, steps)
     return finish(res)
 

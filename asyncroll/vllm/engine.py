@@ -447,8 +447,9 @@ class VLLMEngine:
     async def call_vllm(self, awaitable: Any) -> Any:
         """Await a call into vLLM (a coroutine of ``llm``'s), failing with ``EngineDeadError``
         as soon as the EngineCore exits, answered or not: vLLM's client never fails a call it
-        sent before the exit. Every call the adapter makes goes through here; so should a
-        caller's own calls on ``llm``.
+        sent before the exit. Every call the adapter makes goes through here (not the output
+        streams of ``generate``: vLLM fails those itself); so should a caller's own calls on
+        ``llm``.
 
         Raises:
             EngineDeadError: the engine died or was closed before the call was answered.
@@ -740,8 +741,9 @@ class VLLMEngine:
         self._gate.set()  # requests waiting for admission wake and find the engine dead
 
     def _death(self) -> asyncio.Future[None]:
-        """Done once the engine died or closed; one per loop the engine is called from (a
-        test may use a session's engine from more than one)."""
+        """Done once the engine died or closed. Made in the running loop; an engine called
+        from another loop later (never two at once: ``AsyncLLM`` is bound to one) gets a new
+        one, done at once if the engine is already dead or closed."""
         loop = asyncio.get_running_loop()
         if self._died is None or self._died.get_loop() is not loop:
             self._died = loop.create_future()

@@ -11,6 +11,7 @@ from typing import Any
 
 import psutil
 import pytest
+from engine_helpers import ENGINE_ARGS
 
 from asyncroll import (
     EngineDeadError,
@@ -133,3 +134,25 @@ async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Pat
     _gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"left behind: {alive}"
     assert engine.statistics().in_flight == 0
+
+
+async def test_engines_run_at_vllms_offline_batch_limits(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    """A rollout is a batch job: an engine started without batch limits gets those of
+    ``vllm.LLM`` (``UsageContext.LLM_CLASS``), not ``AsyncLLM``'s bare fallbacks, which
+    halve what a GPU engine runs at once."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from asyncroll.vllm.engine import _engine_args_with_defaults
+
+    def limits(context: UsageContext) -> tuple[int, int]:
+        args = AsyncEngineArgs(**_engine_args_with_defaults(tiny_model_a, ENGINE_ARGS))
+        scheduler = args.create_engine_config(context).scheduler_config
+        return scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+
+    offline, bare = limits(UsageContext.LLM_CLASS), limits(UsageContext.ENGINE_CONTEXT)
+    assert offline != bare  # else this test could not tell them apart
+    scheduler = engine.llm.vllm_config.scheduler_config
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == offline

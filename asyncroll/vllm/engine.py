@@ -162,7 +162,9 @@ class VLLMEngine:
             model_path: A local model folder.
             name: A name for logs and ``repr``.
             global_steps: The trainer step the starting weights belong to (labels their tokens).
-            **engine_args: vLLM ``AsyncEngineArgs``; asyncroll's defaults fill the gaps.
+            **engine_args: vLLM ``AsyncEngineArgs``; asyncroll's defaults fill the gaps. The
+                batch limits (``max_num_seqs``, ``max_num_batched_tokens``) default to those
+                of ``vllm.LLM``, not ``AsyncLLM``'s smaller ones.
         """
         engine = await cls.start(model_path, name=name, global_steps=global_steps, **engine_args)
         try:
@@ -187,6 +189,7 @@ class VLLMEngine:
                 vLLM failed to start (its error is the cause).
         """
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         path = _check_model_path(model_path)
@@ -196,7 +199,12 @@ class VLLMEngine:
             raise EngineStartError(f"bad engine arguments: {exc}") from exc
         try:
             # Start-up blocks for tens of seconds; keep the event loop free for other engines.
-            llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            # vLLM's offline batch limits (those of ``vllm.LLM``: on an H100, 1024 sequences and
+            # 16384 tokens a step), not ``AsyncLLM``'s bare fallbacks (128 and 2048): a rollout
+            # is a batch job. Limits the caller sets win.
+            llm = await asyncio.to_thread(
+                AsyncLLM.from_engine_args, args, usage_context=UsageContext.LLM_CLASS
+            )
         except Exception as exc:
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:2000]
             raise EngineStartError(f"vLLM could not start on {str(path)!r}: {reason}") from exc

@@ -8,10 +8,10 @@ what its acks mean belong to the data plane, which passes them in as ``PeerHooks
 
 An ack is on the push's critical path once per bucket, so the reader is lean: no task, no
 ``zmq.asyncio`` poller, no lock. The loop calls ``_on_readable`` when the socket signals; it
-drains what is queued and wakes the waiters, which run on the next turn of the loop. (A ping
-and its answer took 290-350 us through a ``zmq.asyncio`` poller and an ``asyncio.Condition``,
-160-185 us this way, and 130-150 us between two blocking sockets, on a 2-core CPU machine:
-``bench/control_latency.py``.)
+drains what is queued and wakes the waiters, which run on the next turn of the loop. (A
+bucket's signal and its ack took 231 us through a ``zmq.asyncio`` poller task and an
+``asyncio.Condition``, 163 us this way, and 93 us between two blocking sockets, on an H100's
+host: ``bench/control_latency.py``, docs/benchmarks.md.)
 
 Invariants:
 
@@ -61,6 +61,8 @@ MAX_FRAME_BYTES: Final = 1 << 20
 
 _READ_BATCH: Final = 64
 """Messages one reader call reads before it yields the loop."""
+_FULL_QUEUE_RETRY: Final = 0.02
+"""Seconds a send to a peer whose queue is full waits for a change before it tries again."""
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 """Plain ints: the reader tests them per message, and zmq's enum flags cost a microsecond."""
 
@@ -141,6 +143,9 @@ class ControlPlane:
         self._fds: list[int] = []
         """The sockets' descriptors the loop watches (none once we stop reading)."""
         self._read_scheduled = False
+        self._send_turn = asyncio.Lock()
+        self._queued_sends = 0
+        """Sends waiting for a full queue (later ones queue behind them)."""
         self._dir = make_runtime_dir(identity.nonce, runtime_base)
         self._socket_path = self._dir / "ctl.sock"
         self._ctx = zmq.Context()
@@ -220,13 +225,20 @@ class ControlPlane:
         if self._loop is not None:
             return
         assert self._monitor is not None
-        self._loop = asyncio.get_running_loop()
-        for sock in (self._sock, self._monitor):
-            fd = cast(int, sock.getsockopt(zmq.FD))
-            self._loop.add_reader(fd, self._on_readable)
-            self._fds.append(fd)
+        loop = asyncio.get_running_loop()
+        fds: list[int] = []
+        try:
+            for sock in (self._sock, self._monitor):
+                fd = cast(int, sock.getsockopt(zmq.FD))
+                loop.add_reader(fd, self._on_readable)
+                fds.append(fd)
+        except BaseException:
+            for fd in fds:
+                loop.remove_reader(fd)
+            raise
+        self._loop, self._fds = loop, fds
         self._read_scheduled = True  # an edge may have passed before we watched
-        self._loop.call_soon(self._on_readable)
+        loop.call_soon(self._on_readable)
 
     def check_usable(self, *, closing: bool = False) -> None:
         """Raise unless the reader runs (and, unless ``closing``, we are open and unbroken).
@@ -268,10 +280,26 @@ class ControlPlane:
             TransportClosedError: we are closed.
         """
         frames = self._frames(peer, build)
-        while not self._try_send(peer, frames):
-            await self._next_change()  # the socket signals (a change) when the queue drains
-            if self._fatal is not None:
-                raise self._fatal
+        if not self._queued_sends and self._try_send(peer, frames):
+            return
+        # A full queue (rare: not the hot path). Sends wait in turn, so that each peer gets
+        # its messages in sequence.
+        self._queued_sends += 1
+        try:
+            async with self._send_turn:
+                while not self._try_send(peer, frames):
+                    # The socket signals (a change) when the queue drains, but that signal may
+                    # already have been taken (the check for input after the failed send):
+                    # wait for the next change, or try again soon.
+                    if self._fatal is not None:
+                        raise self._fatal
+                    if not self._fds:
+                        raise TransportClosedError(f"{self._owner_text()} is closed")
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_FULL_QUEUE_RETRY):
+                            await self._next_change()
+        finally:
+            self._queued_sends -= 1
 
     def _frames(self, peer: Peer, build: Callable[[Peer, int], wire.Message]) -> list[bytes]:
         message = build(peer, peer.next_out)
@@ -287,15 +315,15 @@ class ControlPlane:
         """
         try:
             self._sock.send_multipart(frames, _NOBLOCK)
-        except zmq.Again:  # the socket signals again once the peer drains its queue
-            self._schedule_read()
+        except zmq.Again:
             return False
         except zmq.ZMQError as exc:
             if self._closed:
                 raise TransportClosedError(f"{self._owner_text()} is closed") from exc
             self._drop(peer.identity, f"{peer.describe()} is unreachable ({exc})")
             raise TransportBrokenError(f"{peer.describe()} is unreachable") from exc
-        self._schedule_read()
+        finally:  # a send, even one that fails, may take the edge of input queued meanwhile
+            self._schedule_read()
         return True
 
     def seal(self) -> None:
@@ -323,9 +351,27 @@ class ControlPlane:
 
     def release(self) -> None:
         """Synchronous, idempotent teardown: close the sockets, unlink every name on disk
-        (whatever state the sockets are in: a finalizer may have closed them first)."""
+        (whatever state the sockets are in: a finalizer may have closed them first).
+
+        From another thread while the loop runs (a finalizer), the sockets are closed on the
+        loop's thread: the reader may be using them (ZeroMQ sockets are not thread-safe), and
+        the loop must stop watching their descriptors before they close."""
         self._closed = True
+        loop = self._loop
+        if self._fds and loop is not None and loop.is_running() and not self._on_loop_thread():
+            try:
+                loop.call_soon_threadsafe(self._release_sockets)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+            else:
+                self._unlink_names()
+                return
+        self._release_sockets()
+
+    def _release_sockets(self) -> None:
         self._stop_reading()
+        if self._on_loop_thread():
+            self._notify()  # a send waiting on a full queue raises TransportClosedError
         try:
             with contextlib.suppress(zmq.ZMQError):
                 if self._monitor is not None and not self._sock.closed:
@@ -372,7 +418,11 @@ class ControlPlane:
         """Read soon where input is queued (``now``: it is) that no edge will announce."""
         if self._read_scheduled or not self._fds or self._loop is None:
             return
-        if now or _has_input(self._sock):
+        try:
+            queued = now or _has_input(self._sock)
+        except zmq.ZMQError:  # closed under us: nothing more to read
+            return
+        if queued:
             self._read_scheduled = True
             self._loop.call_soon(self._on_readable)
 
@@ -381,10 +431,7 @@ class ControlPlane:
         loop, fds, self._fds = self._loop, self._fds, []
         if loop is None or not fds or loop.is_closed():
             return
-        try:
-            here = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            here = False
+        here = self._on_loop_thread()
         for fd in fds:
             with contextlib.suppress(Exception):  # a loop shutting down under us
                 if here or not loop.is_running():
@@ -393,6 +440,12 @@ class ControlPlane:
                     loop.call_soon_threadsafe(loop.remove_reader, fd)
         if here:
             self._notify()
+
+    def _on_loop_thread(self) -> bool:
+        try:
+            return self._loop is not None and asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
 
     def _notify(self) -> None:
         """Wake every waiter (each re-checks its predicate)."""

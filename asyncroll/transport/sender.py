@@ -1,7 +1,8 @@
 """The trainer side of the weight push: the ``WeightSender`` facade and its control-plane hooks.
 
 ``open_weight_sender`` builds a ``WeightSender``: its control plane (``peers.ControlPlane``: the
-socket, the receivers and the reader task, which lives exactly as long as the ``async with``),
+socket, the receivers and its reader on the event loop, which reads exactly as long as the
+``async with``),
 its staging buffers (``staging.Staging``, allocated once) and its push pipeline
 (``pipeline.PushPipeline``: the per-bucket hot path, and the one-copy push). ``push`` checks its
 input, waits for the receivers and runs one push at a time through the pipeline; the hooks turn
@@ -308,7 +309,7 @@ class WeightSender:
             self._release()
 
     def start(self) -> None:
-        """Start the reader task (``open_weight_sender`` does this and owns the task)."""
+        """Start reading the socket on the running loop (``open_weight_sender`` does this)."""
         self._control.start()
 
     # ---------------------------------------------------------------- hooks of the control plane
@@ -376,7 +377,7 @@ async def open_weight_sender(
     seal: bool = True,
     runtime_base: Path | None = None,
 ) -> AsyncIterator[WeightSender]:
-    """Open a weight sender; its reader task lives exactly as long as the ``async with`` block.
+    """Open a weight sender; its socket is read exactly as long as the ``async with`` block.
 
     Args:
         backend: Staging memory (``ShmBackend()`` by default; ``CudaIpcBackend(device)`` on GPU).

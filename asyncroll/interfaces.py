@@ -76,7 +76,11 @@ class Engine(Protocol):
         *,
         prompt_ids: Sequence[int],
         sampling_params: Mapping[str, Any] | None = None,
-    ) -> Segment: ...
+    ) -> Segment:
+        """Generate one segment. The request id is checked and registered at the call's
+        first step, before any await: a second call with an id still live raises
+        ``InvalidRequestError`` however the two calls interleave."""
+        ...
 
     async def abort(self, request_ids: str | Iterable[str]) -> None: ...
 

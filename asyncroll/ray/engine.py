@@ -31,8 +31,14 @@ from typing import Any
 
 import torch
 
-from asyncroll.errors import EngineDeadError, EngineSleepingError, EngineStartError
+from asyncroll.errors import (
+    EngineDeadError,
+    EngineSleepingError,
+    EngineStartError,
+    InvalidRequestError,
+)
 from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment
+from asyncroll.validation import ENGINE_REQUEST_ID_LEN, check_request_id
 
 __all__ = ["CANCEL_WAIT_S", "EngineHost", "RayEngine"]
 
@@ -173,6 +179,10 @@ class RayEngine:
         self._num_requests = 0
         self._num_aborted = 0
         self._num_rejected = 0
+        self._live: set[str] = set()
+        """Request ids of calls running here, registered at a call's first step (before any
+        await), as ``VLLMEngine`` does: a duplicate is refused here, whatever order the two
+        calls reach the actor in."""
         self._actor_gone = False
         self._watch: asyncio.Future[None] | None = None
         self._gate = asyncio.Event()
@@ -313,21 +323,32 @@ class RayEngine:
                        sampling_params: Mapping[str, Any] | None = None) -> Segment:
         """Generate one segment in the actor's engine (see ``VLLMEngine.generate``)."""
         self._check_alive()
-        await self._gate.wait()
-        self._check_alive()
-        self._in_flight += 1
-        self._num_requests += 1
         try:
-            await self._sent()
-            segment: Segment = await self._await(
-                self.actor.generate.remote(request_id, prompt_ids, sampling_params))
-        except EngineDeadError:
-            raise
-        except ValueError:
+            check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already live")
+        except InvalidRequestError:
             self._num_rejected += 1
             raise
+        self._live.add(request_id)
+        try:
+            await self._gate.wait()
+            self._check_alive()
+            self._in_flight += 1
+            self._num_requests += 1
+            try:
+                await self._sent()
+                segment: Segment = await self._await(
+                    self.actor.generate.remote(request_id, prompt_ids, sampling_params))
+            except EngineDeadError:
+                raise
+            except ValueError:
+                self._num_rejected += 1
+                raise
+            finally:
+                self._in_flight -= 1
         finally:
-            self._in_flight -= 1
+            self._live.discard(request_id)
         if segment.finish_reason == "abort":
             self._num_aborted += 1
         return segment

@@ -206,7 +206,11 @@ async def duplicate_live_request_id_is_refused(engine: Engine) -> None:
     first = asyncio.ensure_future(
         engine.generate(rid, prompt_ids=PROMPT, sampling_params=_params(64))
     )
-    await asyncio.sleep(0)  # one turn: the first call registers its id
+    # One turn runs the first call's first step, and an engine registers a request id
+    # there, before any await: this test fails for an engine that registers later (a
+    # Ray proxy that left the check to its actor did, when the two calls reached the
+    # actor in the other order).
+    await asyncio.sleep(0)
     try:
         await engine.generate(rid, prompt_ids=PROMPT, sampling_params=_params(4))
     except InvalidRequestError as exc:

@@ -15,7 +15,13 @@ import psutil
 import pytest
 from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, hold, load_weights, until_decoding
 
-from asyncroll import AsyncServerManager, EngineDeadError, VLLMEngine, WeightPusher
+from asyncroll import (
+    AsyncServerManager,
+    EngineDeadError,
+    InvalidRequestError,
+    VLLMEngine,
+    WeightPusher,
+)
 from asyncroll.testing.contract import ENGINE_CHECKS, UPDATE_CHECKS
 
 ray = pytest.importorskip("ray")
@@ -77,6 +83,33 @@ async def test_greedy_outputs_equal_a_local_engine_on_the_same_weights(remote: R
 @pytest.mark.parametrize("check", ENGINE_CHECKS)
 async def test_ray_engine_keeps_the_engine_contract(remote: RayEngine, check: str) -> None:
     await ENGINE_CHECKS[check](remote)
+    assert await remote.remote_unfinished() == 0
+
+
+async def test_the_proxy_refuses_a_duplicate_live_id_while_the_first_call_waits(
+    remote: RayEngine,
+) -> None:
+    """Ray may run an async actor's calls in any order, so the actor cannot tell which of two
+    calls with one id came first: the proxy registers the id at the call's first step. Here
+    the first call waits at the proxy's gate (the engine holds), and the second is refused at
+    once, without reaching the actor (stop 32's CI run saw the actor take the second first)."""
+    params = {"max_tokens": 8, "ignore_eos": True}
+    rejected = remote.statistics().num_rejected
+    remote.hold("test")
+    try:
+        first = asyncio.create_task(remote.generate("dup", prompt_ids=[5, 6],
+                                                    sampling_params=params))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(remote.generate("dup", prompt_ids=[5, 6],
+                                                     sampling_params=params))
+        await asyncio.sleep(0)
+        assert second.done() and not first.done()
+        with pytest.raises(InvalidRequestError, match="already live"):
+            second.result()
+        assert remote.statistics().num_rejected == rejected + 1
+    finally:
+        remote.release_hold()
+    assert len((await first).token_ids) == 8
     assert await remote.remote_unfinished() == 0
 
 

@@ -19,6 +19,10 @@ PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
 
 PROMPT_PARAMS: dict[str, Any] = {"max_tokens": 8, "ignore_eos": True}
 
+HANG = 300.0
+"""Seconds an HTTP client in a test waits for an answer: a guard against a hang, never a
+deadline a busy machine could meet (httpx's default is 5 s)."""
+
 ENGINE_ARGS: dict[str, Any] = {
     "max_model_len": 512,
     "dtype": "float32",

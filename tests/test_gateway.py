@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from engine_helpers import hold, load_weights, until_decoding
+from engine_helpers import HANG, hold, load_weights, until_decoding
 
 from asyncroll import AsyncServerManager, TokenOutput, VLLMEngine
 from asyncroll.agent_loop import Sample
@@ -263,7 +263,7 @@ async def test_bad_requests_are_openai_errors_and_harm_nothing(
     ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     async with open_gateway(recording, tokenizer=tiny_model_a, model=MODEL,  # type: ignore[arg-type]
                             api_key="secret") as gateway, httpx.AsyncClient(
-            base_url=gateway.url, headers={"Authorization": "Bearer secret"}) as http:
+            timeout=HANG, base_url=gateway.url, headers={"Authorization": "Bearer secret"}) as http:
         kept = gateway.open_session()
         first = await http.post(f"/s/{kept.id}/v1/chat/completions", json=ok)
         assert first.status_code == 200
@@ -309,7 +309,7 @@ async def test_bad_requests_are_openai_errors_and_harm_nothing(
 async def test_shutdown_leaves_no_socket_or_task(recording: RecordingManager, tiny_model_a: Path
                                                  ) -> None:
     async with open_gateway(recording, tokenizer=tiny_model_a, model=MODEL) as gateway:  # type: ignore[arg-type]
-        async with httpx.AsyncClient(base_url=gateway.url) as http:
+        async with httpx.AsyncClient(timeout=HANG, base_url=gateway.url) as http:
             assert (await http.get("/v1/models")).json()["data"][0]["id"] == MODEL
         port = int(gateway.url.rsplit(":", 1)[1])
     with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
@@ -351,7 +351,7 @@ async def test_a_request_without_session_gets_one_and_a_custom_reply_parser(
           "temperature": 0.0}
     async with open_gateway(recording, tokenizer=tiny_model_a, model=MODEL,  # type: ignore[arg-type]
                             reply_parser=shouting) as gateway, httpx.AsyncClient(
-            base_url=gateway.url) as http:
+            timeout=HANG, base_url=gateway.url) as http:
         refused = await http.post("/v1/chat/completions", json={**ok, "temperature": -1})
         assert refused.status_code == 400
         assert gateway.statistics().open_sessions == 0, "a failed first turn keeps no session"
@@ -373,7 +373,7 @@ async def test_a_client_that_leaves_mid_turn_aborts_it_and_nothing_is_recorded(
     session = gateway.open_session()
     long_turn = {"model": MODEL, "messages": [{"role": "user", "content": "go"}],
                  "max_tokens": 400, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=gateway.url) as http:
+    async with httpx.AsyncClient(timeout=HANG, base_url=gateway.url) as http:
         post = asyncio.create_task(http.post(f"/s/{session.id}/v1/chat/completions",
                                              json=long_turn))
         await until_decoding(recording.manager, 1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from engine_helpers import load_weights
+from engine_helpers import HANG, load_weights
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncroll import (
@@ -107,7 +107,7 @@ async def test_the_prometheus_endpoint_agrees_with_statistics(
     async with (
         AsyncServerManager([engine]) as manager,
         serve_metrics(manager) as server,
-        httpx.AsyncClient() as client,
+        httpx.AsyncClient(timeout=HANG) as client,
     ):
         assert server.url.startswith("http://127.0.0.1:")
         outputs = list(

@@ -113,6 +113,22 @@ async def test_the_proxy_refuses_a_duplicate_live_id_while_the_first_call_waits(
     assert await remote.remote_unfinished() == 0
 
 
+async def test_holds_and_releases_reach_the_actor_in_the_order_they_were_made(
+    remote: RayEngine,
+) -> None:
+    """``hold`` and ``release_hold`` are sent without waiting for an answer; a release that
+    overtook its hold in the actor would leave the actor holding (admitting nothing) while the
+    proxy's gate is open: every later call would wait there for good."""
+    for i in range(20):
+        remote.hold(f"test {i}")
+        remote.release_hold()
+    stats = await remote.remote_statistics()
+    assert not stats.holding and not remote.statistics().holding
+    params = {"max_tokens": 4, "ignore_eos": True}
+    assert len((await remote.generate("after-holds", prompt_ids=[5, 6],
+                                      sampling_params=params)).token_ids) == 4
+
+
 @pytest.mark.parametrize("check", UPDATE_CHECKS)
 async def test_ray_engine_keeps_the_update_contract(
     remote: RayEngine, pusher: WeightPusher, tiny_model_a: Path, check: str

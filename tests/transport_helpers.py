@@ -170,7 +170,7 @@ class _Child:
         self.entered, self.release = entered, release
 
     def connect(
-        self, config: dict[str, Any], name: str, timeout: float = 10.0, backend: str = ""
+        self, config: dict[str, Any], name: str, timeout: float = 60.0, backend: str = ""
     ) -> dict[str, Any]:
         """``backend="lagging"``: receive with ``LaggingCopiesShm`` (polling copy events)."""
         options: dict[str, Any] = {}
@@ -261,7 +261,7 @@ class _Child:
             sock = self.ctx.socket(zmq.DEALER)
             monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
             sock.connect(address)
-            if not monitor.poll(10_000):
+            if not monitor.poll(60_000):
                 raise TimeoutError("rogue could not connect")
             recv_monitor_message(monitor)
             sock.disable_monitor()
@@ -273,7 +273,7 @@ class _Child:
         """Send one attack on a fresh rogue connection; True if the sender answered REJECT."""
         sock = self.rogues.pop(0)
         sock.send_multipart(attack_frames(attack, marker))
-        answered = bool(sock.poll(10_000)) and sock.recv_multipart() == [REJECT]
+        answered = bool(sock.poll(60_000)) and sock.recv_multipart() == [REJECT]
         sock.close(linger=0)
         return answered
 

@@ -532,10 +532,21 @@ class RayEngine:
         self._gate.set()  # waiters wake and find the engine dead
 
     def _fire(self, method: str, *args: Any) -> None:
-        """Send a call whose result nobody awaits; later calls wait for it (``_sent``)."""
-        future = asyncio.ensure_future(self._await(self.actor.call_sync.remote(method, *args)))
+        """Send a call whose result nobody awaits; later calls wait for it (``_sent``), and so
+        does a later fire: a ``hold`` then a ``release_hold`` must reach the actor in that
+        order, and Ray may run an async actor's calls out of order."""
+        earlier = list(self._pending)
+        future = asyncio.ensure_future(
+            self._fire_after(earlier, method, args) if earlier
+            else self._await(self.actor.call_sync.remote(method, *args))
+        )
         self._pending.add(future)
         future.add_done_callback(self._fired)
+
+    async def _fire_after(self, earlier: list[asyncio.Future[Any]], method: str,
+                          args: tuple[Any, ...]) -> Any:
+        await asyncio.wait(earlier)
+        return await self._await(self.actor.call_sync.remote(method, *args))
 
     def _fired(self, future: asyncio.Future[Any]) -> None:
         self._pending.discard(future)

@@ -44,7 +44,13 @@ from asyncroll.types import (
     Segment,
     TokenOutput,
 )
-from asyncroll.validation import check_prompt, check_request_id, resolve_sampling_params
+from asyncroll.validation import (
+    check_prompt,
+    check_request_id,
+    claimed,
+    refuse_live,
+    resolve_sampling_params,
+)
 from asyncroll.weights import WeightPusher, check_global_steps, check_resume_mode
 
 __all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
@@ -229,19 +235,16 @@ class AsyncServerManager:
         try:
             check_request_id(request_id)
             prompt, params = self._validate(prompt_ids, sampling_params)
-            if request_id in self._live:
-                raise InvalidRequestError(f"request id {request_id!r} is already live")
+            refuse_live(request_id, self._live)
         except InvalidRequestError:
             self._num_rejected += 1
             raise
-        self._live.add(request_id)
-        try:
-            output = await self._generate(request_id, prompt, params, session_key)
-        except InvalidRequestError:  # an engine's own check refused it
-            self._num_rejected += 1
-            raise
-        finally:
-            self._live.discard(request_id)
+        with claimed(self._live, request_id):
+            try:
+                output = await self._generate(request_id, prompt, params, session_key)
+            except InvalidRequestError:  # an engine's own check refused it
+                self._num_rejected += 1
+                raise
         self._count_staleness(output.global_steps)
         return output
 

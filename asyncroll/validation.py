@@ -17,8 +17,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ __all__ = [
     "SEED_RANGE",
     "check_prompt",
     "check_request_id",
+    "claimed",
+    "refuse_live",
     "resolve_sampling_params",
 ]
 
@@ -84,6 +87,25 @@ def check_request_id(request_id: object, *, max_len: int = MAX_REQUEST_ID_LEN) -
             f"request_id {_show(request_id)} must hold printable characters only"
         )
     return request_id
+
+
+@contextlib.contextmanager
+def claimed(live: set[str], request_id: str) -> Iterator[None]:
+    """``request_id`` is live for the duration (``refuse_live`` refuses it meanwhile)."""
+    live.add(request_id)
+    try:
+        yield
+    finally:
+        live.discard(request_id)
+
+
+def refuse_live(request_id: str, live: Container[str]) -> None:
+    """Raise if a call still running holds ``request_id``. An engine or manager checks and
+    claims an id at a call's first step, before any await, so that of two calls with one id
+    the second is refused however the calls interleave after that (a Ray actor may run its
+    calls in any order)."""
+    if request_id in live:
+        raise InvalidRequestError(f"request id {request_id!r} is already live")
 
 
 def check_prompt(prompt_ids: Sequence[int], *, vocab_size: int) -> list[int]:

@@ -38,7 +38,7 @@ from asyncroll.errors import (
     InvalidRequestError,
 )
 from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment
-from asyncroll.validation import ENGINE_REQUEST_ID_LEN, check_request_id
+from asyncroll.validation import ENGINE_REQUEST_ID_LEN, check_request_id, claimed, refuse_live
 
 __all__ = ["CANCEL_WAIT_S", "EngineHost", "RayEngine"]
 
@@ -325,32 +325,34 @@ class RayEngine:
         self._check_alive()
         try:
             check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
-            if request_id in self._live:
-                raise InvalidRequestError(f"request id {request_id!r} is already live")
+            refuse_live(request_id, self._live)
         except InvalidRequestError:
             self._num_rejected += 1
             raise
-        self._live.add(request_id)
-        try:
-            await self._gate.wait()
-            self._check_alive()
-            self._in_flight += 1
-            self._num_requests += 1
-            try:
-                await self._sent()
-                segment: Segment = await self._await(
-                    self.actor.generate.remote(request_id, prompt_ids, sampling_params))
-            except EngineDeadError:
-                raise
-            except ValueError:
-                self._num_rejected += 1
-                raise
-            finally:
-                self._in_flight -= 1
-        finally:
-            self._live.discard(request_id)
+        with claimed(self._live, request_id):
+            segment = await self._generate_in_actor(request_id, prompt_ids, sampling_params)
         if segment.finish_reason == "abort":
             self._num_aborted += 1
+        return segment
+
+    async def _generate_in_actor(self, request_id: str, prompt_ids: Sequence[int],
+                                 sampling_params: Mapping[str, Any] | None) -> Segment:
+        """Once admitted here (the proxy's gate mirrors the actor's), the actor's call."""
+        await self._gate.wait()
+        self._check_alive()
+        self._in_flight += 1
+        self._num_requests += 1
+        try:
+            await self._sent()
+            segment: Segment = await self._await(
+                self.actor.generate.remote(request_id, prompt_ids, sampling_params))
+        except EngineDeadError:
+            raise
+        except ValueError:
+            self._num_rejected += 1
+            raise
+        finally:
+            self._in_flight -= 1
         return segment
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:

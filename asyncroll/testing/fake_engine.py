@@ -43,6 +43,8 @@ from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
     check_prompt,
     check_request_id,
+    claimed,
+    refuse_live,
     resolve_sampling_params,
 )
 from asyncroll.weights import VersionedUpdater
@@ -198,18 +200,14 @@ class FakeEngine:
         try:
             check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
             params = self._sampling_params(prompt_ids, sampling_params)
-            if request_id in self._live:
-                raise InvalidRequestError(f"request id {request_id!r} is already live")
+            refuse_live(request_id, self._live)
         except InvalidRequestError:
             self._num_rejected += 1
             raise
         prompt = list(prompt_ids)
-        self._live.add(request_id)
-        try:
+        with claimed(self._live, request_id):
             await self._admitted()
             return await self._run(request_id, prompt, params)
-        finally:
-            self._live.discard(request_id)
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         """End running requests with their partial output (waiting ones are not running yet)."""

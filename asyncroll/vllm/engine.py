@@ -48,6 +48,8 @@ from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
     check_prompt,
     check_request_id,
+    claimed,
+    refuse_live,
     resolve_sampling_params,
 )
 from asyncroll.vllm import compat
@@ -305,14 +307,12 @@ class VLLMEngine:
         try:
             check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
             params = self._sampling_params(prompt_ids, sampling_params)
-            if request_id in self._live:
-                raise InvalidRequestError(f"request id {request_id!r} is already live")
+            refuse_live(request_id, self._live)
         except InvalidRequestError:
             self._num_rejected += 1
             raise
         prompt = list(prompt_ids)
-        self._live.add(request_id)
-        try:
+        with claimed(self._live, request_id):
             await self._gate.wait()
             self._check_alive()
             self._in_flight += 1
@@ -321,8 +321,6 @@ class VLLMEngine:
                 return await self._run(request_id, prompt, params, self._global_steps)
             finally:
                 self._in_flight -= 1
-        finally:
-            self._live.discard(request_id)
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort live requests; each ends with ``finish_reason="abort"`` and its partial output."""

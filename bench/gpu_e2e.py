@@ -533,14 +533,20 @@ def update_phases(report: Any, worker: dict[str, Any]) -> dict[str, float]:
     began, entered, r_began = report.push.began, worker["entered"], worker["began"]
     first, last = timeline[0]["received"], timeline[-1]["acked"]
     r_end = r_began + worker["seconds"]
+    verify = worker.get("verify_seconds", 0.0)
+    called, returned = worker.get("called") or entered, worker.get("returned") or 0.0
     phases = {
-        "phase: sender began -> vLLM calls the worker": entered - began,
+        "phase: sender began -> vLLM calls the worker": called - began,
+        "phase: vLLM starts the update in the worker": entered - called,
         "phase: the worker prepares its receive": r_began - entered,
         "phase: the receiver waits for the first message": first - r_began,
         "phase: first message -> last ack": last - first,
         "phase: last ack -> the receive returns (End, sync)": r_end - last,
-        "phase: the worker checks fingerprints": worker.get("verify_seconds", 0.0),
+        "phase: the worker checks fingerprints": verify,
     }
+    if returned:  # the worker's stamps at its RPC's ends (older workers have none)
+        tail = "phase: the worker after its receive (reload finish, commit, sync)"
+        phases[tail] = returned - r_end - verify
     accounted = sum(phases.values())
     phases["phase: the rest (RPC back, the pusher)"] = report.push_seconds - accounted
     phases["phase: finish (vLLM's finish RPC, the label)"] = report.finish_seconds

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from pathlib import Path
 
 import psutil
@@ -330,6 +331,24 @@ async def test_an_update_keeps_kept_requests_off_the_old_cache_and_new_ones_too(
 def _rss_mib(pid: int) -> float:
     process = psutil.Process(pid)
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / 2**20
+
+
+async def test_an_updates_stamps_follow_one_another_on_one_clock(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    """The sender's, the worker's and the receiver's ``perf_counter`` stamps of one update, in
+    the order the update passes them: what ``bench/update_phases.py`` splits an update by."""
+    report = await engine.update_weights(load_weights(tiny_model_a),
+                                         global_steps=await _next_steps(engine))
+    ended = time.perf_counter()
+    (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+    assert report.push is not None and report.push.began > 0
+    received = worker["began"] + worker["seconds"]
+    stamps = [report.push.began, worker["called"], worker["entered"], worker["began"],
+              received, worker["returned"], ended]
+    assert stamps == sorted(stamps), stamps
+    timeline = worker["timeline"]
+    assert worker["began"] <= timeline[0]["received"] <= timeline[-1]["acked"] <= received
 
 
 async def test_thirty_pushes_keep_memory_bounded(engine: VLLMEngine, tiny_model_a: Path) -> None:

@@ -125,6 +125,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.entered = 0.0
         """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
         report's ``began``: what preparing the receive cost)."""
+        self.called = 0.0
+        self.returned = 0.0
+        """When the last ``asyncroll_take_update`` RPC began and ended in this worker: with
+        ``entered`` and the report, what vLLM's start of the update and the worker's work
+        after the receive cost, apart from the RPC's way in and out (benchmarks)."""
         self.verified = (0, 0)
         """The last push's tensors checked against the sender's fingerprints, and those that
         could not be (not found whole in the model: fused, sharded or converted)."""
@@ -698,6 +703,7 @@ class AsyncrollWorkerExtension:
         Returns None, or why this worker failed the push. It does not raise: when one worker
         of several raises in an RPC, vLLM's executor raises at the first error and leaves
         the other workers' answers queued, where the next RPC (the rollback) reads them."""
+        called = time.perf_counter()
         worker: Any = self
         try:
             if worker_runs_the_session():  # vLLM 0.24
@@ -708,6 +714,9 @@ class AsyncrollWorkerExtension:
         except Exception as exc:
             logger.warning("rank %s failed the push: %r", getattr(worker, "rank", "?"), exc)
             return f"{type(exc).__name__}: {exc}"
+        engine = getattr(worker, "weight_transfer_engine", None)
+        if isinstance(engine, AsyncrollWeightTransferEngine):
+            engine.called, engine.returned = called, time.perf_counter()
         return None
 
     def asyncroll_abort_weight_update(self) -> bool:
@@ -751,6 +760,8 @@ class AsyncrollWorkerExtension:
             "timeline": [dataclasses.asdict(times) for times in report.timeline],
             "began": report.began,
             "entered": getattr(engine, "entered", report.began),
+            "called": getattr(engine, "called", 0.0),
+            "returned": getattr(engine, "returned", 0.0),
             "verified": list(getattr(engine, "verified", (0, 0))),
         }
         stats = (

@@ -1,0 +1,98 @@
+"""Where one weight update's fixed costs go, phase by phase, in a real vLLM engine.
+
+The sender, the worker and the pusher stamp ``time.perf_counter()`` (one clock for every
+process of a Linux machine), so an update splits end to end: the receive RPC's way in, vLLM
+starting the update in the worker, the receive, the worker's work after it, the RPC's way
+back, the finish. Beside it, in the same run, the floor that vLLM's RPC sets: two no-op
+``collective_rpc`` round trips (an update makes two RPCs: the receive and the finish).
+
+A small model makes the fixed costs visible (on a CPU engine the copies of a 4-layer model
+take microseconds; vLLM's layerwise reload, which the CPU build needs, does not). The same
+split runs on the GPU in ``bench/gpu_e2e.py --sections push``.
+
+    .venv/bin/python bench/update_phases.py [--layers 4] [--repeats 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from gpu_e2e import update_phases  # (this folder: the same split as the GPU benchmark)
+from safetensors.torch import load_file
+
+from asyncroll import VLLMEngine, WeightPusher
+from asyncroll.testing import make_tiny_model
+
+
+async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:
+    times = []
+    for _ in range(n + 5):
+        started = time.perf_counter()
+        await engine.llm.collective_rpc("asyncroll_ping")
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times[5:])
+
+
+async def measure(layers: int, repeats: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        path = make_tiny_model(Path(folder) / "model", num_hidden_layers=layers)
+        weights = load_file(str(path / "model.safetensors"))
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True) as engine:
+            pusher = WeightPusher([engine])
+            steps = itertools.count(1)
+            try:
+                for _ in range(3):  # attach, warm up
+                    await pusher.update(weights, global_steps=next(steps))
+                rows = []
+                for i in range(repeats):
+                    report = await pusher.update(weights, global_steps=next(steps))
+                    (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+                    row = update_phases(report, worker)
+                    row["update: push + finish"] = (report.push_seconds
+                                                    + report.finish_seconds) * 1e3
+                    rows.append(row)
+                    print(f"  update {i + 1}/{repeats}: {row['update: push + finish']:.2f} ms",
+                          file=sys.stderr, flush=True)
+            finally:
+                await pusher.aclose()
+            rtt_ms = await _rpc_round_trip_ms(engine)
+    medians = {name: statistics.median(row[name] for row in rows) for name in rows[0]}
+    return {"tensors": len(weights), "MiB": nbytes / 2**20, "repeats": repeats,
+            "no-op collective_rpc round trip ms": rtt_ms, "phases ms (median)": medians}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    result = uvloop.run(measure(args.layers, args.repeats))
+    result["outside the pipeline ms"] = (
+        result["phases ms (median)"]["update: push + finish"]
+        - result["phases ms (median)"]["phase: first message -> last ack"])
+    phases, rtt = result["phases ms (median)"], result["no-op collective_rpc round trip ms"]
+    print(f"{result['tensors']} tensors, {result['MiB']:.1f} MiB, median of {args.repeats}")
+    for name, ms in phases.items():
+        print(f"  {name.removeprefix('phase: '):55s} {ms:8.2f} ms")
+    # Ours: what the update costs outside its pipeline (the copies and the loads, bucket by
+    # bucket); the floor: vLLM's two RPCs.
+    fixed = result["outside the pipeline ms"]
+    print(f"  outside the pipeline: {fixed:.2f} ms; vLLM's RPC floor (2 no-op round trips):"
+          f" {2 * rtt:.2f} ms; ratio {fixed / (2 * rtt):.1f}x")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,20 +10,30 @@ A small model makes the fixed costs visible (on a CPU engine the copies of a 4-l
 take microseconds; vLLM's layerwise reload, which the CPU build needs, does not). The same
 split runs on the GPU in ``bench/gpu_e2e.py --sections push``.
 
-    .venv/bin/python bench/update_phases.py [--layers 4] [--repeats 30] [--json out.json]
+Then the update as the trainer sees it while the engine generates (``--busy`` requests
+decoding): ``update()`` returns once it has each engine's report of what its workers took.
+Ours: the receive RPC brings it back; baseline: asking the workers once the engines resumed
+(before 2026-11-27), an RPC that a busy engine answers only between two steps. Alternating,
+on one engine, in one run.
+
+    .venv/bin/python bench/update_phases.py [--layers 4] [--repeats 30] [--busy 32] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import itertools
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import uvloop
 from gpu_e2e import update_phases  # (this folder: the same split as the GPU benchmark)
@@ -31,6 +41,8 @@ from safetensors.torch import load_file
 
 from asyncroll import VLLMEngine, WeightPusher
 from asyncroll.testing import make_tiny_model
+from asyncroll.types import Delivery
+from asyncroll.vllm.engine import _summed
 
 
 async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:
@@ -42,7 +54,7 @@ async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:
     return statistics.median(times[5:])
 
 
-async def measure(layers: int, repeats: int) -> dict[str, Any]:
+async def measure(layers: int, repeats: int, busy: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         path = make_tiny_model(Path(folder) / "model", num_hidden_layers=layers)
         weights = load_file(str(path / "model.safetensors"))
@@ -63,21 +75,68 @@ async def measure(layers: int, repeats: int) -> dict[str, Any]:
                     rows.append(row)
                     print(f"  update {i + 1}/{repeats}: {row['update: push + finish']:.2f} ms",
                           file=sys.stderr, flush=True)
+                busy_ms = await _while_busy(engine, pusher, weights, steps, repeats, busy)
             finally:
                 await pusher.aclose()
             rtt_ms = await _rpc_round_trip_ms(engine)
     medians = {name: statistics.median(row[name] for row in rows) for name in rows[0]}
     return {"tensors": len(weights), "MiB": nbytes / 2**20, "repeats": repeats,
-            "no-op collective_rpc round trip ms": rtt_ms, "phases ms (median)": medians}
+            "no-op collective_rpc round trip ms": rtt_ms, "phases ms (median)": medians,
+            f"update() call ms with {busy} requests decoding (median)": busy_ms}
+
+
+async def _asked(engine: VLLMEngine) -> Delivery | None:
+    """The baseline: ask the workers what they took (one more RPC into the engine)."""
+    return _summed(
+        await engine.call_vllm(engine.llm.collective_rpc("asyncroll_last_receive_report"))
+    )
+
+
+async def _while_busy(engine: VLLMEngine, pusher: WeightPusher, weights: dict[str, Any],
+                      steps: Iterator[int], repeats: int, busy: int) -> dict[str, float]:
+    """``update()`` as its caller waits for it, ``busy`` requests decoding all along:
+    the report known from the receive (ours) or asked for after the resume (baseline)."""
+    params = {"max_tokens": 400, "ignore_eos": True}
+    stop = asyncio.Event()
+
+    async def decode(i: int) -> None:
+        for j in itertools.count():
+            if stop.is_set():
+                return
+            await engine.generate(f"busy-{i}-{j}", prompt_ids=[5, 6, 7 + i % 50],
+                                  sampling_params=params)
+
+    callers = [asyncio.create_task(decode(i)) for i in range(busy)]
+    times: dict[str, list[float]] = {"ours (known)": [], "baseline (asked)": []}
+    try:
+        while engine.statistics().in_flight < busy:  # noqa: ASYNC110 - no event says so
+            await asyncio.sleep(0.01)
+        for i in range(2 * repeats):
+            variant = "baseline (asked)" if i % 2 else "ours (known)"
+            patch = (mock.patch.object(VLLMEngine, "last_delivery", _asked) if i % 2
+                     else contextlib.nullcontext())
+            with patch:
+                called = time.perf_counter()
+                await pusher.update(weights, global_steps=next(steps), mode="keep")
+                times[variant].append((time.perf_counter() - called) * 1e3)
+            print(f"  busy update {i + 1}/{2 * repeats} ({variant}): "
+                  f"{times[variant][-1]:.2f} ms", file=sys.stderr, flush=True)
+    finally:
+        stop.set()
+        await engine.pause("abort")  # the callers' requests end; they see ``stop`` and return
+        await engine.resume()
+        await asyncio.gather(*callers)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--busy", type=int, default=32, help="requests decoding (second part)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = uvloop.run(measure(args.layers, args.repeats))
+    result = uvloop.run(measure(args.layers, args.repeats, args.busy))
     result["outside the pipeline ms"] = (
         result["phases ms (median)"]["update: push + finish"]
         - result["phases ms (median)"]["phase: first message -> last ack"])
@@ -90,6 +149,10 @@ def main() -> None:
     fixed = result["outside the pipeline ms"]
     print(f"  outside the pipeline: {fixed:.2f} ms; vLLM's RPC floor (2 no-op round trips):"
           f" {2 * rtt:.2f} ms; ratio {fixed / (2 * rtt):.1f}x")
+    busy = result[f"update() call ms with {args.busy} requests decoding (median)"]
+    ours, baseline = busy["ours (known)"], busy["baseline (asked)"]
+    print(f"update() with {args.busy} requests decoding: ours {ours:.2f} ms, baseline (asking"
+          f" after the resume) {baseline:.2f} ms: ours / baseline {ours / baseline:.2f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

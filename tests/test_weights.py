@@ -351,6 +351,30 @@ async def test_an_updates_stamps_follow_one_another_on_one_clock(
     assert worker["began"] <= timeline[0]["received"] <= timeline[-1]["acked"] <= received
 
 
+async def test_an_update_reports_what_the_workers_took_without_asking_them_again(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receive RPC returns each worker's delivery: the report needs no RPC of its own
+    (which a busy engine answers only between two steps), and says what asking would."""
+    asked: list[str] = []
+    rpc = engine.llm.collective_rpc
+
+    def spied(method: str, *args: object, **kwargs: object) -> object:
+        asked.append(method)
+        return rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
+    report = await engine.update_weights(load_weights(tiny_model_a),
+                                         global_steps=await _next_steps(engine))
+    assert "asyncroll_take_update" in asked and "asyncroll_last_receive_report" not in asked
+    delivery = report.deliveries[engine.name]
+    (worker,) = await rpc("asyncroll_last_receive_report")
+    assert delivery.version == worker["version"] == report.global_steps
+    assert (delivery.tensors, delivery.bytes) == (worker["tensors"], worker["bytes"])
+    assert [delivery.verified, delivery.not_verifiable] == worker["verified"]
+    assert delivery.tensors == report.tensors and delivery.verified > 0
+
+
 async def test_thirty_pushes_keep_memory_bounded(engine: VLLMEngine, tiny_model_a: Path) -> None:
     weights = load_weights(tiny_model_a)
     steps = await _next_steps(engine)

@@ -130,6 +130,8 @@ class VLLMEngine:
         self._holding: str | None = None
         self._begun: str | None = None
         """An update begun (its load mode): the workers begin it with the receive."""
+        self._delivery: Delivery | None = None
+        """What the workers said they took as the last receive returned (None: ask them)."""
         self._attached_to: object | None = None
         """Whose sender this engine's workers are attached to (one at a time; not necessarily
         ``_pusher``'s, the one ``update_weights`` uses)."""
@@ -525,29 +527,32 @@ class VLLMEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         load, self._begun = self._begun, None
+        self._delivery = None
         info = {"version": version}
         if load is None:
             await self.call_vllm(
                 self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             )
             return
-        failures = await self.call_vllm(
+        answers = await self.call_vllm(
             self._llm.collective_rpc(
                 "asyncroll_take_update",
                 kwargs={"update_info": info, "layerwise": load == "layerwise"},
             )
         )
-        failed = [(rank, why) for rank, why in enumerate(failures) if why is not None]
+        failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
         if failed:
             rank, why = failed[0]
             raise WeightSyncError(
-                f"{self.name}: the push failed in {len(failed)} of {len(failures)} workers;"
+                f"{self.name}: the push failed in {len(failed)} of {len(answers)} workers;"
                 f" rank {rank}: {why}"
             )
+        self._delivery = _summed(answers)
 
     async def end_failed_update(self) -> bool:
         """End the update in every worker; True if each restored its previous weights."""
         self._begun = None
+        self._delivery = None
         whole = await self.call_vllm(self._llm.collective_rpc("asyncroll_abort_weight_update"))
         return all(whole)
 
@@ -560,21 +565,12 @@ class VLLMEngine:
 
     async def last_delivery(self) -> Delivery | None:
         """What the workers took in the last push, summed (None before the first push, or if a
-        worker's last push is another than the others')."""
-        reports = await self.call_vllm(
-            self._llm.collective_rpc("asyncroll_last_receive_report")
-        )
-        if not reports or any(r is None for r in reports):
-            return None
-        if len({r["version"] for r in reports}) != 1:
-            return None
-        return Delivery(
-            version=reports[0]["version"],
-            workers=len(reports),
-            tensors=sum(r["tensors"] for r in reports),
-            bytes=sum(r["bytes"] for r in reports),
-            verified=sum(r["verified"][0] for r in reports),
-            not_verifiable=sum(r["verified"][1] for r in reports),
+        worker's last push is another than the others'). Known without asking them when the
+        last receive returned it (``asyncroll_take_update``)."""
+        if self._delivery is not None:
+            return self._delivery
+        return _summed(
+            await self.call_vllm(self._llm.collective_rpc("asyncroll_last_receive_report"))
         )
 
     async def commit_version(self, global_steps: int | None) -> None:
@@ -779,6 +775,23 @@ class VLLMEngine:
 def _is_input_error(exc: Exception) -> bool:
     """vLLM's own input-validation errors (not ``ValueError`` subclasses in every version)."""
     return any(cls.__name__ == "VLLMClientError" for cls in type(exc).__mro__)
+
+
+def _summed(reports: Sequence[Any]) -> Delivery | None:
+    """The workers' deliveries (``asyncroll.vllm.worker._delivery``) as one, or None if one is
+    missing or they are of different pushes."""
+    if not reports or not all(isinstance(r, dict) for r in reports):
+        return None
+    if len({r["version"] for r in reports}) != 1:
+        return None
+    return Delivery(
+        version=reports[0]["version"],
+        workers=len(reports),
+        tensors=sum(r["tensors"] for r in reports),
+        bytes=sum(r["bytes"] for r in reports),
+        verified=sum(r["verified"][0] for r in reports),
+        not_verifiable=sum(r["verified"][1] for r in reports),
+    )
 
 
 def _segment(

@@ -572,6 +572,15 @@ def _outside_device_context() -> Iterator[Callable[[], contextlib.AbstractContex
             torch._C._push_on_torch_function_stack(mode)
 
 
+def _delivery(engine: object) -> dict[str, Any] | None:
+    """What the worker took in its last push (``VLLMEngine.last_delivery`` sums the workers')."""
+    report = getattr(engine, "last_report", None)
+    if report is None:
+        return None
+    return {"version": report.version, "tensors": report.tensors, "bytes": report.bytes,
+            "verified": list(getattr(engine, "verified", (0, 0)))}
+
+
 def _check_delivered(report: ReceiveReport, received: set[str], handed: set[str]) -> None:
     """Every tensor that arrived reached the model's loader (or the place the load plan put
     it), and some did.
@@ -696,13 +705,17 @@ class AsyncrollWorkerExtension:
             engine.model_config = self.model_config  # type: ignore[attr-defined]
             engine.device = self.device  # type: ignore[attr-defined]
 
-    def asyncroll_take_update(self, update_info: dict[str, Any], layerwise: bool) -> str | None:
+    def asyncroll_take_update(
+        self, update_info: dict[str, Any], layerwise: bool
+    ) -> str | dict[str, Any] | None:
         """vLLM's ``start_weight_update`` then ``update_weights``, in one RPC (the engine's
         ``begin_update`` and ``receive``): the workers join a push one round trip sooner.
 
-        Returns None, or why this worker failed the push. It does not raise: when one worker
-        of several raises in an RPC, vLLM's executor raises at the first error and leaves
-        the other workers' answers queued, where the next RPC (the rollback) reads them."""
+        Returns why this worker failed the push, or what it took (``_delivery``): the
+        engine's report of the update needs no RPC of its own, which a busy engine would
+        answer only between two steps. It does not raise: when one worker of several raises
+        in an RPC, vLLM's executor raises at the first error and leaves the other workers'
+        answers queued, where the next RPC (the rollback) reads them."""
         called = time.perf_counter()
         worker: Any = self
         try:
@@ -715,9 +728,10 @@ class AsyncrollWorkerExtension:
             logger.warning("rank %s failed the push: %r", getattr(worker, "rank", "?"), exc)
             return f"{type(exc).__name__}: {exc}"
         engine = getattr(worker, "weight_transfer_engine", None)
-        if isinstance(engine, AsyncrollWeightTransferEngine):
-            engine.called, engine.returned = called, time.perf_counter()
-        return None
+        if not isinstance(engine, AsyncrollWeightTransferEngine):
+            return None
+        engine.called, engine.returned = called, time.perf_counter()
+        return _delivery(engine)
 
     def asyncroll_abort_weight_update(self) -> bool:
         """End a weight update that did not finish (the trainer failed or was cancelled after
@@ -744,12 +758,11 @@ class AsyncrollWorkerExtension:
         plan did (benchmarks)."""
         engine = getattr(self, "weight_transfer_engine", None)
         report = getattr(engine, "last_report", None)
-        if report is None:
+        delivered = _delivery(engine)
+        if report is None or delivered is None:
             return None
         out: dict[str, Any] = {
-            "version": report.version,
-            "tensors": report.tensors,
-            "bytes": report.bytes,
+            **delivered,
             "verify_seconds": getattr(engine, "verify_seconds", 0.0),
             "seconds": report.seconds,
             "load_seconds": report.load_seconds,
@@ -762,7 +775,6 @@ class AsyncrollWorkerExtension:
             "entered": getattr(engine, "entered", report.began),
             "called": getattr(engine, "called", 0.0),
             "returned": getattr(engine, "returned", 0.0),
-            "verified": list(getattr(engine, "verified", (0, 0))),
         }
         stats = (
             engine.plan_statistics

@@ -137,7 +137,7 @@ class UpdateReport:
     bytes: int = 0
     """Bytes pushed (to each engine)."""
     deliveries: Mapping[str, Delivery] = field(default_factory=dict)
-    """Engine name -> what its workers took (engines whose workers report it; asked after
+    """Engine name -> what its workers took (engines whose workers report it; gathered after
     the resume, so not part of ``seconds``)."""
 
     @property

@@ -91,7 +91,8 @@ def check_request_id(request_id: object, *, max_len: int = MAX_REQUEST_ID_LEN) -
 
 @contextlib.contextmanager
 def claimed(live: set[str], request_id: str) -> Iterator[None]:
-    """``request_id`` is live for the duration (``refuse_live`` refuses it meanwhile)."""
+    """``request_id`` is live for the duration (``refuse_live`` refuses it meanwhile). Call
+    ``refuse_live`` first, in the same step: the exit forgets the id whoever claimed it."""
     live.add(request_id)
     try:
         yield

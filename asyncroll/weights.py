@@ -264,8 +264,8 @@ class VersionedUpdater:
         await self._channel.aclose()
 
     async def _deliveries(self, engines: Sequence[UpdatableEngine]) -> dict[str, Delivery]:
-        """What each engine's workers took; asked after the resume (on a GPU each question is
-        an RPC the engine answers between steps), and never failing the update."""
+        """What each engine's workers took, after the resume, never failing the update. A
+        ``VLLMEngine`` knows it from its receive; a Ray engine asks its actor, which knows."""
         try:
             async with asyncio.timeout(30):
                 return await self._channel.deliveries(engines)

@@ -13,6 +13,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, hold, load_weights, until_decoding
 
 from asyncroll import (
@@ -42,6 +43,44 @@ async def test_without_a_ray_cluster_start_is_a_typed_error(tiny_model_a: Path) 
         pytest.skip("a cluster is up already")
     with pytest.raises(EngineStartError, match=r"ray\.init"):
         await RayEngine.start(tiny_model_a)
+
+
+class _LastInFirstOutActor:
+    """A stand-in for a Ray actor that runs its calls last in, first out: the order Ray may
+    run an async actor's calls in, made certain. It runs a call only when ``run_one`` says."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.queued: list[tuple[str, asyncio.Future[Any]]] = []
+        self.call_sync = self  # ``actor.call_sync.remote(method, *args)``
+
+    def remote(self, method: str, *args: Any) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.queued.append((method, future))
+        return future
+
+    def run_one(self) -> None:
+        method, future = self.queued.pop()
+        self.holding = {"hold": True, "release_hold": False}.get(method, self.holding)
+        future.set_result((None, {"paused": False, "asleep": False, "weights_asleep": False,
+                                  "holding": self.holding, "global_steps": 0, "dead": False,
+                                  "actor_s": 0.0}))
+
+
+async def test_a_release_never_overtakes_its_hold_even_when_the_actor_reorders_calls() -> None:
+    actor = _LastInFirstOutActor()
+    info = {"vocab_size": 10, "max_model_len": 10, "model_path": "m", "pid": 1,
+            "has_tokenizer": False, "num_workers": 1, "served_dtype": torch.float32}
+    engine = RayEngine(actor, info, name="lifo", global_steps=0)
+    for i in range(3):
+        engine.hold(f"test {i}")
+        engine.release_hold()
+    while engine._pending:  # the actor runs whatever has reached it, newest first
+        await asyncio.sleep(0)
+        if actor.queued:
+            actor.run_one()
+    assert not actor.holding  # (fired all at once, the last release ran first: held for good)
+    assert not engine.statistics().holding
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ class RayEngine:
         gates admission; mirrored here so that ``in_flight`` counts admitted requests."""
         self._gate.set()
         self._pending: set[asyncio.Future[Any]] = set()
-        """Fire-and-forget calls (``hold``, aborts of cancelled calls), kept until done."""
+        """Fire-and-forget calls (``hold``, ``release_hold``), kept until done."""
         self._verdicts = False
         """Attached to a broadcast push group: a receive that returns means every rank took
         the push (``EngineHost.take_update`` labels it then)."""

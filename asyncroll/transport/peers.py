@@ -287,14 +287,18 @@ class ControlPlane:
         self._queued_sends += 1
         try:
             async with self._send_turn:
-                while not self._try_send(peer, frames):
-                    # The socket signals (a change) when the queue drains, but that signal may
-                    # already have been taken (the check for input after the failed send):
-                    # wait for the next change, or try again soon.
+                while True:
+                    # Closed or broken first: a send that waited its turn behind a failed one
+                    # fails too, even if the socket's I/O thread has freed a slot since.
                     if self._fatal is not None:
                         raise self._fatal
                     if not self._fds:
                         raise TransportClosedError(f"{self._owner_text()} is closed")
+                    if self._try_send(peer, frames):
+                        break
+                    # The socket signals (a change) when the queue drains, but that signal may
+                    # already have been taken (the check for input after the failed send):
+                    # wait for the next change, or try again soon.
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(_FULL_QUEUE_RETRY):
                             await self._next_change()

@@ -127,7 +127,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         report's ``began``: what preparing the receive cost)."""
         self.called = 0.0
         self.returned = 0.0
-        """When the last ``asyncroll_take_update`` RPC began and ended in this worker: with
+        """When the last ``asyncroll_take_update`` that succeeded began and ended in this worker
+        (a failed one, or a push through vLLM's own ``update_weights``, leaves them): with
         ``entered`` and the report, what vLLM's start of the update and the worker's work
         after the receive cost, apart from the RPC's way in and out (benchmarks)."""
         self.verified = (0, 0)
@@ -711,7 +712,8 @@ class AsyncrollWorkerExtension:
         """vLLM's ``start_weight_update`` then ``update_weights``, in one RPC (the engine's
         ``begin_update`` and ``receive``): the workers join a push one round trip sooner.
 
-        Returns why this worker failed the push, or what it took (``_delivery``): the
+        Returns why this worker failed the push, or what it took (``_delivery``; None with
+        another weight-transfer engine than asyncroll's): the
         engine's report of the update needs no RPC of its own, which a busy engine would
         answer only between two steps. It does not raise: when one worker of several raises
         in an RPC, vLLM's executor raises at the first error and leaves the other workers'
@@ -724,14 +726,14 @@ class AsyncrollWorkerExtension:
             else:
                 worker.start_weight_update()
             worker.update_weights(update_info)
+            engine = getattr(worker, "weight_transfer_engine", None)
+            if not isinstance(engine, AsyncrollWeightTransferEngine):
+                return None
+            engine.called, engine.returned = called, time.perf_counter()
+            return _delivery(engine)
         except Exception as exc:
             logger.warning("rank %s failed the push: %r", getattr(worker, "rank", "?"), exc)
             return f"{type(exc).__name__}: {exc}"
-        engine = getattr(worker, "weight_transfer_engine", None)
-        if not isinstance(engine, AsyncrollWeightTransferEngine):
-            return None
-        engine.called, engine.returned = called, time.perf_counter()
-        return _delivery(engine)
 
     def asyncroll_abort_weight_update(self) -> bool:
         """End a weight update that did not finish (the trainer failed or was cancelled after

@@ -36,22 +36,13 @@ from typing import Any
 from unittest import mock
 
 import uvloop
-from gpu_e2e import update_phases  # (this folder: the same split as the GPU benchmark)
+from gpu_e2e import _rpc_round_trip_ms, update_phases  # (this folder: as on the GPU)
 from safetensors.torch import load_file
 
 from asyncroll import VLLMEngine, WeightPusher
 from asyncroll.testing import make_tiny_model
 from asyncroll.types import Delivery
 from asyncroll.vllm.engine import _summed
-
-
-async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:
-    times = []
-    for _ in range(n + 5):
-        started = time.perf_counter()
-        await engine.llm.collective_rpc("asyncroll_ping")
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times[5:])
 
 
 async def measure(layers: int, repeats: int, busy: int) -> dict[str, Any]:
@@ -72,6 +63,8 @@ async def measure(layers: int, repeats: int, busy: int) -> dict[str, Any]:
                     row = update_phases(report, worker)
                     row["update: push + finish"] = (report.push_seconds
                                                     + report.finish_seconds) * 1e3
+                    row["update: outside the pipeline"] = (
+                        row["update: push + finish"] - row["phase: first message -> last ack"])
                     rows.append(row)
                     print(f"  update {i + 1}/{repeats}: {row['update: push + finish']:.2f} ms",
                           file=sys.stderr, flush=True)
@@ -137,16 +130,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = uvloop.run(measure(args.layers, args.repeats, args.busy))
-    result["outside the pipeline ms"] = (
-        result["phases ms (median)"]["update: push + finish"]
-        - result["phases ms (median)"]["phase: first message -> last ack"])
     phases, rtt = result["phases ms (median)"], result["no-op collective_rpc round trip ms"]
     print(f"{result['tensors']} tensors, {result['MiB']:.1f} MiB, median of {args.repeats}")
     for name, ms in phases.items():
         print(f"  {name.removeprefix('phase: '):55s} {ms:8.2f} ms")
     # Ours: what the update costs outside its pipeline (the copies and the loads, bucket by
     # bucket); the floor: vLLM's two RPCs.
-    fixed = result["outside the pipeline ms"]
+    fixed = phases["update: outside the pipeline"]
     print(f"  outside the pipeline: {fixed:.2f} ms; vLLM's RPC floor (2 no-op round trips):"
           f" {2 * rtt:.2f} ms; ratio {fixed / (2 * rtt):.1f}x")
     busy = result[f"update() call ms with {args.busy} requests decoding (median)"]

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
 import uvloop
 from gpu_e2e import _rpc_round_trip_ms, update_phases  # (this folder: as on the GPU)
 from safetensors.torch import load_file
@@ -45,10 +46,12 @@ from asyncroll.types import Delivery
 from asyncroll.vllm.engine import _summed
 
 
-async def measure(layers: int, repeats: int, busy: int) -> dict[str, Any]:
+async def measure(layers: int, repeats: int, busy: int, device: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         path = make_tiny_model(Path(folder) / "model", num_hidden_layers=layers)
-        weights = load_file(str(path / "model.safetensors"))
+        # CPU tensors go through shared memory, CUDA tensors through CUDA IPC
+        stored = load_file(str(path / "model.safetensors"))
+        weights = {name: tensor.to(device) for name, tensor in stored.items()}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True) as engine:
             pusher = WeightPusher([engine])
@@ -127,9 +130,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--busy", type=int, default=32, help="requests decoding (second part)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the pushed tensors live (default: cuda if there is one)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    result = uvloop.run(measure(args.layers, args.repeats, args.busy))
+    result = uvloop.run(measure(args.layers, args.repeats, args.busy, args.device))
     phases, rtt = result["phases ms (median)"], result["no-op collective_rpc round trip ms"]
     print(f"{result['tensors']} tensors, {result['MiB']:.1f} MiB, median of {args.repeats}")
     for name, ms in phases.items():

@@ -53,7 +53,12 @@ async def measure(layers: int, repeats: int, busy: int, device: str) -> dict[str
         stored = load_file(str(path / "model.safetensors"))
         weights = {name: tensor.to(device) for name, tensor in stored.items()}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-        async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True) as engine:
+        # on a GPU, as bench/gpu_e2e.py starts its engines (docs/gpu.md: async scheduling
+        # stalled vLLM 0.24's start-up there); the model's own dtype, as the pushed weights
+        gpu = ({"enforce_eager": True, "async_scheduling": False, "gpu_memory_utilization": 0.25}
+               if device.startswith("cuda") else {})
+        async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True,
+                                     **gpu) as engine:
             pusher = WeightPusher([engine])
             steps = itertools.count(1)
             try:

@@ -520,32 +520,50 @@ class SenderChannel:
         tensors: Mapping[str, torch.Tensor],
         version: int,
     ) -> PushReport:
-        """Every engine's begin, the push and every engine's receive, failing as soon as any
-        of them fails (a dead worker's engine fails its call long before the sender's ack
-        deadline). The sender starts first: it packs its first buckets while the begin RPCs
-        travel (the workers read nothing before their receive)."""
+        """Every engine's begin and receive, then the push, failing as soon as any of them
+        fails (a dead worker's engine fails its call long before the sender's ack deadline).
+
+        The receive RPCs leave before the sender's first step: the sender's work before its
+        first message (packing the first buckets; for one copy, sharing every storage and
+        sealing one message) then overlaps their way into vLLM and the workers' preparation,
+        where it used to precede them. The tensors were checked already (``check``); a push
+        that still fails before its first message tells the waiting receivers so
+        (``receivers_waiting``). A push group (broadcast) starts first, as before: its
+        receivers join a collective, which only the sender can open."""
         prints = self._fingerprints if self._fingerprints is not None else None
         lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
         if prints is not None and not set(tensors) - set(lazy) <= set(prints):
             prints = None  # not the tensors last checked
         unknown = prints is not None and len(prints) < len(tensors)
         fingerprint = self._lazy_fingerprinter if lazy and unknown else None
-        options = {"fingerprint": fingerprint} if fingerprint is not None else {}
-        push = asyncio.ensure_future(
-            sender.push(
-                tensors, version=version, one_copy=self._one_copy, fingerprints=prints, **options
+        options: dict[str, Any] = {"fingerprint": fingerprint} if fingerprint is not None else {}
+        receivers_first = isinstance(sender, WeightSender)
+        if receivers_first:
+            options["receivers_waiting"] = True
+
+        def start_push() -> asyncio.Future[PushReport]:
+            return asyncio.ensure_future(
+                sender.push(
+                    tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
+                    **options,
+                )
             )
-        )
+
+        push = None if receivers_first else start_push()
         begun: asyncio.Future[Any] = asyncio.ensure_future(
             asyncio.gather(*(e.begin_update(load=self._load) for e in engines))
         )
-        tasks: list[asyncio.Future[Any]] = [push, begun]
+        tasks: list[asyncio.Future[Any]] = [begun] if push is None else [push, begun]
         receives: list[asyncio.Future[Any]] = []
         try:
             async with asyncio.timeout(self._timeout * 2):
                 await _until(begun, tasks)
                 receives = [asyncio.ensure_future(e.receive(version)) for e in engines]
                 tasks += receives
+                if push is None:
+                    await _rpcs_sent()
+                    push = start_push()
+                    tasks.append(push)
                 try:
                     await _until(None, tasks)
                 except ReceiverFailedError:
@@ -560,6 +578,7 @@ class SenderChannel:
                     if failures:
                         raise failures[0] from None  # type: ignore[misc]
                     raise
+            assert push is not None
             return push.result()
         finally:
             for task in tasks:
@@ -836,6 +855,15 @@ def _nbytes(tensor: torch.Tensor | LazyTensor | Piece) -> int:
     if isinstance(tensor, Piece):
         return tensor.nbytes
     return tensor.numel() * tensor.element_size()
+
+
+async def _rpcs_sent() -> None:
+    """Two loop turns: the receive tasks just created send their RPCs meanwhile (a receive's
+    first step hands its RPC to a task of its own, ``VLLMEngine.call_vllm``, whose first step
+    sends it; asyncio runs ready tasks in the order they were scheduled). Were it to take more
+    turns, the sender would only start before those RPCs leave, as it did before."""
+    for _ in range(2):
+        await asyncio.sleep(0)
 
 
 async def _until(goal: asyncio.Future[Any] | None, tasks: Sequence[asyncio.Future[Any]]) -> None:

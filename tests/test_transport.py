@@ -270,6 +270,36 @@ async def test_receiver_error_names_the_tensor_and_the_next_push_works(
     assert reply["stats"]["failed_pushes"] == 1
 
 
+async def test_a_push_failing_before_it_began_tells_receivers_already_waiting(
+    child: Child,
+) -> None:
+    """``receivers_waiting``: the receivers were told to receive before the push began (a
+    ``WeightPusher`` starts the workers' receive first). A push that fails before its first
+    message sends them its End at once, naming the error, instead of leaving them to time
+    out; without the flag it sends nothing (a receiver not receiving would read that End as
+    its next push's), and the next push goes through."""
+    tensors = model_tensors()
+    twice = [*tensors.items(), next(iter(tensors.items()))]
+    async with open_weight_sender(
+        backend=make_backend("shm"), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
+        await child.acall("connect", sender.receiver_config(), "r0", 600.0)
+        child.start("receive")
+        with pytest.raises(ValueError, match="unique"):
+            await sender.push(twice, version=1, receivers_waiting=True)
+        with pytest.raises(ChildError, match=r"WeightSyncError.*ValueError: tensor names"):
+            await asyncio.to_thread(child.result)
+        with pytest.raises(ValueError, match="unique"):
+            await sender.push(twice, version=2)
+        child.start("receive")
+        await sender.push(tensors, version=3)
+        reply = await asyncio.to_thread(child.result)
+        await child.acall("close")
+        stats = sender.statistics()
+    assert reply["versions"] == [3] and reply["digests"] == digests(tensors)
+    assert (stats.pushes, stats.failed_pushes) == (1, 1)
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 async def test_receiver_killed_mid_push_fails_the_push_without_hanging(kind: str) -> None:
     device = "cuda" if kind == "cuda_ipc" else "cpu"

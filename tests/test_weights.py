@@ -196,6 +196,35 @@ async def test_a_piece_that_does_not_fit_its_tensor_is_refused_before_the_pause(
     assert await greedy(engine, "after-bad-piece") == served
 
 
+async def test_a_push_failing_before_its_first_message_ends_the_workers_receive_at_once(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers are receiving before the sender starts. A push that fails before its first
+    message (made to here) ends their receive with its error at once, instead of after the
+    receiver's timeout: the update fails naming it, nothing holds, the label stays, and the
+    next update goes through."""
+    current = engine.global_steps
+    served = await greedy(engine, "before-called-off")
+    push = WeightSender._push
+    calls: list[int] = []
+
+    async def failing_once(self: WeightSender, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the sender failed before its first message")
+        return await push(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(WeightSender, "_push", failing_once)
+    weights = load_weights(tiny_model_a)
+    steps = await _next_steps(engine)
+    with pytest.raises(WeightSyncError, match="before its first message"):
+        await engine.update_weights(weights, global_steps=steps)
+    assert engine.global_steps == current and not engine.statistics().holding
+    assert await greedy(engine, "after-called-off") == served
+    report = await engine.update_weights(weights, global_steps=steps)
+    assert report.global_steps == engine.global_steps == steps and len(calls) == 2
+
+
 async def test_push_while_asleep_is_refused(engine: VLLMEngine, tiny_model_a: Path) -> None:
     await engine.sleep(1)
     try:
@@ -337,18 +366,40 @@ async def test_an_updates_stamps_follow_one_another_on_one_clock(
     engine: VLLMEngine, tiny_model_a: Path
 ) -> None:
     """The sender's, the worker's and the receiver's ``perf_counter`` stamps of one update, in
-    the order the update passes them: what ``bench/update_phases.py`` splits an update by."""
+    the order the update passes them: what ``bench/update_phases.py`` splits an update by.
+    (The sender and the worker start independently: the receive RPC leaves first.)"""
     report = await engine.update_weights(load_weights(tiny_model_a),
                                          global_steps=await _next_steps(engine))
     ended = time.perf_counter()
     (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
     assert report.push is not None and report.push.began > 0
     received = worker["began"] + worker["seconds"]
-    stamps = [report.push.began, worker["called"], worker["entered"], worker["began"],
-              received, worker["returned"], ended]
+    stamps = [worker["called"], worker["entered"], worker["began"], received,
+              worker["returned"], ended]
     assert stamps == sorted(stamps), stamps
     timeline = worker["timeline"]
     assert worker["began"] <= timeline[0]["received"] <= timeline[-1]["acked"] <= received
+    assert report.push.began <= timeline[0]["received"]
+
+
+async def test_the_workers_receive_rpc_leaves_before_the_sender_begins(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receive RPC is on its way into vLLM before the sender's first step: the sender's
+    work before its first message overlaps the RPC and the workers' preparation, where it
+    used to precede them."""
+    sent: dict[str, float] = {}
+    rpc = engine.llm.collective_rpc
+
+    async def spied(method: str, *args: object, **kwargs: object) -> object:
+        sent.setdefault(method, time.perf_counter())  # the step that sends it
+        return await rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
+    report = await engine.update_weights(load_weights(tiny_model_a),
+                                         global_steps=await _next_steps(engine))
+    assert report.push is not None
+    assert sent["asyncroll_take_update"] < report.push.began
 
 
 async def test_an_update_reports_what_the_workers_took_without_asking_them_again(

@@ -9,7 +9,8 @@ Invariants:
 * a push goes to the receivers ready when it begins (none: it fails at once), and each of them
   is sent every bucket and the End;
 * every push ends with an End to each receiver still here, naming the error if it failed (and
-  then counted as failed once), even when its caller is cancelled;
+  then counted as failed once), even when its caller is cancelled; so does a push called off
+  before it began, where its receivers were already waiting for it (``call_off``);
 * the lazy tensors a push made for a buffer live until the buffer's copies are done, at the
   latest until the push ends.
 """
@@ -73,6 +74,20 @@ class Pushes:
 
     def __repr__(self) -> str:
         return f"<Pushes succeeded={self.succeeded} failed={self.failed}>"
+
+    @property
+    def begun(self) -> int:
+        """How many pushes began (each was given an id and ends with an End)."""
+        return self._ids
+
+    async def call_off(self, version: int, exc: BaseException) -> None:
+        """A push that failed before it began, its receivers already waiting for it: count it
+        as failed and send them its End, naming the error (each raises it)."""
+        peers = self._control.ready_peers()
+        self._ids += 1
+        self.failed += 1
+        state = PushState(id=self._ids, version=version, peers=peers)
+        await self._send_end(state, 0, error=_describe_exc(exc))
 
     @contextlib.asynccontextmanager
     async def open(

@@ -233,6 +233,7 @@ class WeightSender:
         one_copy: bool = False,
         fingerprints: Mapping[str, bytes] | None = None,
         fingerprint: Fingerprint | None = None,
+        receivers_waiting: bool = False,
     ) -> PushReport:
         """Move ``named_tensors`` into every ready receiver; returns once all of them loaded it.
 
@@ -254,12 +255,39 @@ class WeightSender:
         must be contiguous and must not change until this returns: by then every receiver's
         reads are finished on the device.
 
+        ``receivers_waiting``: the receivers were told to receive this push before it began
+        (their ``receive`` is called already). A push that fails before its first message
+        then still sends them its End, naming the error, so they stop waiting at once; without
+        it a push sends nothing until it has begun (a receiver that is not receiving would
+        read the End of a push it never waited for).
+
         Raises:
             WeightSyncError: a receiver's loader raised (names the receiver, tensor and message).
             TransportBrokenError: a receiver disconnected mid-push.
             TransportTimeoutError: a receiver did not ack within ``ack_timeout``.
             TransportClosedError: the sender is closed.
         """
+        begun = self._pushes.begun
+        try:
+            return await self._push(
+                named_tensors, version=version, one_copy=one_copy, fingerprints=fingerprints,
+                fingerprint=fingerprint,
+            )
+        except BaseException as exc:
+            if receivers_waiting and self._pushes.begun == begun:
+                await shielded(self._pushes.call_off(version, exc))
+            raise
+
+    async def _push(
+        self,
+        named_tensors: Mapping[str, torch.Tensor | LazyTensor | Piece]
+        | Iterable[tuple[str, torch.Tensor | LazyTensor | Piece]],
+        *,
+        version: int,
+        one_copy: bool,
+        fingerprints: Mapping[str, bytes] | None,
+        fingerprint: Fingerprint | None,
+    ) -> PushReport:
         self._control.check_usable()
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         given = dict(pairs)

@@ -325,6 +325,10 @@ class SenderChannel:
     one since) attaches again.
     """
 
+    _receivers_first = True
+    """The order of an update's transfer (``_transfer``); False: the sender first, as before
+    2026-11-27 (``bench/update_phases.py`` measures both)."""
+
     def __init__(
         self,
         engines: Sequence[ReceivingEngine],
@@ -537,7 +541,7 @@ class SenderChannel:
         unknown = prints is not None and len(prints) < len(tensors)
         fingerprint = self._lazy_fingerprinter if lazy and unknown else None
         options: dict[str, Any] = {"fingerprint": fingerprint} if fingerprint is not None else {}
-        receivers_first = isinstance(sender, WeightSender)
+        receivers_first = self._receivers_first and isinstance(sender, WeightSender)
         if receivers_first:
             options["receivers_waiting"] = True
 

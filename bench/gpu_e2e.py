@@ -536,6 +536,8 @@ def update_phases(report: Any, worker: dict[str, Any]) -> dict[str, float]:
     verify = worker.get("verify_seconds", 0.0)
     called, returned = worker.get("called") or entered, worker.get("returned") or 0.0
     phases = {
+        # negative where vLLM called the worker first: since 2026-11-27 the receive RPC
+        # leaves before the sender's first step, and "the rest" holds the time before it
         "phase: sender began -> vLLM calls the worker": called - began,
         "phase: vLLM starts the update in the worker": entered - called,
         "phase: the worker prepares its receive": r_began - entered,

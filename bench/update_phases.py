@@ -10,6 +10,10 @@ A small model makes the fixed costs visible (on a CPU engine the copies of a 4-l
 take microseconds; vLLM's layerwise reload, which the CPU build needs, does not). The same
 split runs on the GPU in ``bench/gpu_e2e.py --sections push``.
 
+Then the update on the idle engine in the transfer's two orders, alternating: the workers'
+receive RPCs sent before the sender's first step (ours), or after it (baseline, before
+2026-11-27).
+
 Then the update as the trainer sees it while the engine generates (``--busy`` requests
 decoding): ``update()`` returns once it has each engine's report of what its workers took.
 Ours: the receive RPC brings it back; baseline: asking the workers once the engines resumed
@@ -44,6 +48,7 @@ from asyncroll import VLLMEngine, WeightPusher
 from asyncroll.testing import make_tiny_model
 from asyncroll.types import Delivery
 from asyncroll.vllm.engine import _summed
+from asyncroll.weights import SenderChannel
 
 
 async def measure(layers: int, repeats: int, busy: int, device: str) -> dict[str, Any]:
@@ -76,6 +81,7 @@ async def measure(layers: int, repeats: int, busy: int, device: str) -> dict[str
                     rows.append(row)
                     print(f"  update {i + 1}/{repeats}: {row['update: push + finish']:.2f} ms",
                           file=sys.stderr, flush=True)
+                order_ms = await _by_order(pusher, weights, steps, repeats)
                 busy_ms = await _while_busy(engine, pusher, weights, steps, repeats, busy)
             finally:
                 await pusher.aclose()
@@ -83,7 +89,21 @@ async def measure(layers: int, repeats: int, busy: int, device: str) -> dict[str
     medians = {name: statistics.median(row[name] for row in rows) for name in rows[0]}
     return {"tensors": len(weights), "MiB": nbytes / 2**20, "repeats": repeats,
             "no-op collective_rpc round trip ms": rtt_ms, "phases ms (median)": medians,
+            "update ms by the transfer's order (median)": order_ms,
             f"update() call ms with {busy} requests decoding (median)": busy_ms}
+
+
+async def _by_order(pusher: WeightPusher, weights: dict[str, Any], steps: Iterator[int],
+                    repeats: int) -> dict[str, float]:
+    """The update (push + finish) with the workers' receive RPCs sent before the sender's
+    first step (ours) or after it (baseline: the order before 2026-11-27), alternating."""
+    times: dict[str, list[float]] = {"ours (receivers first)": [], "baseline (sender first)": []}
+    for i in range(2 * repeats):
+        variant = "baseline (sender first)" if i % 2 else "ours (receivers first)"
+        with mock.patch.object(SenderChannel, "_receivers_first", not i % 2):
+            report = await pusher.update(weights, global_steps=next(steps))
+        times[variant].append((report.push_seconds + report.finish_seconds) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 async def _asked(engine: VLLMEngine) -> Delivery | None:
@@ -149,6 +169,10 @@ def main() -> None:
     fixed = phases["update: outside the pipeline"]
     print(f"  outside the pipeline: {fixed:.2f} ms; vLLM's RPC floor (2 no-op round trips):"
           f" {2 * rtt:.2f} ms; ratio {fixed / (2 * rtt):.1f}x")
+    order = result["update ms by the transfer's order (median)"]
+    ours, baseline = order["ours (receivers first)"], order["baseline (sender first)"]
+    print(f"update, idle engine: receive RPCs first (ours) {ours:.2f} ms, the sender first"
+          f" (baseline) {baseline:.2f} ms: ours / baseline {ours / baseline:.2f}")
     busy = result[f"update() call ms with {args.busy} requests decoding (median)"]
     ours, baseline = busy["ours (known)"], busy["baseline (asked)"]
     print(f"update() with {args.busy} requests decoding: ours {ours:.2f} ms, baseline (asking"

@@ -542,18 +542,25 @@ class SenderChannel:
         fingerprint = self._lazy_fingerprinter if lazy and unknown else None
         options: dict[str, Any] = {"fingerprint": fingerprint} if fingerprint is not None else {}
         receivers_first = self._receivers_first and isinstance(sender, WeightSender)
-        if receivers_first:
-            options["receivers_waiting"] = True
 
-        def start_push() -> asyncio.Future[PushReport]:
-            return asyncio.ensure_future(
-                sender.push(
+        async def pushed() -> PushReport:
+            if not receivers_first:
+                return await sender.push(
                     tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
                     **options,
                 )
+            assert isinstance(sender, WeightSender)
+            try:
+                await _rpcs_sent()
+            except BaseException as exc:  # cancelled: the receivers wait for this push
+                await sender.call_off(version, exc)
+                raise
+            return await sender.push(
+                tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
+                receivers_waiting=True, **options,
             )
 
-        push = None if receivers_first else start_push()
+        push = None if receivers_first else asyncio.ensure_future(pushed())
         begun: asyncio.Future[Any] = asyncio.ensure_future(
             asyncio.gather(*(e.begin_update(load=self._load) for e in engines))
         )
@@ -564,9 +571,8 @@ class SenderChannel:
                 await _until(begun, tasks)
                 receives = [asyncio.ensure_future(e.receive(version)) for e in engines]
                 tasks += receives
-                if push is None:
-                    await _rpcs_sent()
-                    push = start_push()
+                if push is None:  # its first steps let the receive RPCs leave first
+                    push = asyncio.ensure_future(pushed())
                     tasks.append(push)
                 try:
                     await _until(None, tasks)
@@ -862,10 +868,11 @@ def _nbytes(tensor: torch.Tensor | LazyTensor | Piece) -> int:
 
 
 async def _rpcs_sent() -> None:
-    """Two loop turns: the receive tasks just created send their RPCs meanwhile (a receive's
-    first step hands its RPC to a task of its own, ``VLLMEngine.call_vllm``, whose first step
-    sends it; asyncio runs ready tasks in the order they were scheduled). Were it to take more
-    turns, the sender would only start before those RPCs leave, as it did before."""
+    """Two loop turns: the receive tasks created before us send their RPCs meanwhile (a
+    receive's first step hands its RPC to a task of its own, ``VLLMEngine.call_vllm``, whose
+    first step sends it; asyncio runs ready tasks in the order they were scheduled). Were it
+    to take more turns, the sender would only start before those RPCs leave, as it did
+    before."""
     for _ in range(2):
         await asyncio.sleep(0)
 

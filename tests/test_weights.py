@@ -225,6 +225,32 @@ async def test_a_push_failing_before_its_first_message_ends_the_workers_receive_
     assert report.global_steps == engine.global_steps == steps and len(calls) == 2
 
 
+async def test_an_update_cancelled_as_its_receive_rpc_leaves_leaves_no_worker_waiting(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled the moment the workers' receive RPC leaves, before the sender's first step:
+    the push is called off (its End reaches the workers, whose receive ends at once), the
+    label stays, nothing holds, and the next update goes through."""
+    current = engine.global_steps
+    rpc = engine.llm.collective_rpc
+    update: asyncio.Future[object] | None = None
+
+    async def spied(method: str, *args: object, **kwargs: object) -> object:
+        if method == "asyncroll_take_update" and update is not None and not update.done():
+            update.cancel()  # the RPC still leaves: this is its sending step
+        return await rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
+    weights = load_weights(tiny_model_a)
+    steps = await _next_steps(engine)
+    update = asyncio.ensure_future(engine.update_weights(weights, global_steps=steps))
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    assert engine.global_steps == current and not engine.statistics().holding
+    report = await engine.update_weights(weights, global_steps=steps)
+    assert report.global_steps == engine.global_steps == steps
+
+
 async def test_push_while_asleep_is_refused(engine: VLLMEngine, tiny_model_a: Path) -> None:
     await engine.sleep(1)
     try:

@@ -275,8 +275,15 @@ class WeightSender:
             )
         except BaseException as exc:
             if receivers_waiting and self._pushes.begun == begun:
-                await shielded(self._pushes.call_off(version, exc))
+                await self.call_off(version, exc)
             raise
+
+    async def call_off(self, version: int, exc: BaseException) -> None:
+        """The receivers were told to receive a push that will not come (it failed, or its
+        caller was cancelled, before it began): send them its End, naming ``exc``; each one
+        raises it. Counted as a failed push. Runs to completion even if our caller is
+        cancelled meanwhile."""
+        await shielded(self._pushes.call_off(version, exc))
 
     async def _push(
         self,

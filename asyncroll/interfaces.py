@@ -154,10 +154,11 @@ class ReceivingEngine(UpdatableEngine, Protocol):
 
     async def begin_update(self, *, load: str) -> None: ...
 
-    async def receive(self, version: int) -> None:
+    async def receive(self, version: int, *, push: int = 0) -> None:
         """Take one whole push (returns when every worker loaded its last bucket).
         ``version``: the update's ``global_steps``, or -1 for an update that keeps the
-        label."""
+        label. ``push``: the sender's id of that push (``WeightSender.next_push``): messages
+        of earlier pushes still queued for the workers are skipped (0: the next push)."""
 
     async def end_failed_update(self) -> bool:
         """End a failed push in every worker; True if the previous weights are whole again."""

@@ -569,7 +569,12 @@ class SenderChannel:
         try:
             async with asyncio.timeout(self._timeout * 2):
                 await _until(begun, tasks)
-                receives = [asyncio.ensure_future(e.receive(version)) for e in engines]
+                # the push's id, read before it begins: the workers skip what earlier pushes
+                # left in their sockets (one that ended while they were not receiving)
+                push_id = sender.next_push if isinstance(sender, WeightSender) else 0
+                receives = [
+                    asyncio.ensure_future(e.receive(version, push=push_id)) for e in engines
+                ]
                 tasks += receives
                 if push is None:  # its first steps let the receive RPCs leave first
                     push = asyncio.ensure_future(pushed())

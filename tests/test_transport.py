@@ -276,14 +276,15 @@ async def test_a_push_failing_before_it_began_tells_receivers_already_waiting(
     """``receivers_waiting``: the receivers were told to receive before the push began (a
     ``WeightPusher`` starts the workers' receive first). A push that fails before its first
     message sends them its End at once, naming the error, instead of leaving them to time
-    out; without the flag it sends nothing (a receiver not receiving would read that End as
-    its next push's), and the next push goes through."""
+    out; without the flag it sends nothing. An End that reaches a receiver not receiving is
+    skipped by a receive told which push to take (``push=sender.next_push``)."""
     tensors = model_tensors()
     twice = [*tensors.items(), next(iter(tensors.items()))]
     async with open_weight_sender(
         backend=make_backend("shm"), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
     ) as sender:
         await child.acall("connect", sender.receiver_config(), "r0", 600.0)
+        await sender.wait_receivers(1)  # its Ready read: a ready peer to call off to
         child.start("receive")
         with pytest.raises(ValueError, match="unique"):
             await sender.push(twice, version=1, receivers_waiting=True)
@@ -291,13 +292,16 @@ async def test_a_push_failing_before_it_began_tells_receivers_already_waiting(
             await asyncio.to_thread(child.result)
         with pytest.raises(ValueError, match="unique"):
             await sender.push(twice, version=2)
-        child.start("receive")
-        await sender.push(tensors, version=3)
+        # called off while the receiver is not receiving: its End waits in the socket
+        with pytest.raises(ValueError, match="unique"):
+            await sender.push(twice, version=3, receivers_waiting=True)
+        child.start("receive", push=sender.next_push)
+        await sender.push(tensors, version=4)
         reply = await asyncio.to_thread(child.result)
         await child.acall("close")
         stats = sender.statistics()
-    assert reply["versions"] == [3] and reply["digests"] == digests(tensors)
-    assert (stats.pushes, stats.failed_pushes) == (1, 1)
+    assert reply["versions"] == [4] and reply["digests"] == digests(tensors)
+    assert (stats.pushes, stats.failed_pushes) == (1, 2)
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

@@ -217,8 +217,11 @@ async def test_a_push_failing_before_its_first_message_ends_the_workers_receive_
     monkeypatch.setattr(WeightSender, "_push", failing_once)
     weights = load_weights(tiny_model_a)
     steps = await _next_steps(engine)
+    # (a bound far above the seconds this takes, far below the workers' 120 s receive
+    # timeout, which is what a lost End would cost)
     with pytest.raises(WeightSyncError, match="before its first message"):
-        await engine.update_weights(weights, global_steps=steps)
+        async with asyncio.timeout(60):
+            await engine.update_weights(weights, global_steps=steps)
     assert engine.global_steps == current and not engine.statistics().holding
     assert await greedy(engine, "after-called-off") == served
     report = await engine.update_weights(weights, global_steps=steps)
@@ -245,10 +248,29 @@ async def test_an_update_cancelled_as_its_receive_rpc_leaves_leaves_no_worker_wa
     steps = await _next_steps(engine)
     update = asyncio.ensure_future(engine.update_weights(weights, global_steps=steps))
     with pytest.raises(asyncio.CancelledError):
-        await update
+        async with asyncio.timeout(60):  # (as above: a lost End costs 120 s)
+            await update
     assert engine.global_steps == current and not engine.statistics().holding
     report = await engine.update_weights(weights, global_steps=steps)
     assert report.global_steps == engine.global_steps == steps
+
+
+async def test_an_end_left_in_a_workers_socket_does_not_fail_the_next_update(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    """A push that ended while the workers were not receiving (here: one called off) leaves
+    its End in their sockets. The next update tells the workers which push to take, so they
+    skip it: the update goes through, where they used to read that End as their push's and
+    fail this update and, one push late, every later one."""
+    weights = load_weights(tiny_model_a)
+    await engine.update_weights(weights, global_steps=await _next_steps(engine))
+    pusher = engine._pusher
+    assert pusher is not None and isinstance(pusher._channel.sender, WeightSender)
+    await pusher._channel.sender.call_off(0, RuntimeError("left over"))
+    for _ in range(2):
+        steps = await _next_steps(engine)
+        report = await engine.update_weights(weights, global_steps=steps)
+        assert report.global_steps == engine.global_steps == steps
 
 
 async def test_push_while_asleep_is_refused(engine: VLLMEngine, tiny_model_a: Path) -> None:

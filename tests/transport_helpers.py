@@ -198,12 +198,14 @@ class _Child:
         gate: bool = False,
         device_delay_cycles: int = 0,
         die_at_bucket: int = -1,
+        push: int = 0,
     ) -> dict[str, Any]:
         """Receive ``pushes`` pushes; reply with digests of the last one.
 
         ``device_delay_cycles``: each bucket's loads queue a GPU sleep, then device copies (no
         host sync), so the ack reaches the sender long before the loads run on the device.
         ``die_at_bucket``: SIGKILL ourselves when handed that bucket (counting from 0).
+        ``push``: the id of the first push to take (``WeightReceiver.receive``).
         """
         assert self.receiver is not None
         got: dict[str, Digest] = {}
@@ -235,7 +237,8 @@ class _Child:
 
         for _ in range(pushes):
             got.clear()
-            report = self.receiver.receive(load)
+            report = self.receiver.receive(load, push=push)
+            push = 0
             versions.append(report.version)
             timelines.append([dataclasses.asdict(times) for times in report.timeline])
             got.update({name: digest(t) for name, t in kept.items()})

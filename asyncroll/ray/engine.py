@@ -94,7 +94,7 @@ class EngineHost:
         await self.engine.attach(config, owner=self)
         return None, self.state(started)
 
-    async def take_update(self, load: str, version: int, label: bool
+    async def take_update(self, load: str, version: int, label: bool, push: int = 0
                           ) -> tuple[None, dict[str, Any]]:
         """``begin_update`` then ``receive``: one actor round trip on the push's critical
         path instead of two. With ``label`` (a broadcast push, whose receive returns only
@@ -103,7 +103,7 @@ class EngineHost:
         await self._labelled()
         started = time.perf_counter()
         await self.engine.begin_update(load=load)
-        await self.engine.receive(version)
+        await self.engine.receive(version, push=push)
         if label:
             global_steps = None if version < 0 else version
             self._labelling = asyncio.ensure_future(self.engine.commit_version(global_steps))
@@ -436,12 +436,12 @@ class RayEngine:
         self._load = load
         self._labelled_in_actor = None
 
-    async def receive(self, version: int) -> None:
+    async def receive(self, version: int, *, push: int = 0) -> None:
         load, self._load = self._load, None
         if load is None:
-            await self._call("receive", version)
+            await self._call("receive", version, push=push)
             return
-        await self._invoke(self.actor.take_update, load, version, self._verdicts,
+        await self._invoke(self.actor.take_update, load, version, self._verdicts, push,
                            timed_as="take_update")
         if self._verdicts:
             self._labelled_in_actor = version

@@ -77,7 +77,8 @@ class Pushes:
 
     @property
     def begun(self) -> int:
-        """How many pushes began (each was given an id and ends with an End)."""
+        """How many pushes began or were called off (each was given an id and ended with an
+        End)."""
         return self._ids
 
     async def call_off(self, version: int, exc: BaseException) -> None:

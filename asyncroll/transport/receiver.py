@@ -319,7 +319,12 @@ class WeightReceiver:
     # ---------------------------------------------------------------- receive
 
     def receive(
-        self, load_fn: LoadFn, *, place: PlaceFn | None = None, timeout: float | None = None
+        self,
+        load_fn: LoadFn,
+        *,
+        place: PlaceFn | None = None,
+        timeout: float | None = None,
+        push: int = 0,
     ) -> ReceiveReport:
         """Run one whole push: ``load_fn`` per bucket, an ack after each; block until it ends.
 
@@ -334,6 +339,9 @@ class WeightReceiver:
                 scratch buffer and copied again by ``load_fn`` (a compiled load plan knows
                 where an embedding goes; ``LoadPlan.destination``).
             timeout: Bound on each wait for the sender (default: the receiver's timeout).
+            push: The id of the push to take (``WeightSender.next_push``, read before the
+                push began): messages of earlier pushes still queued here (a push that ended
+                while we were not receiving) are stale and skipped. 0: the next push.
 
         Returns:
             What was loaded, and the version the sender pushed.
@@ -356,7 +364,7 @@ class WeightReceiver:
         timeline: list[ReceiverBucketTimes] = []
         clock = time.perf_counter
         started = time.perf_counter()
-        push, buckets, tensors, nbytes = 0, 0, 0, 0
+        expected, push, buckets, tensors, nbytes = push, 0, 0, 0, 0
         failure: tuple[str, str] | None = None
         prints: dict[str, builtins.bytes] = {}
         try:
@@ -369,7 +377,7 @@ class WeightReceiver:
                 stage["wait"] += received - waiting
                 if (
                     isinstance(message, wire.Bucket | wire.Shared | wire.Prints | wire.End)
-                    and message.push <= self._finished_push
+                    and (message.push <= self._finished_push or message.push < expected)
                 ):
                     self._discard_stale(message)
                     continue

@@ -256,10 +256,12 @@ class WeightSender:
         reads are finished on the device.
 
         ``receivers_waiting``: the receivers were told to receive this push before it began
-        (their ``receive`` is called already). A push that fails before its first message
-        then still sends them its End, naming the error, so they stop waiting at once; without
-        it a push sends nothing until it has begun (a receiver that is not receiving would
-        read the End of a push it never waited for).
+        (their ``receive`` is called already). A push that fails, or is cancelled, before it
+        begins (before it has an id and its first message) then still sends them its End,
+        naming the error, so they stop waiting at once (``call_off``); without it such a push
+        sends nothing (a receiver that is not receiving would read that End as its next
+        push's, unless told which push to take: ``next_push``). Where several pushes share
+        the sender at once, "before it begins" means before any other push began since.
 
         Raises:
             WeightSyncError: a receiver's loader raised (names the receiver, tensor and message).
@@ -267,23 +269,42 @@ class WeightSender:
             TransportTimeoutError: a receiver did not ack within ``ack_timeout``.
             TransportClosedError: the sender is closed.
         """
-        begun = self._pushes.begun
+        unbegun = self._pushes.begun if receivers_waiting else None
         try:
             return await self._push(
                 named_tensors, version=version, one_copy=one_copy, fingerprints=fingerprints,
-                fingerprint=fingerprint,
+                fingerprint=fingerprint, unbegun=unbegun,
             )
         except BaseException as exc:
-            if receivers_waiting and self._pushes.begun == begun:
-                await self.call_off(version, exc)
+            await self._call_off_unbegun(unbegun, version, exc)
             raise
+
+    @property
+    def next_push(self) -> int:
+        """The id the next push will have (``WeightReceiver.receive(push=...)``): each call of
+        ``push`` that begins, or is called off, takes the next id."""
+        return self._pushes.begun + 1
 
     async def call_off(self, version: int, exc: BaseException) -> None:
         """The receivers were told to receive a push that will not come (it failed, or its
         caller was cancelled, before it began): send them its End, naming ``exc``; each one
         raises it. Counted as a failed push. Runs to completion even if our caller is
-        cancelled meanwhile."""
-        await shielded(self._pushes.call_off(version, exc))
+        cancelled meanwhile; after the push in flight, if any (its receivers are busy with
+        it)."""
+
+        async def locked() -> None:
+            async with self._push_lock:
+                await self._pushes.call_off(version, exc)
+
+        await shielded(locked())
+
+    async def _call_off_unbegun(
+        self, unbegun: int | None, version: int, exc: BaseException
+    ) -> None:
+        """``call_off`` if the receivers wait (``unbegun``: the count of pushes begun when this
+        one was called) and no push began since."""
+        if unbegun is not None and self._pushes.begun == unbegun:
+            await self.call_off(version, exc)
 
     async def _push(
         self,
@@ -294,6 +315,7 @@ class WeightSender:
         one_copy: bool,
         fingerprints: Mapping[str, bytes] | None,
         fingerprint: Fingerprint | None,
+        unbegun: int | None,
     ) -> PushReport:
         self._control.check_usable()
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -326,7 +348,9 @@ class WeightSender:
                     plan, tensors, version, fingerprints=fingerprints, makes=makes,
                     fingerprint=fingerprint if lazy else None, pieces=frozenset(parts),
                 )
-        except BaseException:
+        except BaseException as exc:
+            # the waiting receivers first: the drain makes every tensor left (gathers)
+            await self._call_off_unbegun(unbegun, version, exc)
             if makes is not None and makes.pending:  # the other ranks' collectives
                 await self._pipeline.drain(makes)
             raise

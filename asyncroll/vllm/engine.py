@@ -523,12 +523,12 @@ class VLLMEngine:
         (``asyncroll_take_update``), one engine round trip less before they take bytes."""
         self._begun = load
 
-    async def receive(self, version: int) -> None:
+    async def receive(self, version: int, *, push: int = 0) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         load, self._begun = self._begun, None
         self._delivery = None
-        info = {"version": version}
+        info = {"version": version, "push": push}
         if load is None:
             await self.call_vllm(
                 self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))

@@ -101,6 +101,8 @@ class InitInfo(WeightTransferInitInfo):
 @dataclass
 class UpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
+    push: int = 0
+    """The sender's id of the push to take: earlier pushes' messages are stale (0: the next)."""
 
 
 class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
@@ -125,6 +127,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.entered = 0.0
         """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
         report's ``began``: what preparing the receive cost)."""
+        self._push_id = 0
+        """The push the current receive takes (``UpdateInfo.push``)."""
         self.called = 0.0
         self.returned = 0.0
         """When the last ``asyncroll_take_update`` that succeeded began and ended in this worker
@@ -213,6 +217,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         ``direct`` load (``start_weight_update(is_checkpoint_format=False)``), started nothing:
         its loader copies kernel-format names, so the model's own loader is used instead."""
         assert self._receiver is not None and self._info is not None
+        self._push_id = update_info.push
         self.entered = time.perf_counter()
         with _outside_device_context() as self._device_context:
             try:
@@ -332,7 +337,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             if isinstance(self._receiver, BroadcastReceiver):
                 self._receiver.receive(load, place=place, after=check)
             else:
-                check(self._receiver.receive(load, place=place))
+                check(self._receiver.receive(load, place=place, push=self._push_id))
         except BaseException:
             with self._device_context():  # a rollback reloads through vLLM, as it expects
                 self.abort_update()

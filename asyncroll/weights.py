@@ -541,23 +541,25 @@ class SenderChannel:
         unknown = prints is not None and len(prints) < len(tensors)
         fingerprint = self._lazy_fingerprinter if lazy and unknown else None
         options: dict[str, Any] = {"fingerprint": fingerprint} if fingerprint is not None else {}
+        # The push's id, read before the push can begin (in either order): the workers skip
+        # what earlier pushes left in their sockets (one that ended while they were not
+        # receiving). Updates through this channel run one at a time.
+        push_id = sender.next_push if isinstance(sender, WeightSender) else 0
         receivers_first = self._receivers_first and isinstance(sender, WeightSender)
+        if receivers_first:
+            options["receivers_waiting"] = True
 
         async def pushed() -> PushReport:
-            if not receivers_first:
-                return await sender.push(
-                    tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
-                    **options,
-                )
-            assert isinstance(sender, WeightSender)
-            try:
-                await _rpcs_sent()
-            except BaseException as exc:  # cancelled: the receivers wait for this push
-                await sender.call_off(version, exc)
-                raise
+            if receivers_first:
+                assert isinstance(sender, WeightSender)
+                try:
+                    await _rpcs_sent()
+                except BaseException as exc:  # cancelled: the receivers wait for this push
+                    await sender.call_off(version, exc)
+                    raise
             return await sender.push(
                 tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
-                receivers_waiting=True, **options,
+                **options,
             )
 
         push = None if receivers_first else asyncio.ensure_future(pushed())
@@ -569,9 +571,6 @@ class SenderChannel:
         try:
             async with asyncio.timeout(self._timeout * 2):
                 await _until(begun, tasks)
-                # the push's id, read before it begins: the workers skip what earlier pushes
-                # left in their sockets (one that ended while they were not receiving)
-                push_id = sender.next_push if isinstance(sender, WeightSender) else 0
                 receives = [
                     asyncio.ensure_future(e.receive(version, push=push_id)) for e in engines
                 ]

@@ -24,7 +24,7 @@ from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, Weig
 from asyncroll.testing.faults import inject_fault
 from asyncroll.transport import CudaIpcBackend, Piece, ShmBackend, WeightSender
 from asyncroll.types import PauseMode
-from asyncroll.weights import WeightPusher, default_buffers
+from asyncroll.weights import SenderChannel, WeightPusher, default_buffers
 
 pytestmark = pytest.mark.engine
 
@@ -226,6 +226,21 @@ async def test_a_push_failing_before_its_first_message_ends_the_workers_receive_
     assert await greedy(engine, "after-called-off") == served
     report = await engine.update_weights(weights, global_steps=steps)
     assert report.global_steps == engine.global_steps == steps and len(calls) == 2
+
+
+async def test_the_sender_first_order_still_delivers(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order before 2026-11-27 (``bench/update_phases.py``'s baseline): the push starts
+    before the receives, so the push's id must be read before it starts, or the workers
+    would skip the very push they wait for."""
+    monkeypatch.setattr(SenderChannel, "_receivers_first", False)
+    weights = load_weights(tiny_model_a)
+    for _ in range(2):
+        steps = await _next_steps(engine)
+        async with asyncio.timeout(60):  # (a skipped push costs the workers' 120 s timeout)
+            report = await engine.update_weights(weights, global_steps=steps)
+        assert report.global_steps == engine.global_steps == steps
 
 
 async def test_an_update_cancelled_as_its_receive_rpc_leaves_leaves_no_worker_waiting(

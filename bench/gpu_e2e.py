@@ -59,6 +59,7 @@ from safetensors.torch import load_file
 from asyncroll import (
     AsyncServerManager,
     EngineSleepingError,
+    SenderChannel,
     VLLMEngine,
     WeightPusher,
     WeightSyncError,
@@ -781,6 +782,9 @@ def parse_args() -> argparse.Namespace:
                         help="rollout engine: tokens a step (vLLM's default)")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="the trainer's event loop (asyncroll's examples run uvloop)")
+    parser.add_argument("--sender-first", action="store_true",
+                        help="the update's old order, as a baseline: the sender begins before"
+                             " the engines' receive RPCs leave")
     return parser.parse_args()
 
 
@@ -794,6 +798,9 @@ async def main(args: argparse.Namespace) -> int:
     res.record("env", "gpu", torch.cuda.get_device_name())
     res.record("env", "torch", torch.__version__)
     res.record("env", "event loop", args.loop)
+    if args.sender_first:
+        SenderChannel._receivers_first = False
+    res.record("env", "order", "sender first" if args.sender_first else "receivers first")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = []

@@ -66,6 +66,7 @@ from asyncroll import (
 )
 from asyncroll.testing import make_tiny_model
 from asyncroll.testing.faults import FAULTS_EXTENSION, inject_fault
+from asyncroll.transport import CudaIpcBackend
 
 GiB = 1 << 30
 SMALL = {  # GPU-friendly tiny model: head size 64, bf16
@@ -785,6 +786,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sender-first", action="store_true",
                         help="the update's old order, as a baseline: the sender begins before"
                              " the engines' receive RPCs leave")
+    parser.add_argument("--torch-copies", action="store_true",
+                        help="baseline: the sender packs with torch's copy_, not the driver's"
+                             " memcpy from address ranges")
     return parser.parse_args()
 
 
@@ -800,6 +804,9 @@ async def main(args: argparse.Namespace) -> int:
     res.record("env", "event loop", args.loop)
     if args.sender_first:
         SenderChannel._receivers_first = False
+    if args.torch_copies:
+        CudaIpcBackend.queue_spans = lambda self, spans: False  # type: ignore[method-assign]
+    res.record("env", "sender copies", "torch" if args.torch_copies else "driver memcpy")
     res.record("env", "order", "sender first" if args.sender_first else "receivers first")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -260,7 +260,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                         help="the sender's event loop (asyncroll's examples run uvloop)")
+    parser.add_argument("--torch-copies", action="store_true",
+                        help="baseline: the sender packs with torch's copy_, not the driver's"
+                             " memcpy from address ranges")
     args = parser.parse_args()
+    if args.torch_copies:
+        CudaIpcBackend.queue_spans = lambda self, spans: False  # type: ignore[method-assign]
     run = uvloop.run if args.loop == "uvloop" else asyncio.run
     cuda = args.device.startswith("cuda")
     gib = args.gib or (8.0 if cuda else 1.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from asyncroll.transport.packing import (
     FUSE_BYTES,
     SpanAssembler,
+    bucket_spans,
     copy_many,
     pack_bucket,
     run_copies,
@@ -268,3 +270,44 @@ def test_copies_that_continue_each_other_coalesce_and_the_rest_do_not() -> None:
     copy_many([small[:4], small[4:]], [row[:1], row[1:]], disjoint=True)
     run_copies(copy_split)
     assert small.tolist() == [10.0, 10, 10, 10, 11, 12, 13, 14]
+
+
+def test_bucket_spans_copy_what_pack_bucket_packs() -> None:
+    """The address ranges a backend copies itself (the CUDA sender's driver memcpy) put every
+    byte where ``pack_bucket`` does: spanning pieces and both ends of a bucket included."""
+    tensors = {n: t.contiguous() for n, t in model_tensors().items()}
+    plan = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()], bucket_bytes=2048)
+    assert any(slot.spanning for bucket in plan for slot in bucket.slots)
+    packed, copied = torch.zeros(2048, dtype=torch.uint8), torch.zeros(2048, dtype=torch.uint8)
+    for bucket in plan:
+        packed.fill_(7)
+        copied.fill_(7)
+        pack_bucket(bucket, packed, tensors)
+        spans = bucket_spans(bucket, copied, tensors)
+        assert spans is not None
+        for dst, src, nbytes in spans:
+            ctypes.memmove(dst, src, nbytes)
+        assert torch.equal(packed, copied), bucket.index
+
+
+def test_bucket_spans_leave_to_pack_bucket_what_needs_torch() -> None:
+    """A strided source, another dtype than the plan's (a cast), another shape, or a tensor
+    subclass with a layout of its own: no address ranges for that bucket."""
+    source = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    (bucket,) = plan_buckets([TensorMeta.of("w", source)], bucket_bytes=1024)
+    buffer = torch.zeros(1024, dtype=torch.uint8)
+    assert bucket_spans(bucket, buffer, {"w": source}) == [
+        (buffer.data_ptr(), source.data_ptr(), 256)
+    ]
+    assert bucket_spans(bucket, buffer, {"w": torch.nn.Parameter(source)}) is not None
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    for other in (
+        source.t(),
+        source.half(),
+        source.reshape(4, 16),
+        source.as_subclass(Wrapped),
+    ):
+        assert bucket_spans(bucket, buffer, {"w": other}) is None

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -41,6 +43,7 @@ from typing import Final, Protocol
 
 import torch
 
+from asyncroll.transport.packing import Span
 from asyncroll.transport.security import restricted_loads
 
 __all__ = [
@@ -103,6 +106,11 @@ class Backend(Protocol):
 
     def mark_sources_ready(self) -> None:
         """On the caller's thread, before packing: later copies wait for work queued so far."""
+        ...
+
+    def queue_spans(self, spans: list[Span]) -> bool:
+        """Queue raw copies (``packing.bucket_spans``) where copy_context's copies run; False,
+        queuing nothing, where this backend has no such path (torch's copies then)."""
         ...
 
     async_copies: bool
@@ -248,6 +256,9 @@ class ShmBackend:
     def mark_sources_ready(self) -> None:
         pass
 
+    def queue_spans(self, spans: list[Span]) -> bool:
+        return False
+
     async_copies = False
     inline_packing = False
 
@@ -371,6 +382,24 @@ class CudaIpcBackend:
         event.record(torch.cuda.current_stream(self.device))
         self._sources_ready = event
 
+    def queue_spans(self, spans: list[Span]) -> bool:
+        """The copies on the copy stream, one driver ``cuMemcpyDtoDAsync`` each: about 1 us
+        of host time a copy against ``copy_``'s 10-14 us (an H100 machine), with the same
+        device work (``copy_`` of contiguous same-typed tensors is that memcpy too)."""
+        memcpy = _driver_memcpy()
+        index = self.device.index
+        if memcpy is None or (index is not None and torch.cuda.current_device() != index):
+            return False  # (the driver copies in the context current here: the device's)
+        stream = self._copy_stream()
+        if self._sources_ready is not None:
+            stream.wait_event(self._sources_ready)
+        handle = stream.cuda_stream
+        for dst, src, nbytes in spans:
+            status = memcpy(dst, src, nbytes, handle)
+            if status:
+                raise RuntimeError(f"cuMemcpyDtoDAsync failed: CUDA driver error {status}")
+        return True
+
     async_copies = True
     inline_packing = True
 
@@ -461,6 +490,22 @@ class CudaIpcBackend:
 
     def finish_loads(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+
+@functools.cache
+def _driver_memcpy() -> Callable[[int, int, int, int], int] | None:
+    """The CUDA driver's ``cuMemcpyDtoDAsync`` (addresses, bytes, stream), or None where the
+    driver library cannot be loaded (torch's copies then). It copies in the context current
+    on the calling thread: torch's, on the thread that made the staging buffers."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        memcpy = driver.cuMemcpyDtoDAsync_v2
+    except (OSError, AttributeError):
+        log.info("no CUDA driver memcpy: the sender packs with torch's copies")
+        return None
+    memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    memcpy.restype = ctypes.c_int
+    return memcpy
 
 
 def _export(tensor: torch.Tensor) -> bytes:

@@ -44,7 +44,7 @@ from asyncroll.errors import TransportTimeoutError
 from asyncroll.transport import wire
 from asyncroll.transport.backends import Backend, CudaIpcBackend
 from asyncroll.transport.lazy import LazyTensor, Makes
-from asyncroll.transport.packing import dtype_name, pack_bucket
+from asyncroll.transport.packing import bucket_spans, dtype_name, pack_bucket
 from asyncroll.transport.peers import ControlPlane
 from asyncroll.transport.plan import Bucket
 from asyncroll.transport.pushes import Fingerprint, Pushes, PushState, shielded
@@ -84,6 +84,9 @@ class PushPipeline:
         self._waits = DeviceWaits(control=control, backend=backend, ack_timeout=ack_timeout)
         self._late_signals = backend.async_copies and staging.count > 2
         """Signal bucket k once bucket k+1's copies are queued (see ``run``)."""
+        self._raw_copies = backend.async_copies
+        """Queue a bucket's copies as address ranges (``Backend.queue_spans``) where the
+        backend can: device copies, whose host cost is on every bucket's path."""
 
     def __repr__(self) -> str:
         return f"<PushPipeline {self._staging!r} {self._pushes!r}>"
@@ -326,9 +329,11 @@ class PushPipeline:
             sources, made = state.makes.for_bucket(bucket)
             state.made[index].extend(sources.values())
             self._backend.mark_sources_ready()  # the copies wait for the making (a gather)
-        with _packing(), self._backend.copy_context():
-            buffer = self._staging.buffers[index].tensor
-            pack_bucket(bucket, buffer, sources, self._staging.views[index])
+        buffer = self._staging.buffers[index].tensor
+        spans = bucket_spans(bucket, buffer, sources) if self._raw_copies else None
+        if spans is None or not self._backend.queue_spans(spans):
+            with _packing(), self._backend.copy_context():
+                pack_bucket(bucket, buffer, sources, self._staging.views[index])
         if made and state.fingerprint is not None:
             made = {n: t for n, t in made.items() if n not in state.pieces}  # not whole ones
             dtypes = {slot.name: slot.dtype for slot in bucket.slots if slot.name in made}

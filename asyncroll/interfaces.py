@@ -82,7 +82,11 @@ class Engine(Protocol):
         ``InvalidRequestError`` however the two calls interleave."""
         ...
 
-    async def abort(self, request_ids: str | Iterable[str]) -> None: ...
+    async def abort(self, request_ids: str | Iterable[str]) -> None:
+        """End live requests with ``finish_reason="abort"``: running ones with their partial
+        output, ones still waiting to be admitted (paused, asleep, holding) with none, at once
+        (``asyncroll.admission``). Ids that are not live are ignored."""
+        ...
 
     async def pause(
         self, mode: PauseMode = "abort", *, clear_cache: bool | None = None

@@ -69,6 +69,8 @@ class EngineStatistics:
     num_rejected: int
     holding: bool = False
     """A push failed without a backup: requests wait until a push succeeds."""
+    waiting: int = 0
+    """Requests waiting to be admitted (paused, asleep or holding)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from asyncroll.admission import AdmissionGate, aborted_at_gate
 from asyncroll.errors import (
     EngineDeadError,
     EngineSleepingError,
@@ -185,10 +186,9 @@ class RayEngine:
         calls reach the actor in."""
         self._actor_gone = False
         self._watch: asyncio.Future[None] | None = None
-        self._gate = asyncio.Event()
+        self._gate = AdmissionGate()
         """Open while requests may enter (not paused, asleep or holding), as the actor's engine
         gates admission; mirrored here so that ``in_flight`` counts admitted requests."""
-        self._gate.set()
         self._pending: set[asyncio.Future[Any]] = set()
         """Fire-and-forget calls (``hold``, ``release_hold``), kept until done."""
         self._verdicts = False
@@ -293,6 +293,7 @@ class RayEngine:
             dead=self.is_dead, global_steps=self._global_steps,
             num_requests=self._num_requests, num_aborted=self._num_aborted,
             num_rejected=self._num_rejected, holding=self._holding is not None,
+            waiting=self._gate.waiting,
         )
 
     async def remote_statistics(self) -> EngineStatistics:
@@ -338,7 +339,8 @@ class RayEngine:
     async def _generate_in_actor(self, request_id: str, prompt_ids: Sequence[int],
                                  sampling_params: Mapping[str, Any] | None) -> Segment:
         """Once admitted here (the proxy's gate mirrors the actor's), the actor's call."""
-        await self._gate.wait()
+        if not await self._gate.admit(request_id):
+            return aborted_at_gate(request_id, len(prompt_ids))
         self._check_alive()
         self._in_flight += 1
         self._num_requests += 1
@@ -357,6 +359,7 @@ class RayEngine:
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = self._gate.abort(ids)  # waiting here: they end here, the actor never sees them
         if ids and not self.is_dead:
             await self._call("abort", ids)
 

@@ -33,6 +33,7 @@ __all__ = [
     "check_updatable_engine",
     "requests_inside",
     "until_decoding",
+    "until_waiting",
 ]
 
 PROMPT = [5, 6, 7, 8]
@@ -162,6 +163,41 @@ async def pause_abort_ends_requests_and_gates_admission(engine: Engine) -> None:
     _assert_idle(engine)
 
 
+async def until_waiting(engine: Engine, num_requests: int) -> None:
+    """Return once ``num_requests`` requests wait to be admitted to ``engine`` (each registers
+    at the gate in its task's first steps: a bounded number of loop turns)."""
+    for _ in range(10_000):
+        if engine.statistics().waiting >= num_requests:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{num_requests} requests never waited at {engine.name}'s gate")
+
+
+async def abort_ends_a_request_waiting_to_be_admitted(engine: Engine) -> None:
+    """A request aborted while it waits at the gate (the engine paused) ends at once, with no
+    tokens, and never runs; the request beside it runs once the engine resumes."""
+    await engine.pause("abort")
+    try:
+        gated = _rid("gated")
+        task = asyncio.ensure_future(
+            engine.generate(gated, prompt_ids=PROMPT, sampling_params=_params(5))
+        )
+        other = asyncio.ensure_future(
+            engine.generate(_rid("gated"), prompt_ids=PROMPT, sampling_params=_params(5))
+        )
+        await until_waiting(engine, 2)
+        await engine.abort(gated)
+        # Ends while the engine is still paused; the bound only turns a hang into a failure.
+        segment = await asyncio.wait_for(task, 60)
+        assert segment.finish_reason == "abort" and segment.token_ids == (), segment
+        _assert_consistent(segment)
+        assert not other.done() and engine.statistics().waiting == 1
+    finally:
+        await engine.resume()
+    assert len((await other).token_ids) == 5
+    _assert_idle(engine)
+
+
 async def pause_keep_freezes_and_resumes_to_completion(engine: Engine) -> None:
     tasks = [
         asyncio.ensure_future(
@@ -254,6 +290,7 @@ ENGINE_CHECKS: dict[str, Callable[[Engine], Awaitable[None]]] = {
         same_seed_same_tokens,
         abort_returns_partial_output,
         pause_abort_ends_requests_and_gates_admission,
+        abort_ends_a_request_waiting_to_be_admitted,
         pause_keep_freezes_and_resumes_to_completion,
         bad_input_is_refused_and_others_complete,
         duplicate_live_request_id_is_refused,

@@ -31,6 +31,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from asyncroll.admission import AdmissionGate, aborted_at_gate
 from asyncroll.errors import (
     EngineDeadError,
     EngineSleepingError,
@@ -118,8 +119,7 @@ class FakeEngine:
         self.has_tokenizer = has_tokenizer
         self._live: set[str] = set()
         self._running: dict[str, _Slot] = {}
-        self._gate = asyncio.Event()  # set while admitting, or dead (waiters wake to fail)
-        self._gate.set()
+        self._gate = AdmissionGate()  # open while admitting, or dead (waiters wake to fail)
         self._idle = asyncio.Event()  # set while nothing runs
         self._idle.set()
         self._paused = False
@@ -177,6 +177,7 @@ class FakeEngine:
             num_aborted=self._num_aborted,
             num_rejected=self._num_rejected,
             holding=self._holding is not None,
+            waiting=self._gate.waiting,
         )
 
     def num_unfinished_in_vllm(self) -> int:
@@ -206,13 +207,15 @@ class FakeEngine:
             raise
         prompt = list(prompt_ids)
         with claimed(self._live, request_id):
-            await self._admitted()
+            if not await self._admitted(request_id):
+                self._num_aborted += 1
+                return aborted_at_gate(request_id, len(prompt))
             return await self._run(request_id, prompt, params)
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
-        """End running requests with their partial output (waiting ones are not running yet)."""
+        """End running requests with their partial output, and waiting ones with none."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for request_id in ids:
+        for request_id in self._gate.abort(ids):
             slot = self._running.get(request_id)
             if slot is not None:
                 slot.aborted = True
@@ -339,12 +342,14 @@ class FakeEngine:
             has_tokenizer=self.has_tokenizer,
         )
 
-    async def _admitted(self) -> None:
+    async def _admitted(self, request_id: str) -> bool:
+        """Wait until admitted: True; False if aborted while waiting."""
         while True:
             self._check_alive()
             if not self._paused and not self._sleeping_tags and self._holding is None:
-                return
-            await self._gate.wait()
+                return True
+            if not await self._gate.admit(request_id):
+                return False
 
     async def _run(self, request_id: str, prompt: list[int], params: dict[str, Any]) -> Segment:
         slot = _Slot()

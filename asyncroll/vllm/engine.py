@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from asyncroll.admission import AdmissionGate, aborted_at_gate
 from asyncroll.errors import (
     EngineDeadError,
     EngineGenerateError,
@@ -117,8 +118,7 @@ class VLLMEngine:
         self._global_steps = global_steps
         self._live: set[str] = set()
         self._in_flight = 0
-        self._gate = asyncio.Event()
-        self._gate.set()
+        self._gate = AdmissionGate()
         self._paused = False
         self._sleeping_tags: set[str] = set()
         self._closed = False
@@ -271,6 +271,7 @@ class VLLMEngine:
             num_aborted=self._num_aborted,
             num_rejected=self._num_rejected,
             holding=self._holding is not None,
+            waiting=self._gate.waiting,
         )
 
     def num_unfinished_in_vllm(self) -> int:
@@ -315,7 +316,9 @@ class VLLMEngine:
             raise
         prompt = list(prompt_ids)
         with claimed(self._live, request_id):
-            await self._gate.wait()
+            if not await self._gate.admit(request_id):
+                self._num_aborted += 1
+                return aborted_at_gate(request_id, len(prompt))
             self._check_alive()
             self._in_flight += 1
             self._num_requests += 1
@@ -325,8 +328,10 @@ class VLLMEngine:
                 self._in_flight -= 1
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
-        """Abort live requests; each ends with ``finish_reason="abort"`` and its partial output."""
+        """Abort live requests; each ends with ``finish_reason="abort"`` and its partial output
+        (none for a request still waiting to be admitted: it ends at once, never admitted)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = self._gate.abort(ids)
         live = [request_id for request_id in ids if request_id in self._live]
         if not live or self.is_dead:
             return

@@ -2,7 +2,7 @@
 
 Open or closed, like an ``asyncio.Event``; and a request waiting there can be aborted: its
 ``admit`` returns False, so it ends with ``finish_reason="abort"`` and no tokens without ever
-reaching the engine (``aborted_at_gate``). Otherwise an abort meant for it would miss (the
+reaching the engine (``aborted_segment``). Otherwise an abort meant for it would miss (the
 engine does not know the request yet) and it would run in full once the gate opened.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from asyncroll.types import Segment
 
-__all__ = ["AdmissionGate", "aborted_at_gate"]
+__all__ = ["AdmissionGate", "aborted_segment"]
 
 
 class AdmissionGate:
@@ -73,8 +73,9 @@ class AdmissionGate:
         return others
 
 
-def aborted_at_gate(request_id: str, num_prompt_tokens: int) -> Segment:
-    """The segment of a request aborted before it was admitted: no tokens."""
+def aborted_segment(request_id: str, num_prompt_tokens: int) -> Segment:
+    """The segment of a request aborted before it produced a token (before it was admitted,
+    or before the engine's first output)."""
     return Segment(
         request_id=request_id,
         token_ids=(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncroll.admission import AdmissionGate, aborted_at_gate
+from asyncroll.admission import AdmissionGate, aborted_segment
 
 
 async def _waiting(gate: AdmissionGate, count: int) -> None:
@@ -49,6 +49,6 @@ async def test_a_cancelled_waiter_leaves_the_gate() -> None:
 
 
 def test_the_segment_of_a_request_aborted_at_the_gate_is_empty() -> None:
-    segment = aborted_at_gate("r", 4)
+    segment = aborted_segment("r", 4)
     assert segment.finish_reason == "abort" and segment.num_prompt_tokens == 4
     assert segment.token_ids == segment.log_probs == segment.global_steps == ()

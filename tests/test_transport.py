@@ -455,6 +455,20 @@ async def test_late_signals_of_asynchronous_copies_deliver_every_bucket(
     assert [t.bucket for t in report.timeline] == list(range(report.buckets))  # all stamped
 
 
+async def push_twice(
+    child: Child, sender: WeightSender, tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Connect the child's receiver and push ``tensors`` as versions 1 and 2: (the receiver's
+    statistics once connected, the child's reply)."""
+    stats = await child.acall("connect", sender.receiver_config(), "r0")
+    child.start("receive", pushes=2)
+    for version in (1, 2):
+        await sender.push(tensors, version=version)
+    reply = await asyncio.to_thread(child.result)
+    await child.acall("close")
+    return stats, reply
+
+
 class SpanCopiesShm(AsyncCopiesShm):
     """As ``AsyncCopiesShm``, queuing a bucket's copies itself from address ranges, as the
     CUDA backend does with the driver's memcpy (here ``memmove``); counts the ranges."""
@@ -480,12 +494,7 @@ async def test_a_backend_copying_address_ranges_delivers_every_bucket(child: Chi
     async with open_weight_sender(
         backend=backend, bucket_bytes=16 * KB, buffers=2, receivers=1, ack_timeout=30
     ) as sender:
-        await child.acall("connect", sender.receiver_config(), "r0")
-        child.start("receive", pushes=2)
-        for version in (1, 2):
-            await sender.push(tensors, version=version)
-        reply = await asyncio.to_thread(child.result)
-        await child.acall("close")
+        _, reply = await push_twice(child, sender, tensors)
     assert reply["digests"] == digests(tensors) and reply["versions"] == [1, 2]
     assert 0 < backend.spans < 2 * plain  # some buckets each way
 
@@ -532,13 +541,8 @@ async def test_a_receiver_without_copy_events_gets_buckets_once_copied(child: Ch
     async with open_weight_sender(
         backend=LaggingCopiesShm(), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
     ) as sender:
-        stats = await child.acall("connect", sender.receiver_config(), "r0")
-        assert not stats["polls_copies"]
-        child.start("receive", pushes=2)
-        for version in (1, 2):
-            await sender.push(tensors, version=version)
-        reply = await asyncio.to_thread(child.result)
-        await child.acall("close")
+        stats, reply = await push_twice(child, sender, tensors)
+    assert not stats["polls_copies"]
     assert reply["digests"] == digests(tensors) and reply["versions"] == [1, 2]
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from asyncroll.admission import AdmissionGate, aborted_at_gate
+from asyncroll.admission import AdmissionGate, aborted_segment
 from asyncroll.errors import (
     EngineDeadError,
     EngineSleepingError,
@@ -340,7 +340,7 @@ class RayEngine:
                                  sampling_params: Mapping[str, Any] | None) -> Segment:
         """Once admitted here (the proxy's gate mirrors the actor's), the actor's call."""
         if not await self._gate.admit(request_id):
-            return aborted_at_gate(request_id, len(prompt_ids))
+            return aborted_segment(request_id, len(prompt_ids))
         self._check_alive()
         self._in_flight += 1
         self._num_requests += 1

@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncroll.admission import AdmissionGate, aborted_at_gate
+from asyncroll.admission import AdmissionGate, aborted_segment
 from asyncroll.errors import (
     EngineDeadError,
     EngineSleepingError,
@@ -209,7 +209,7 @@ class FakeEngine:
         with claimed(self._live, request_id):
             if not await self._admitted(request_id):
                 self._num_aborted += 1
-                return aborted_at_gate(request_id, len(prompt))
+                return aborted_segment(request_id, len(prompt))
             return await self._run(request_id, prompt, params)
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:

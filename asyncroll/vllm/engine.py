@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncroll.admission import AdmissionGate, aborted_at_gate
+from asyncroll.admission import AdmissionGate, aborted_segment
 from asyncroll.errors import (
     EngineDeadError,
     EngineGenerateError,
@@ -318,7 +318,7 @@ class VLLMEngine:
         with claimed(self._live, request_id):
             if not await self._gate.admit(request_id):
                 self._num_aborted += 1
-                return aborted_at_gate(request_id, len(prompt))
+                return aborted_segment(request_id, len(prompt))
             self._check_alive()
             self._in_flight += 1
             self._num_requests += 1
@@ -808,14 +808,7 @@ def _segment(
 ) -> Segment:
     """Turn vLLM's final output into a Segment (an abort may carry no output at all)."""
     if output is None or not output.outputs:
-        return Segment(
-            request_id=request_id,
-            token_ids=(),
-            log_probs=(),
-            global_steps=(),
-            finish_reason="abort",
-            num_prompt_tokens=num_prompt_tokens,
-        )
+        return aborted_segment(request_id, num_prompt_tokens)
     completion = output.outputs[0]
     token_ids = tuple(completion.token_ids)
     log_probs = _sampled_log_probs(completion.logprobs, token_ids)

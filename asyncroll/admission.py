@@ -52,13 +52,20 @@ class AdmissionGate:
             return True
         aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = aborted
-        opened = asyncio.ensure_future(self._open.wait())
         try:
-            await asyncio.wait((opened, aborted), return_when=asyncio.FIRST_COMPLETED)
+            # Open when we run again, not just opened: a gate opened and closed again in one
+            # loop turn (a resume and the next pause) keeps its waiters.
+            while not self._open.is_set():
+                opened = asyncio.ensure_future(self._open.wait())
+                try:
+                    await asyncio.wait((opened, aborted), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    opened.cancel()
+                if aborted.done():
+                    return False
+            return True
         finally:
-            opened.cancel()
             del self._waiting[request_id]
-        return not aborted.done()
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """End the requests of ``request_ids`` waiting here; returns the others (for the

@@ -84,8 +84,8 @@ class Engine(Protocol):
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         """End live requests with ``finish_reason="abort"``: running ones with their partial
-        output, ones still waiting to be admitted (paused, asleep, holding) with none, at once
-        (``asyncroll.admission``). Ids that are not live are ignored."""
+        output, ones still waiting at the adapter's gate (paused, asleep, holding) with none,
+        at once (``asyncroll.admission``). Ids that are not live are ignored."""
         ...
 
     async def pause(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncroll.admission import AdmissionGate, aborted_segment
+from asyncroll.admission import AdmissionGate
 
 
 async def _waiting(gate: AdmissionGate, count: int) -> None:
@@ -48,7 +48,19 @@ async def test_a_cancelled_waiter_leaves_the_gate() -> None:
     assert gate.abort(["a"]) == ["a"]  # not waiting any more: the engine's to abort
 
 
-def test_the_segment_of_a_request_aborted_at_the_gate_is_empty() -> None:
-    segment = aborted_segment("r", 4)
-    assert segment.finish_reason == "abort" and segment.num_prompt_tokens == 4
-    assert segment.token_ids == segment.log_probs == segment.global_steps == ()
+async def test_a_gate_opened_and_closed_in_one_turn_keeps_its_waiters() -> None:
+    """A resume and the next pause in one loop turn: the waiter is not admitted into the
+    paused engine; it is once the gate stays open."""
+    gate = AdmissionGate()
+    gate.clear()
+    waiter = asyncio.ensure_future(gate.admit("a"))
+    await _waiting(gate, 1)
+    for _ in range(10):  # and it waits on the gate itself by now
+        await asyncio.sleep(0)
+    gate.set()
+    gate.clear()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not waiter.done() and gate.waiting == 1
+    gate.set()
+    assert await waiter

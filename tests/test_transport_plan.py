@@ -291,8 +291,9 @@ def test_bucket_spans_copy_what_pack_bucket_packs() -> None:
 
 
 def test_bucket_spans_leave_to_pack_bucket_what_needs_torch() -> None:
-    """A strided source, another dtype than the plan's (a cast), another shape, or a tensor
-    subclass with a layout of its own: no address ranges for that bucket."""
+    """A strided source, another dtype than the plan's (a cast), another shape, a tensor
+    subclass with a layout of its own, a lazy view, or a buffer too short: no address ranges
+    for that bucket."""
     source = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     (bucket,) = plan_buckets([TensorMeta.of("w", source)], bucket_bytes=1024)
     buffer = torch.zeros(1024, dtype=torch.uint8)
@@ -309,5 +310,8 @@ def test_bucket_spans_leave_to_pack_bucket_what_needs_torch() -> None:
         source.half(),
         source.reshape(4, 16),
         source.as_subclass(Wrapped),
+        torch._neg_view(source),  # lazy views: contiguous, but their bytes are not their values
+        torch._efficientzerotensor((8, 8)),
     ):
         assert bucket_spans(bucket, buffer, {"w": other}) is None
+    assert bucket_spans(bucket, buffer[:255], {"w": source}) is None  # never past the buffer

@@ -340,6 +340,7 @@ class RayEngine:
                                  sampling_params: Mapping[str, Any] | None) -> Segment:
         """Once admitted here (the proxy's gate mirrors the actor's), the actor's call."""
         if not await self._gate.admit(request_id):
+            self._num_requests += 1  # (and one aborted: ``generate`` counts it)
             return aborted_segment(request_id, len(prompt_ids))
         self._check_alive()
         self._in_flight += 1
@@ -359,7 +360,9 @@ class RayEngine:
 
     async def abort(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = self._gate.abort(ids)  # waiting here: they end here, the actor never sees them
+        # Waiting here: they end here, the actor never sees them. (One that passed this gate and
+        # whose call is still on its way to the actor can miss the actor's abort, as before.)
+        ids = self._gate.abort(ids)
         if ids and not self.is_dead:
             await self._call("abort", ids)
 

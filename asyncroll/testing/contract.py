@@ -191,7 +191,9 @@ async def abort_ends_a_request_waiting_to_be_admitted(engine: Engine) -> None:
         segment = await asyncio.wait_for(task, 60)
         assert segment.finish_reason == "abort" and segment.token_ids == (), segment
         _assert_consistent(segment)
-        assert not other.done() and engine.statistics().waiting == 1
+        stats = engine.statistics()
+        assert not other.done() and stats.waiting == 1, stats
+        assert stats.num_aborted <= stats.num_requests, stats  # counted as a request too
     finally:
         await engine.resume()
     assert len((await other).token_ids) == 5

@@ -208,6 +208,7 @@ class FakeEngine:
         prompt = list(prompt_ids)
         with claimed(self._live, request_id):
             if not await self._admitted(request_id):
+                self._num_requests += 1
                 self._num_aborted += 1
                 return aborted_segment(request_id, len(prompt))
             return await self._run(request_id, prompt, params)
@@ -448,7 +449,7 @@ class FakeEngine:
         self._sync_gate()
 
     def _sync_gate(self) -> None:
-        if self.is_dead or not (self._paused or self._sleeping_tags or self._holding):
+        if self.is_dead or not (self._paused or self._sleeping_tags or self._holding is not None):
             self._gate.set()
         else:
             self._gate.clear()

@@ -343,6 +343,8 @@ class CudaIpcBackend:
         self._load_events: list[torch.cuda.Event] = []  # receiver side, one per buffer
         self._copy_events: list[torch.cuda.Event] = []  # sender side, one per buffer
         self._peer_copy_events: list[torch.cuda.Event] = []  # receiver side, the sender's
+        self._torch_copies = False
+        """The driver's memcpy failed once: ``queue_spans`` declines from then on."""
         self.use_load_events = True
         """Receiver: export load events when the buffers live on our current GPU (else sync)."""
 
@@ -386,9 +388,9 @@ class CudaIpcBackend:
         """The copies on the copy stream, one driver ``cuMemcpyDtoDAsync`` each: about 1 us
         of host time a copy against ``copy_``'s 10-14 us (an H100 machine), with the same
         device work (``copy_`` of contiguous same-typed tensors is that memcpy too)."""
-        memcpy = _driver_memcpy()
+        memcpy = None if self._torch_copies else _driver_memcpy()
         index = self.device.index
-        if memcpy is None or (index is not None and torch.cuda.current_device() != index):
+        if memcpy is None or index is None or torch.cuda.current_device() != index:
             return False  # (the driver copies in the context current here: the device's)
         stream = self._copy_stream()
         if self._sources_ready is not None:
@@ -397,7 +399,12 @@ class CudaIpcBackend:
         for dst, src, nbytes in spans:
             status = memcpy(dst, src, nbytes, handle)
             if status:
-                raise RuntimeError(f"cuMemcpyDtoDAsync failed: CUDA driver error {status}")
+                # Another context current here, say: torch's copies from now on. Those it
+                # queues after ours rewrite the whole bucket, in the same stream's order.
+                log.warning("cuMemcpyDtoDAsync failed (CUDA driver error %d): the sender packs"
+                            " with torch's copies from now on", status)
+                self._torch_copies = True
+                return False
         return True
 
     async_copies = True

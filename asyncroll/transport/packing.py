@@ -180,7 +180,7 @@ def bucket_spans(
     costs 10-14 us of host time a copy on an H100 machine); None unless every source is a
     contiguous tensor of its slot's dtype and shape on the buffer's device (``pack_bucket``
     then: it also takes strided sources and casts)."""
-    base, device = buffer.data_ptr(), buffer.get_device()
+    base, device, size = buffer.data_ptr(), buffer.get_device(), buffer.nbytes
     spans: list[Span] = []
     for slot in bucket.slots:
         if slot.nbytes == 0:
@@ -191,6 +191,10 @@ def bucket_spans(
             or source.dtype != slot.dtype
             or source.get_device() != device
             or not source.is_contiguous()
+            or source.is_conj()  # lazy views: their bytes are not their values
+            or source.is_neg()
+            or source._is_zerotensor()
+            or slot.offset + slot.nbytes > size
         ):
             return None
         if slot.spanning:

@@ -317,6 +317,7 @@ class VLLMEngine:
         prompt = list(prompt_ids)
         with claimed(self._live, request_id):
             if not await self._gate.admit(request_id):
+                self._num_requests += 1
                 self._num_aborted += 1
                 return aborted_segment(request_id, len(prompt))
             self._check_alive()

@@ -193,7 +193,7 @@ def bucket_spans(
             or not source.is_contiguous()
             or source.is_conj()  # lazy views: their bytes are not their values
             or source.is_neg()
-            or source._is_zerotensor()
+            or not source.data_ptr()  # (a zero tensor has no bytes)
             or slot.offset + slot.nbytes > size
         ):
             return None

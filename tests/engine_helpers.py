@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +61,15 @@ def load_weights(model: Path) -> dict[str, torch.Tensor]:
 
 
 
-async def until_decoding(target: AsyncServerManager | Engine, num_requests: int) -> None:
+async def until_decoding(
+    target: AsyncServerManager | Engine,
+    num_requests: int | Sequence[asyncio.Future[Any]] | Callable[[], int],
+) -> None:
     """Return once ``num_requests`` requests (routed by ``target``, or sent to it if it is an
-    engine) are inside the engine and have each been decoded for several steps.
+    engine) are inside the engine and have each been decoded for several steps. Given the
+    requests' tasks instead of a number, it waits for those not done (one that ends meanwhile,
+    having run out its tokens, is no longer waited for); given a function, for as many as it
+    returns at each look.
 
     Event-ordered, not timed: a "clock" request sent to an engine after its requests reached
     vLLM finishes only after they were all scheduled (vLLM schedules running requests first,
@@ -71,14 +78,22 @@ async def until_decoding(target: AsyncServerManager | Engine, num_requests: int)
     engine that gets less CPU lets the clock finish first.
     """
     while True:
+        if isinstance(num_requests, int):
+            needed = num_requests
+        elif callable(num_requests):
+            needed = num_requests()
+        else:
+            needed = sum(not task.done() for task in num_requests)
+        if not needed:
+            return
         if isinstance(target, AsyncServerManager):
             counts = target.statistics().in_flight_per_engine
             engines: tuple[Engine, ...] = target.engines
         else:
-            counts = {target.name: num_requests}
+            counts = {target.name: needed}
             engines = (target,)
         busy = [engine for engine in engines if counts.get(engine.name)]
-        if sum(counts.values()) >= num_requests and all(
+        if sum(counts.values()) >= needed and all(
             [await _arrived(engine, counts[engine.name]) for engine in busy]
         ):
             break

@@ -22,6 +22,7 @@ from asyncroll import (
     VLLMEngine,
 )
 from asyncroll.interfaces import Engine
+from asyncroll.testing.contract import LateAction, retry_if_late
 from asyncroll.testing.fake_engine import FakeEngine, FakeWeightUpdater
 
 PROMPT = [5, 6, 7, 8]
@@ -145,23 +146,27 @@ async def test_fake_engine_rejects_what_the_adapter_rejects(
 
 
 @pytest.mark.engine
+@retry_if_late
 async def test_a_caller_id_like_a_segment_id_does_not_clash_across_resumes(
     engine: VLLMEngine,
 ) -> None:
     params = {"max_tokens": 300, "ignore_eos": True}
+    aborted = engine.statistics().num_aborted
     async with AsyncServerManager([engine]) as manager:
         tasks = [
             asyncio.create_task(manager.generate(rid, prompt_ids=PROMPT, sampling_params=params))
             for rid in ("x", "x@1")
         ]
-        await until_decoding(manager, 2)
+        await until_decoding(manager, tasks)
         # Only x's first segment ends: x resumes as its second segment while the caller's
         # "x@1" still decodes (they were one engine id when attempt 0 kept the bare id).
         await engine.abort("x@0")
-        await until_decoding(manager, 2)
+        await until_decoding(manager, tasks)
         await engine.pause("abort")  # a weight-update-free abort of both
         await engine.resume()
         outputs = await asyncio.gather(*tasks)
+    if engine.statistics().num_aborted - aborted < 3:  # x@0, then both segments in the pause
+        raise LateAction("a segment ran out its tokens before the abort meant for it")
     for output, request_id in zip(outputs, ("x", "x@1"), strict=True):
         assert output.request_id == request_id
         assert output.finish_reason == "length" and output.num_preempted >= 1

@@ -22,6 +22,7 @@ from asyncroll import (
     TokenOutput,
     VLLMEngine,
 )
+from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 
 pytestmark = pytest.mark.engine
 
@@ -76,11 +77,12 @@ async def _update_until_done(
     *,
     at_least: int = 1,
 ) -> int:
-    """Push updates while ``tasks`` run. The first ``at_least`` land mid-decode on any machine
-    (after ``until_decoding`` and ``hold``, back to back); more follow every 0.5 s while any task
-    is left."""
-    await until_decoding(manager, len(tasks))
+    """Push updates while ``tasks`` run. The first ``at_least`` land mid-decode (after
+    ``until_decoding`` and ``hold``, back to back); more follow every 0.5 s while any task is
+    left. ``LateAction`` if every task had ended before the first update's pause."""
+    await until_decoding(manager, tasks)
     await hold(manager)
+    first = (manager.global_steps or 0) + 1
     for _ in range(at_least):
         await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
     updates = at_least
@@ -90,9 +92,13 @@ async def _update_until_done(
         if pending:
             await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
             updates += 1
+    if all(ran_to_budget(task.result(), len(task.result().token_ids), update=first)
+           for task in tasks):
+        raise LateAction("every request ran out its tokens before the first update")
     return updates
 
 
+@retry_if_late
 async def test_requests_complete_exactly_across_repeated_updates(
     manager: AsyncServerManager, weights_a: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -103,6 +109,7 @@ async def test_requests_complete_exactly_across_repeated_updates(
     packer = ThreadRecorder(pipeline_module.pack_bucket)
     monkeypatch.setattr(pipeline_module, "pack_bucket", packer)
     params = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0}
+    updates_before = manager.statistics().num_updates  # a run again follows a late one
     tasks = [
         asyncio.create_task(
             manager.generate(f"r{i}", prompt_ids=[2 + i % 50, 3, 4], sampling_params=params)
@@ -123,11 +130,12 @@ async def test_requests_complete_exactly_across_repeated_updates(
         assert sum(o.num_preempted for o in outputs) > 0
     stats = manager.statistics()
     assert stats.in_flight == 0 and not stats.updating
-    assert stats.num_updates == updates
+    assert stats.num_updates - updates_before == updates
     assert len(packer.threads) >= updates  # every update packed at least one bucket
     assert threading.get_ident() not in packer.threads
 
 
+@retry_if_late
 async def test_resume_changes_nothing_when_weights_do_not_change(
     manager: AsyncServerManager, weights_a: dict[str, Any]
 ) -> None:
@@ -216,20 +224,27 @@ async def test_bad_input_never_reaches_an_engine(manager: AsyncServerManager) ->
     assert sum(after) - sum(seen) == 1  # only the good request reached an engine
 
 
+@retry_if_late
 async def test_cancelled_generate_leaves_nothing_behind(manager: AsyncServerManager) -> None:
     task = asyncio.create_task(
         manager.generate(
             "c", prompt_ids=[5, 6], sampling_params={"max_tokens": 400, "ignore_eos": True}
         )
     )
-    await until_decoding(manager, 1)  # inside its engine, decoding (a clock on that engine)
+    await until_decoding(manager, [task])  # inside its engine, decoding (a clock there)
     task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    try:
+        output = await task
+    except asyncio.CancelledError:
+        pass
+    else:
+        assert ran_to_budget(output, 400), output
+        raise LateAction("the request ran out its 400 tokens before the cancel")
     assert manager.statistics().in_flight == 0
     assert all(e.statistics().in_flight == 0 for e in manager.engines)
 
 
+@retry_if_late
 async def test_partial_rollout_off_marks_interrupted_requests_abort(
     both_on_a: list[VLLMEngine], weights_a: dict[str, Any]
 ) -> None:
@@ -244,10 +259,13 @@ async def test_partial_rollout_off_marks_interrupted_requests_abort(
             )
             for i in range(4)
         ]
-        await until_decoding(manager, 4)
+        await until_decoding(manager, tasks)
         await hold(manager)
-        await manager.update_weights(weights_a, global_steps=(manager.global_steps or 0) + 1)
+        steps = (manager.global_steps or 0) + 1
+        await manager.update_weights(weights_a, global_steps=steps)
         outputs = await asyncio.gather(*tasks)
+    if any(ran_to_budget(output, 400, update=steps) for output in outputs):
+        raise LateAction("a request ran out its 400 tokens before the update's pause")
     for output in outputs:
         assert output.finish_reason == "abort"
         assert 0 < len(output.token_ids) < 400
@@ -272,6 +290,7 @@ def _engine_core_pid() -> Iterator[int]:
             continue
 
 
+@retry_if_late
 async def test_engine_killed_mid_run_requests_finish_on_survivor(
     engine: VLLMEngine, tiny_model_a: Path
 ) -> None:
@@ -280,8 +299,8 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
     try:
         (core,) = set(_engine_core_pid()) - before
         async with AsyncServerManager([engine, doomed]) as manager:
-            # Budgets far longer than the clock below: the doomed engine's requests cannot
-            # finish before the kill, however the two engines share the machine's cores.
+            # Budgets far longer than the clock below: the doomed engine's requests finish
+            # before the kill only if this process stalls that long (then: LateAction).
             params = {"max_tokens": 400, "ignore_eos": True}
             tasks = [
                 asyncio.create_task(
@@ -292,11 +311,14 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
             # Kill only once the manager shows requests on the doomed engine and they are
             # decoding there (a clock on that engine alone: event order, not timing).
             await _until_in_flight(manager, "doomed-2")
-            await until_decoding(doomed, manager.statistics().in_flight_per_engine["doomed-2"])
-            assert manager.statistics().in_flight_per_engine["doomed-2"] > 0
+            await until_decoding(
+                doomed, lambda: manager.statistics().in_flight_per_engine["doomed-2"]
+            )
             os.kill(core, signal.SIGKILL)
             outputs = await asyncio.gather(*tasks)
             stats = manager.statistics()
+            if any(o.engines[-1] == "doomed-2" for o in outputs):  # it ended before the kill
+                raise LateAction("a request ran out its 400 tokens before the kill")
             assert all(len(o.token_ids) == 400 for o in outputs)
             assert stats.alive_engines == 1 and stats.num_engine_failovers > 0
             assert all(o.engines[-1] == "shared" for o in outputs)

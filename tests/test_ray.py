@@ -23,7 +23,13 @@ from asyncroll import (
     VLLMEngine,
     WeightPusher,
 )
-from asyncroll.testing.contract import ENGINE_CHECKS, UPDATE_CHECKS
+from asyncroll.testing.contract import (
+    ENGINE_CHECKS,
+    UPDATE_CHECKS,
+    LateAction,
+    ran_to_budget,
+    retry_if_late,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -177,6 +183,7 @@ async def test_ray_engine_keeps_the_update_contract(
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
+@retry_if_late
 async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
     remote: RayEngine, engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, mode: str
 ) -> None:
@@ -187,12 +194,15 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
         calls = [asyncio.ensure_future(manager.generate(
             f"mix-{mode}-{i}", prompt_ids=[5, i + 2],
             sampling_params={**PARAMS, "max_tokens": LONG})) for i in range(8)]
-        await until_decoding(manager, 8)  # every call is inside an engine, both engines busy
+        await until_decoding(manager, calls)  # every call is inside an engine, both engines busy
         await hold(manager)  # none ends before the update's pause
         before = {engine.global_steps, remote.global_steps}  # (they may differ)
         steps = (manager.global_steps or 0) + 1
         report = await manager.update_weights(weights_b, global_steps=steps)
         outputs = await asyncio.gather(*calls)
+        await manager.update_weights(weights_a, global_steps=steps + 1)
+        if all(ran_to_budget(output, LONG, update=steps) for output in outputs):
+            raise LateAction(f"every call ran out its {LONG} tokens before the update's pause")
         assert set(report.deliveries) == {engine.name, remote.name}
         assert {o.engines[0] for o in outputs} == {engine.name, remote.name}
         spanning = 0
@@ -204,7 +214,6 @@ async def test_the_manager_routes_and_updates_local_and_ray_engines_alike(
         assert spanning, "the update landed inside no call"
         if mode == "abort":
             assert any(o.num_preempted for o in outputs)
-        await manager.update_weights(weights_a, global_steps=steps + 1)
     assert await greedy(remote, f"ray-back-{mode}") == FRESH_GREEDY["a"]  # type: ignore[arg-type]
 
 

@@ -24,8 +24,9 @@ from asyncroll import (
     WeightPusher,
     WeightSyncError,
 )
-from asyncroll.testing.contract import until_decoding
+from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late, until_decoding
 from asyncroll.testing.faults import inject_fault
+from asyncroll.types import Segment
 from asyncroll.vllm import compat
 from asyncroll.weights import SenderChannel
 
@@ -330,6 +331,7 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
 
 
 @pytest.mark.timeout(300)
+@retry_if_late
 async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
     tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -337,6 +339,7 @@ async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
     adapter's own watch, the resume below waits forever (CI saw it: an update whose engine's
     worker was killed hung in the resume after the failed push)."""
     doomed = await VLLMEngine.start(tiny_model_a, name="core-dies", **ENGINE_ARGS)
+    ended: Segment | None = None
     try:
         (core,) = compat.engine_core_processes(doomed.llm)
         client = doomed.llm.engine_core
@@ -359,7 +362,7 @@ async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
             "in-flight", prompt_ids=[1, 2, 3],
             sampling_params={"max_tokens": 400, "ignore_eos": True},
         ))
-        await until_decoding(doomed, 1)
+        await until_decoding(doomed, [decoding])
         monkeypatch.setattr(client, "_send_input_message", counted)
         os.kill(core.pid, signal.SIGSTOP)  # it reads nothing from here on: no call is answered
         calls = [
@@ -368,12 +371,20 @@ async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
         ]
         await both_sent.wait()  # each call now waits for an answer that never comes
         os.kill(core.pid, signal.SIGKILL)
-        for call in [*calls, decoding]:
+        for call in calls:
             with pytest.raises(EngineDeadError, match="core-dies"):
                 await call
+        try:
+            ended = await decoding
+        except EngineDeadError as dead:
+            assert "core-dies" in str(dead)
+        else:  # it had run out its tokens before the core stopped
+            assert ran_to_budget(ended, 400), ended
         assert doomed.is_dead and doomed.statistics().dead
         with pytest.raises(EngineDeadError):
             await doomed.generate("after", prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 2})
     finally:
         monkeypatch.undo()
         await doomed.aclose()
+    if ended is not None:
+        raise LateAction("the request ran out its 400 tokens before the core stopped")

@@ -21,6 +21,7 @@ from engine_helpers import (
 )
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 from asyncroll.testing.faults import inject_fault
 from asyncroll.transport import CudaIpcBackend, Piece, ShmBackend, WeightSender
 from asyncroll.types import PauseMode
@@ -62,6 +63,7 @@ async def test_tokens_after_update_carry_its_global_steps(
     assert engine.statistics().global_steps == steps
 
 
+@retry_if_late
 async def test_keep_mode_request_spans_both_versions(
     engine: VLLMEngine, tiny_model_a: Path
 ) -> None:
@@ -74,16 +76,19 @@ async def test_keep_mode_request_spans_both_versions(
             sampling_params={"max_tokens": 300, "ignore_eos": True},
         )
     )
-    await until_decoding(engine, 1)
+    await until_decoding(engine, [long])
     await hold(engine)
     await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 1, mode="keep")
     segment = await long
+    if ran_to_budget(segment, 300, update=before + 1):
+        raise LateAction("the request ran out its 300 tokens before the update's pause")
     assert segment.finish_reason == "length" and len(segment.token_ids) == 300
     switch = segment.global_steps.index(before + 1)
     assert 0 < switch < 300
     assert segment.global_steps == (before,) * switch + (before + 1,) * (300 - switch)
 
 
+@retry_if_late
 async def test_recompute_mode_labels_without_vllm_spans_switch_exactly_where_new_weights_took_over(
     engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,12 +104,15 @@ async def test_recompute_mode_labels_without_vllm_spans_switch_exactly_where_new
     long = asyncio.create_task(
         engine.generate("no-spans", prompt_ids=prompt, sampling_params=greedy_long)
     )
-    await until_decoding(engine, 1)
+    await until_decoding(engine, [long])
     await hold(engine)
     await engine.update_weights(
         load_weights(tiny_model_b), global_steps=before + 1, mode="recompute"
     )
     segment = await long
+    if ran_to_budget(segment, 300, update=before + 1):
+        await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
+        raise LateAction("the request ran out its 300 tokens before the update's pause")
     switch = segment.global_steps.index(before + 1)
     assert 0 < switch < 300
     assert segment.global_steps == (before,) * switch + (before + 1,) * (300 - switch)
@@ -117,6 +125,7 @@ async def test_recompute_mode_labels_without_vllm_spans_switch_exactly_where_new
     assert cont_a.global_steps == (before + 2,) * 16
 
 
+@retry_if_late
 async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
     engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
 ) -> None:
@@ -133,13 +142,15 @@ async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
     long = asyncio.create_task(
         engine.generate("kept-kv", prompt_ids=prompt, sampling_params=greedy_long)
     )
-    await until_decoding(engine, 1)
+    await until_decoding(engine, [long])
     await hold(engine)
     try:
         await engine.update_weights(
             load_weights(tiny_model_b), global_steps=before + 1, mode="keep"
         )
         segment = await long
+        if ran_to_budget(segment, 200, update=before + 1):
+            raise LateAction("the request ran out its 200 tokens before the update's pause")
         switch = segment.global_steps.index(before + 1)
         assert 0 < switch < 200 - 16
         assert segment.global_steps == (before,) * switch + (before + 1,) * (200 - switch)
@@ -395,6 +406,7 @@ async def test_an_update_resets_the_prefix_cache(engine: VLLMEngine, tiny_model_
     assert warm_again.num_cached_tokens >= 128  # the new weights' KV is cached and hit
 
 
+@retry_if_late
 async def test_an_update_keeps_kept_requests_off_the_old_cache_and_new_ones_too(
     engine: VLLMEngine, tiny_model_a: Path
 ) -> None:
@@ -409,13 +421,15 @@ async def test_an_update_keeps_kept_requests_off_the_old_cache_and_new_ones_too(
             sampling_params={"max_tokens": 150, "ignore_eos": True},
         )
     )
-    await until_decoding(engine, 1)
+    await until_decoding(engine, [long])
     await hold(engine)
     steps = await _next_steps(engine)
     await engine.update_weights(load_weights(tiny_model_a), global_steps=steps, mode="keep")
     cold = await engine.generate("kept-cache-2", prompt_ids=prompt, sampling_params=params)
     assert cold.num_cached_tokens == 0
     kept = await long
+    if ran_to_budget(kept, 150, update=steps):
+        raise LateAction("the request ran out its 150 tokens before the update's pause")
     assert kept.finish_reason == "length" and kept.global_steps[-1] == steps
     assert kept.global_steps[0] < steps  # it was in flight across the update, and kept
 

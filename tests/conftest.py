@@ -49,6 +49,34 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report.longrepr = f"asyncio tasks pending at the timeout:\n{dump.getvalue()}\n{text}"
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """A test that left a shared engine paused, holding or asleep (it failed midway, or forgot
+    to undo its own pause) fails in its teardown, and the engine is put back: every engine test
+    after it would otherwise wait at the engine's gate until its own timeout."""
+    loops = [loop for loop in _SESSION_LOOP if not loop.is_closed() and not loop.is_running()]
+    if nextitem is None or not loops:  # the last test: the engines are closing
+        return
+    left = []
+    for name in ("engine", "engine_b"):
+        shared = getattr(item, "funcargs", {}).get(name)
+        if not isinstance(shared, VLLMEngine) or shared.is_dead:
+            continue
+        stats = shared.statistics()
+        states = [state for state in ("paused", "holding", "asleep") if getattr(stats, state)]
+        if not states:
+            continue
+        left.append(f"{shared.name} {'/'.join(states)}")
+        if stats.holding:
+            shared.release_hold()
+        if stats.asleep:
+            loops[-1].run_until_complete(shared.wake_up())
+        if stats.paused:
+            loops[-1].run_until_complete(shared.resume())
+    if left:
+        raise AssertionError(f"the test left {', '.join(left)} (put back for the tests after it)")
+
+
 def _awaiting(coro: object) -> Iterator[str]:
     """Where a coroutine waits, outermost first, down its chain of awaits."""
     while coro is not None:

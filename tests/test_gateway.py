@@ -160,6 +160,7 @@ async def test_tool_conversation_is_token_exact_across_weight_updates(
     gateway: Gateway, recording: RecordingManager, renderer: HFChatRenderer
 ) -> None:
     recording.calls.clear()  # a run again follows a late one
+    before = gateway.statistics()
     session = gateway.open_session()
     messages: list[dict[str, Any]] = [{"role": "system", "content": "Use tools."},
                                       {"role": "user", "content": "What time is it?"}]
@@ -192,7 +193,8 @@ async def test_tool_conversation_is_token_exact_across_weight_updates(
              if not bit]
     assert renderer.decode(added).count("<tool_response>\n12:00\n</tool_response>") == 2
     statistics = gateway.statistics()
-    assert (statistics.num_turns, statistics.num_forks, statistics.open_sessions) == (3, 0, 0)
+    assert (statistics.num_turns - before.num_turns, statistics.num_forks - before.num_forks,
+            statistics.open_sessions) == (3, 0, 0)
 
 
 async def test_streaming_reply_equals_the_recorded_turn(gateway: Gateway) -> None:

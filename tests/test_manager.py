@@ -158,6 +158,7 @@ async def test_resume_changes_nothing_when_weights_do_not_change(
     assert any(o.min_global_steps != o.max_global_steps for o in resumed)
 
 
+@retry_if_late
 async def test_sampling_params_never_mutated_and_budget_charged(
     manager: AsyncServerManager, weights_a: dict[str, Any]
 ) -> None:
@@ -290,6 +291,7 @@ def _engine_core_pid() -> Iterator[int]:
             continue
 
 
+@pytest.mark.timeout(1800)  # each run starts engines (a late run, then two more)
 @retry_if_late
 async def test_engine_killed_mid_run_requests_finish_on_survivor(
     engine: VLLMEngine, tiny_model_a: Path

@@ -330,7 +330,6 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
         await doomed.aclose()
 
 
-@pytest.mark.timeout(300)
 @retry_if_late
 async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
     tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch

@@ -75,11 +75,13 @@ async def _update_until_done(
     weights: dict[str, Any],
     tasks: list[asyncio.Task[TokenOutput]],
     *,
+    budget: int,
     at_least: int = 1,
 ) -> int:
     """Push updates while ``tasks`` run. The first ``at_least`` land mid-decode (after
     ``until_decoding`` and ``hold``, back to back); more follow every 0.5 s while any task is
-    left. ``LateAction`` if every task had ended before the first update's pause."""
+    left. ``LateAction`` if every task had run out its ``budget`` of tokens before the first
+    update's pause."""
     await until_decoding(manager, tasks)
     await hold(manager)
     first = (manager.global_steps or 0) + 1
@@ -92,8 +94,7 @@ async def _update_until_done(
         if pending:
             await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
             updates += 1
-    if all(ran_to_budget(task.result(), len(task.result().token_ids), update=first)
-           for task in tasks):
+    if all(ran_to_budget(task.result(), budget, update=first) for task in tasks):
         raise LateAction("every request ran out its tokens before the first update")
     return updates
 
@@ -116,7 +117,9 @@ async def test_requests_complete_exactly_across_repeated_updates(
         )
         for i in range(64)
     ]
-    updates = await _update_until_done(manager, weights_a, tasks, at_least=2)
+    updates = await _update_until_done(
+        manager, weights_a, tasks, budget=params["max_tokens"], at_least=2
+    )
     outputs = [task.result() for task in tasks]
     assert updates >= 2
     for output in outputs:
@@ -152,7 +155,7 @@ async def test_resume_changes_nothing_when_weights_do_not_change(
 
     plain = await asyncio.gather(*await run("plain"))
     tasks = await run("resumed")
-    await _update_until_done(manager, weights_a, tasks)
+    await _update_until_done(manager, weights_a, tasks, budget=greedy["max_tokens"])
     resumed = [task.result() for task in tasks]
     assert [o.token_ids for o in resumed] == [o.token_ids for o in plain]
     assert any(o.min_global_steps != o.max_global_steps for o in resumed)
@@ -170,7 +173,7 @@ async def test_sampling_params_never_mutated_and_budget_charged(
         )
         for i in range(8)
     ]
-    await _update_until_done(manager, weights_a, tasks)
+    await _update_until_done(manager, weights_a, tasks, budget=params["max_tokens"])
     assert params == snapshot
     assert all(len(t.result().token_ids) == 120 for t in tasks)
 

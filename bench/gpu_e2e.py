@@ -724,7 +724,7 @@ async def vllm_ipc_baseline(
 
 async def rollout(res: Results, work: Path, interval: float, policies: list[str],
                   slow_turns: bool, eager: bool = False,
-                  batch: dict[str, int] | None = None) -> None:
+                  batch: dict[str, int] | None = None, rounds: int = 1) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import rollout_throughput as rt
 
@@ -749,17 +749,39 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
         await rt.run_policy(engine, tensors, "none", jobs[:32], interval, concurrency=256)
         gc.collect()
         gc.freeze()
-        for policy in policies:
-            log(f"rollout: {policy}...")
-            table[policy] = await rt.run_policy(engine, tensors, policy, jobs, interval,
-                                                concurrency=256, slow_turns=slow_turns)
-            log(f"  {table[policy]['tokens_per_s']:.0f} tokens/s, update stages ms "
-                f"{table[policy]['update_stage_ms']}")
+        rounds_run: list[dict[str, dict[str, Any]]] = []
+        for number in range(rounds):  # the policies in turn, ``rounds`` times: host drift
+            run: dict[str, dict[str, Any]] = {}  # moves every policy of a round alike
+            for policy in policies:
+                log(f"rollout, round {number + 1} of {rounds}: {policy}...")
+                run[policy] = await rt.run_policy(engine, tensors, policy, jobs, interval,
+                                                  concurrency=256, slow_turns=slow_turns)
+                log(f"  {run[policy]['tokens_per_s']:.0f} tokens/s, update stages ms "
+                    f"{run[policy]['update_stage_ms']}")
+            rounds_run.append(run)
+            table = table or run  # the first round's details, as with one round
     for base in ("none", "drain"):
         for r in table.values():
             if base in table:
                 r[f"vs {base}"] = round(r["tokens_per_s"] / table[base]["tokens_per_s"], 3)
     res.record("rollout", "results", table)
+    if rounds > 1 and "none" in policies:
+        summary = {}
+        for policy in policies:
+            ratios = [run[policy]["tokens_per_s"] / run["none"]["tokens_per_s"]
+                      for run in rounds_run]
+            summary[policy] = {
+                "tokens_per_s": [round(run[policy]["tokens_per_s"]) for run in rounds_run],
+                "vs none, each round": [round(r, 3) for r in ratios],
+                "vs none, median": round(statistics.median(ratios), 3),
+                "stall ms (median update), each round": [
+                    (run[policy].get("update_stage_ms") or {}).get("total")
+                    for run in rounds_run
+                ],
+            }
+            log(f"rollout {policy}: vs none {summary[policy]['vs none, each round']},"
+                f" median {summary[policy]['vs none, median']}")
+        res.record("rollout", "rounds", summary)
 
 
 def parse_args() -> argparse.Namespace:
@@ -772,6 +794,9 @@ def parse_args() -> argparse.Namespace:
                         help="ABBA pairs measuring the fingerprint check's cost (push section)")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--policies", default="none,abort,keep,recompute,drain")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rollout: run the policies in turn this many times; each ratio is"
+                             " taken against the same round's none (its median is reported)")
     parser.add_argument("--slow-turns", action="store_true",
                         help="sample the loop thread's stack on long turns (perturbs the run)")
     parser.add_argument("--no-slow-turns", action="store_true", help="the default; kept")
@@ -825,7 +850,8 @@ async def main(args: argparse.Namespace) -> int:
             ) if value is not None}
             steps.append(("rollout", lambda: rollout(res, work, args.interval,
                                                      args.policies.split(","),
-                                                     args.slow_turns, args.eager, batch)))
+                                                     args.slow_turns, args.eager, batch,
+                                                     args.rounds)))
         await run_steps(res, steps)
     return finish(res)
 

@@ -9,6 +9,10 @@ All numbers come from ONE run on one machine; only ratios between them mean anyt
   CUDA, one IPC handle per tensor (what the staged, bucketed design replaces).
 * limit: a staged push costs two copies (pack, load), so its payload rate is at most half the
   measured copy rate of one big buffer on the device (memcpy on CPU, device-to-device on CUDA).
+* floor (CUDA): the same buckets between two processes with no host in the loop, every
+  hand-off on the device (``_handoff_floor``): what two processes taking turns on one GPU cost
+  by themselves, which no pipeline of two processes beats; and the same copies in one stream of
+  one process ("one process"), which takes no turns.
 
 A receiver runs in a spawned child process and copies every bucket into preallocated
 destination tensors (a model's parameters). Usage::
@@ -42,6 +46,7 @@ from asyncroll.transport import CudaIpcBackend, ShmBackend, WeightReceiver, open
 from asyncroll.transport.backends import Backend, make_backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _handoff_floor
 from _timeline import render as render_timeline
 from _timeline import summarize as summarize_timeline
 
@@ -258,11 +263,18 @@ def main() -> None:
     parser.add_argument("--buckets", default=None, help="bucket sizes in MiB, comma separated")
     parser.add_argument("--pushes", type=int, default=None, help="timed pushes per config")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
-                        help="the sender's event loop (asyncroll's examples run uvloop)")
-    parser.add_argument("--torch-copies", action="store_true",
-                        help="baseline: the sender packs with torch's copy_, not the driver's"
-                             " memcpy from address ranges")
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="the sender's event loop (asyncroll's examples run uvloop)",
+    )
+    parser.add_argument(
+        "--torch-copies",
+        action="store_true",
+        help="baseline: the sender packs with torch's copy_, not the driver's"
+        " memcpy from address ranges",
+    )
     args = parser.parse_args()
     if args.torch_copies:
         CudaIpcBackend.queue_spans = lambda self, spans: False  # type: ignore[method-assign]
@@ -315,6 +327,18 @@ def main() -> None:
                     f"  {r['gbps']:.2f} GB/s ({r['seconds'] * 1e3:.1f} ms,"
                     f" pack {r['pack'] * 1e3:.1f} ms, wait {r['wait'] * 1e3:.1f} ms)"
                 )
+            largest = max(t.numel() * t.element_size() for t in tensors.values())
+            if cuda and largest <= mib * MiB:  # (the floor keeps each tensor in one bucket)
+                contiguous = {n: t.contiguous() for n, t in tensors.items()}
+                row["one_process_ms"] = _handoff_floor.serial(contiguous, bucket=mib * MiB)
+                log(f"  one process, one stream: {row['one_process_ms']:.2f} ms")
+                for buffers in (2, 3):
+                    floor = _handoff_floor.measure(contiguous, bucket=mib * MiB, buffers=buffers)
+                    row[f"floor_{buffers}"] = floor
+                    log(
+                        f"  floor, {buffers} buffers, hand-offs on the device:"
+                        f" {floor['median_ms']:.2f} ms ({floor['buckets']} buckets)"
+                    )
             rows.append(row)
         log(f"naive baseline: {pushes} pushes ...")
         naive_s = bench_naive(parent, tensors, device=args.device, pushes=pushes)
@@ -334,9 +358,14 @@ def main() -> None:
     print(
         "| bucket | double GB/s | single GB/s | double/single | double/limit | double/naive |"
         " double ms (pack/wait) | triple GB/s (limit) |"
-        + (" double, sync acks GB/s (limit) |" if cuda else "")
+        + (
+            " double, sync acks GB/s (limit) | floor x2 GB/s (limit) | double/floor x2 |"
+            " floor x3 GB/s (limit) | triple/floor x3 | one process GB/s (limit) |"
+            if cuda
+            else ""
+        )
     )
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" * 6 if cuda else ""))
     for row in rows:
         d, s, t = row["double"], row["single"], row["triple"]
         line = (
@@ -349,6 +378,16 @@ def main() -> None:
         if cuda:
             y = row["double_sync"]
             line += f" {y['gbps']:.2f} ({y['gbps'] * 1e9 / limit:.0%}) |"
+            if "floor_2" not in row:
+                print(line + " - | - | - | - | - |")
+                continue
+            f2, f3 = (nbytes / row[f"floor_{b}"]["median_ms"] / 1e6 for b in (2, 3))
+            one = nbytes / row["one_process_ms"] / 1e6
+            line += (
+                f" {f2:.2f} ({f2 * 1e9 / limit:.0%}) | {d['gbps'] / f2:.0%} |"
+                f" {f3:.2f} ({f3 * 1e9 / limit:.0%}) | {t['gbps'] / f3:.0%} |"
+                f" {one:.2f} ({one * 1e9 / limit:.0%}) |"
+            )
         print(line)
     for row in rows:
         print(f"\nbucket {row['bucket_mib']} MiB, double buffer, the last push by link:")

@@ -760,28 +760,44 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
                     f"{run[policy]['update_stage_ms']}")
             rounds_run.append(run)
             table = table or run  # the first round's details, as with one round
+            if rounds > 1:  # each round kept as it ends: a later one may fail
+                res.record("rollout", "rounds", _rounds_summary(rounds_run, policies))
+                res.save()
     for base in ("none", "drain"):
         for r in table.values():
             if base in table:
                 r[f"vs {base}"] = round(r["tokens_per_s"] / table[base]["tokens_per_s"], 3)
     res.record("rollout", "results", table)
-    if rounds > 1 and "none" in policies:
-        summary = {}
-        for policy in policies:
+
+
+def _rounds_summary(rounds_run: list[dict[str, dict[str, Any]]],
+                    policies: list[str]) -> dict[str, dict[str, Any]]:
+    """Per policy: tokens/s and the median update's stall each round; with ``none`` among the
+    policies, each round's ratio to that round's ``none`` and their median."""
+    summary: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        row: dict[str, Any] = {
+            "tokens_per_s": [round(run[policy]["tokens_per_s"]) for run in rounds_run],
+            "stall ms (median update), each round": [
+                (run[policy].get("update_stage_ms") or {}).get("total") for run in rounds_run
+            ],
+        }
+        if "none" in policies:
             ratios = [run[policy]["tokens_per_s"] / run["none"]["tokens_per_s"]
                       for run in rounds_run]
-            summary[policy] = {
-                "tokens_per_s": [round(run[policy]["tokens_per_s"]) for run in rounds_run],
-                "vs none, each round": [round(r, 3) for r in ratios],
-                "vs none, median": round(statistics.median(ratios), 3),
-                "stall ms (median update), each round": [
-                    (run[policy].get("update_stage_ms") or {}).get("total")
-                    for run in rounds_run
-                ],
-            }
-            log(f"rollout {policy}: vs none {summary[policy]['vs none, each round']},"
-                f" median {summary[policy]['vs none, median']}")
-        res.record("rollout", "rounds", summary)
+            row["vs none, each round"] = [round(r, 3) for r in ratios]
+            row["vs none, median"] = round(statistics.median(ratios), 3)
+            log(f"rollout {policy}: vs none {row['vs none, each round']},"
+                f" median {row['vs none, median']}")
+        summary[policy] = row
+    return summary
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def parse_args() -> argparse.Namespace:
@@ -794,7 +810,7 @@ def parse_args() -> argparse.Namespace:
                         help="ABBA pairs measuring the fingerprint check's cost (push section)")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--policies", default="none,abort,keep,recompute,drain")
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=_positive, default=1,
                         help="rollout: run the policies in turn this many times; each ratio is"
                              " taken against the same round's none (its median is reported)")
     parser.add_argument("--slow-turns", action="store_true",

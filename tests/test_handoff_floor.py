@@ -1,7 +1,8 @@
-"""The bucket plan of ``bench/_handoff_floor.py`` (the two-process floor that
-``bench/weight_push.py`` sets beside our pipeline): it must lay the tensors out as a staged push
-does, or the floor would time other copies than ours. (The floor itself needs CUDA; it checks
-its own loads byte for byte and raises if a device wait did not hold.)"""
+"""The bucket plan of ``bench/_handoff_floor.py``, the two-process floor that
+``bench/weight_push.py`` sets beside our pipeline: it must copy what a staged push copies, where
+a push copies it (asyncroll's own planner, as byte ranges), or the floor would time other copies
+than ours. (The floor itself needs CUDA: it checks each push's loads against the sources'
+checksums and raises if a device wait did not hold.)"""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-import pytest
+import torch
 
-from asyncroll.transport.plan import TensorMeta
-from asyncroll.transport.plan import plan_buckets as ours
+MiB = 1 << 20
 
 
 def _floor() -> ModuleType:
@@ -24,51 +24,61 @@ def _floor() -> ModuleType:
     return module
 
 
-def test_each_tensor_whole_in_order_and_aligned() -> None:
-    sizes = [300, 1000, 10, 700, 256, 1, 1024]
-    plan = _floor().plan_buckets(sizes, 1024)
-    flat = [slot for bucket in plan for slot in bucket]
-    assert [index for index, _, _ in flat] == list(range(len(sizes)))  # in order, each once
-    assert [nbytes for _, _, nbytes in flat] == sizes
-    for bucket in plan:
-        assert bucket  # no empty bucket
+def _model(layers: int, hidden: int = 4096, inter: int = 11008) -> dict[str, torch.Tensor]:
+    """weight_push.py's names and shapes, as meta tensors (no memory)."""
+    shapes = {"model.embed_tokens.weight": (32000, hidden), "lm_head.weight": (32000, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (hidden, hidden),
+            f"{p}.self_attn.k_proj.weight": (hidden // 4, hidden),
+            f"{p}.self_attn.v_proj.weight": (hidden // 4, hidden),
+            f"{p}.self_attn.o_proj.weight": (hidden, hidden),
+            f"{p}.mlp.gate_proj.weight": (inter, hidden),
+            f"{p}.mlp.up_proj.weight": (inter, hidden),
+            f"{p}.mlp.down_proj.weight": (hidden, inter),
+            f"{p}.input_layernorm.weight": (1, hidden),
+            f"{p}.post_attention_layernorm.weight": (1, hidden),
+        }
+    return {n: torch.empty(s, dtype=torch.bfloat16, device="meta") for n, s in shapes.items()}
+
+
+def _check_layout(plan: list[list[tuple[int, int, int, int]]], sizes: list[int], bucket: int):
+    """Every byte of every tensor copied once, in order; pieces aligned, inside the bucket and
+    apart from each other. Returns the bucket of each tensor's first piece."""
+    covered = [0] * len(sizes)
+    first: dict[int, int] = {}
+    for k, slots in enumerate(plan):
+        assert slots  # no empty bucket
         ends = 0
-        for _, offset, nbytes in bucket:
-            assert offset % 256 == 0 and offset >= ends  # aligned, no overlap
+        for index, offset, start, nbytes in sorted(slots, key=lambda s: s[1]):
+            assert offset % 256 == 0 and offset >= ends and nbytes > 0
             ends = offset + nbytes
-        assert ends <= 1024
-    assert [[i for i, _, _ in b] for b in plan] == [[0], [1], [2, 3], [4, 5], [6]]
+            assert start == covered[index]  # the tensor's next bytes, in order
+            covered[index] += nbytes
+            first.setdefault(index, k)
+        assert ends <= bucket
+    assert covered == sizes
+    return first
 
 
-def test_a_tensor_larger_than_a_bucket_is_refused() -> None:
-    with pytest.raises(ValueError, match="larger than a bucket"):
-        _floor().plan_buckets([10, 2048], 1024)
+def test_the_floor_copies_what_a_staged_push_copies_where_it_copies_it() -> None:
+    tensors = _model(layers=23)  # weight_push.py's 8 GiB model: 209 tensors
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    plan = _floor().plan_buckets(tensors, 512 * MiB)
+    first = _check_layout(plan, sizes, 512 * MiB)
+    assert len(tensors) == 209 and len(plan) == 17  # as the H100 and H200 runs counted
+    names = list(tensors)
+    for i in range(23):  # q, k and v travel together (vLLM's fused qkv_proj), as in a push
+        p = f"model.layers.{i}.self_attn"
+        qkv = {first[names.index(f"{p}.{x}_proj.weight")] for x in "qkv"}
+        assert len(qkv) == 1
 
 
-def test_the_same_bucket_count_as_a_staged_push_of_a_model() -> None:
-    """For weight_push.py's model shapes the floor's buckets are asyncroll's (17 for 8 GiB at
-    512 MiB on the GPU): the two time the same number of hand-offs."""
-    import torch
-
-    hidden, inter, vocab = 4096, 11008, 32000
-    shapes = [(vocab, hidden), (vocab, hidden)]
-    layer = [
-        (hidden, hidden),
-        (hidden // 4, hidden),
-        (hidden // 4, hidden),
-        (hidden, hidden),
-        (inter, hidden),
-        (inter, hidden),
-        (hidden, inter),
-        (1, hidden),
-        (1, hidden),
-    ]
-    while sum(a * b * 2 for a, b in shapes) < 8.0 * (1 << 30):  # weight_push.py's 8 GiB
-        shapes += layer
-    metas = [
-        TensorMeta(name=f"t{i}", dtype=torch.bfloat16, shape=shape)
-        for i, shape in enumerate(shapes)
-    ]
-    bucket = 512 << 20
-    floor = _floor().plan_buckets([m.nbytes for m in metas], bucket)
-    assert len(floor) == len(ours(metas, bucket_bytes=bucket)) == 17
+def test_a_tensor_larger_than_a_bucket_travels_in_pieces() -> None:
+    tensors = _model(layers=1)  # the embedding is 250 MiB
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    plan = _floor().plan_buckets(tensors, 64 * MiB)
+    _check_layout(plan, sizes, 64 * MiB)
+    pieces = [s for slots in plan for s in slots if s[0] == 0]
+    assert len(pieces) >= 4 and pieces[0][2] == 0 and pieces[1][2] > 0

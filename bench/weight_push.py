@@ -264,6 +264,15 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=None, help="timed pushes per config")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument(
+        "--plot", default=None, help="also draw the rates, as shares of the limit, here (.png)"
+    )
+    parser.add_argument(
+        "--replot",
+        default=None,
+        metavar="JSON",
+        help="only draw --plot from the results a run wrote with --json",
+    )
+    parser.add_argument(
         "--loop",
         choices=("asyncio", "uvloop"),
         default="asyncio",
@@ -276,6 +285,10 @@ def main() -> None:
         " memcpy from address ranges",
     )
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot or args.replot.removesuffix(".json") + ".png")
+        return
     if args.torch_copies:
         CudaIpcBackend.queue_spans = lambda self, spans: False  # type: ignore[method-assign]
     run = uvloop.run if args.loop == "uvloop" else asyncio.run
@@ -401,11 +414,51 @@ def main() -> None:
                 f"{d['gpu_used_first'] / (1 << 30):.2f} GiB, after {pushes} more "
                 f"{d['gpu_used_last'] / (1 << 30):.2f} GiB ({growth:+.2%})"
             )
+    result = {"rate": rate, "naive_s": naive_s, "bytes": nbytes, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"rate": rate, "naive_s": naive_s, "bytes": nbytes, "rows": rows}, f, indent=1
-            )
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Bars per bucket size: each configuration's rate as a share of the two-copy limit, ours
+    beside the two-process floor (CUDA runs) and the same copies in one process."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    limit, nbytes = result["rate"] / 2, result["bytes"]
+    bars: list[tuple[str, str, Any]] = [
+        ("single", "#c7c7c7", lambda r: r["single"]["gbps"] * 1e9),
+        ("double (ours)", "#1f77b4", lambda r: r["double"]["gbps"] * 1e9),
+        ("floor x2", "#aec7e8", lambda r: nbytes / r["floor_2"]["median_ms"] * 1e3),
+        ("triple (ours)", "#ff7f0e", lambda r: r["triple"]["gbps"] * 1e9),
+        ("floor x3", "#ffbb78", lambda r: nbytes / r["floor_3"]["median_ms"] * 1e3),
+        ("one process", "#2ca02c", lambda r: nbytes / r["one_process_ms"] * 1e3),
+    ]
+    rows = result["rows"]
+    figure, axes = plt.subplots(figsize=(2.2 + 2.4 * len(rows), 4.2))
+    width = 0.8 / len(bars)
+    for i, (label, color, rate) in enumerate(bars):
+        xs, ys = [], []
+        for j, row in enumerate(rows):
+            try:
+                ys.append(100 * rate(row) / limit)
+            except KeyError:  # no floor on CPU, or the bucket too small for it
+                continue
+            xs.append(j + (i - (len(bars) - 1) / 2) * width)
+        axes.bar(xs, ys, width, label=label, color=color)
+    axes.axhline(100, color="black", linewidth=0.8)
+    axes.set_xticks(range(len(rows)), [f"{r['bucket_mib']} MiB buckets" for r in rows])
+    axes.set_ylabel("% of the two-copy limit")
+    axes.set_title(f"{nbytes / (1 << 30):.2f} GiB pushed; limit {limit / 1e9:.0f} GB/s")
+    axes.legend(fontsize=7, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -340,8 +340,7 @@ def main() -> None:
                     f"  {r['gbps']:.2f} GB/s ({r['seconds'] * 1e3:.1f} ms,"
                     f" pack {r['pack'] * 1e3:.1f} ms, wait {r['wait'] * 1e3:.1f} ms)"
                 )
-            largest = max(t.numel() * t.element_size() for t in tensors.values())
-            if cuda and largest <= mib * MiB:  # (the floor keeps each tensor in one bucket)
+            if cuda:
                 contiguous = {n: t.contiguous() for n, t in tensors.items()}
                 row["one_process_ms"] = _handoff_floor.serial(contiguous, bucket=mib * MiB)
                 log(f"  one process, one stream: {row['one_process_ms']:.2f} ms")
@@ -391,9 +390,6 @@ def main() -> None:
         if cuda:
             y = row["double_sync"]
             line += f" {y['gbps']:.2f} ({y['gbps'] * 1e9 / limit:.0%}) |"
-            if "floor_2" not in row:
-                print(line + " - | - | - | - | - |")
-                continue
             f2, f3 = (nbytes / row[f"floor_{b}"]["median_ms"] / 1e6 for b in (2, 3))
             one = nbytes / row["one_process_ms"] / 1e6
             line += (
@@ -447,7 +443,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         for j, row in enumerate(rows):
             try:
                 ys.append(100 * rate(row) / limit)
-            except KeyError:  # no floor on CPU, or the bucket too small for it
+            except KeyError:  # no floor on CPU
                 continue
             xs.append(j + (i - (len(bars) - 1) / 2) * width)
         axes.bar(xs, ys, width, label=label, color=color)

@@ -69,6 +69,8 @@ from asyncroll.testing.faults import FAULTS_EXTENSION, inject_fault
 from asyncroll.transport import CudaIpcBackend
 
 GiB = 1 << 30
+FINISH_RPC = False
+"""--finish-rpc: the workers finish an update in an RPC of its own (the A/B of 2026-11-28)."""
 SMALL = {  # GPU-friendly tiny model: head size 64, bf16
     "vocab_size": 2048,
     "hidden_size": 256,
@@ -418,6 +420,10 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
     steps = itertools.count(1)
     async with VLLMEngine.launch(folder, name=f"ours-{size}", load_format="dummy",
                                  **engine_args(gpu_memory_utilization=util)) as engine:
+        if FINISH_RPC:  # the finish as an RPC of its own, as before 2026-11-28
+            engine.finish_in_receive = False
+        rpcs = 1 if engine.finish_in_receive else 2
+        res.record(s, "RPCs to the workers an update", rpcs)
         # (load, bucket MiB, buffers, compiled load plan, one-copy, verify): the plan against
         # the old load_weights path, staged against one-copy, two buffers against three, the
         # fingerprint check against none
@@ -507,9 +513,10 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
     torch.cuda.empty_cache()
     results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results)
     ours_ms = results["asyncroll direct plan 512 MiB x2"]["update_ms"]
-    # An update through vLLM's protocol makes two RPCs (the receive, the finish): the floor
-    # under it is the copies plus two round trips, measured on the same engine.
-    floors = {"one-copy": limit_ms / 2 + 2 * rtt_ms, "two-copy": limit_ms + 2 * rtt_ms}
+    # An update through vLLM's protocol makes two RPCs (the receive, the finish), one where
+    # the workers finish in the receive's: the floor under it is the copies plus that many
+    # round trips, measured on the same engine.
+    floors = {"one-copy": limit_ms / 2 + rpcs * rtt_ms, "two-copy": limit_ms + rpcs * rtt_ms}
     res.record(s, "vLLM RPC floor", {"no-op collective_rpc round trip ms (median of 50)":
                                      round(rtt_ms, 3),
                                      **{f"{k} floor through vLLM ms": round(v, 2)
@@ -827,6 +834,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sender-first", action="store_true",
                         help="the update's old order, as a baseline: the sender begins before"
                              " the engines' receive RPCs leave")
+    parser.add_argument("--finish-rpc", action="store_true",
+                        help="push: the workers finish an update in an RPC of its own (the"
+                             " order before 2026-11-28), for an A/B against the default")
     parser.add_argument("--torch-copies", action="store_true",
                         help="baseline: the sender packs with torch's copy_, not the driver's"
                              " memcpy from address ranges")
@@ -845,6 +855,10 @@ async def main(args: argparse.Namespace) -> int:
     res.record("env", "event loop", args.loop)
     if args.sender_first:
         SenderChannel._receivers_first = False
+    if args.finish_rpc:
+        global FINISH_RPC
+        FINISH_RPC = True
+    res.record("env", "finish", "an RPC of its own" if args.finish_rpc else "in the receive's RPC")
     if args.torch_copies:
         CudaIpcBackend.queue_spans = lambda self, spans: False  # type: ignore[method-assign]
     res.record("env", "sender copies", "torch" if args.torch_copies else "driver memcpy")

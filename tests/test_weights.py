@@ -508,6 +508,47 @@ async def test_an_update_reports_what_the_workers_took_without_asking_them_again
     assert delivery.tensors == report.tensors and delivery.verified > 0
 
 
+async def test_workers_that_finish_with_the_receive_need_no_finish_rpc(
+    engine: VLLMEngine, engine_b: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``finish_in_receive`` (the default on vLLM 0.24): the workers finish the update in the
+    receive's RPC, the commit only labels it. The weights served, the label and the tokens'
+    versions are those of a finish RPC; the next update starts (the session was ended)."""
+    asked: list[str] = []
+    rpc = engine.llm.collective_rpc
+
+    def spied(method: str, *args: object, **kwargs: object) -> object:
+        asked.append(method)
+        return rpc(method, *args, **kwargs)
+
+    finishes: list[object] = []
+    finish = engine.llm.finish_weight_update
+
+    def counted(*args: object, **kwargs: object) -> object:
+        finishes.append(args or kwargs)
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
+    monkeypatch.setattr(engine.llm, "finish_weight_update", counted)
+    monkeypatch.setattr(engine, "finish_in_receive", True)
+    steps = await _next_steps(engine)
+    for pushed, model, expected in ((1, tiny_model_b, "b"), (2, tiny_model_a, "a")):
+        await engine.update_weights(load_weights(model), global_steps=steps + pushed)
+        assert engine.global_steps == steps + pushed
+        assert await greedy(engine, f"finished-in-receive-{pushed}") == FRESH_GREEDY[expected]
+        segment = await engine.generate(
+            f"finished-in-receive-tagged-{pushed}", prompt_ids=[3, 4, 5],
+            sampling_params=PROMPT_PARAMS,
+        )
+        assert segment.global_steps == (steps + pushed,) * len(segment.token_ids)
+    assert asked.count("asyncroll_take_update") == 2
+    assert "finish_weight_update" not in asked and not finishes
+    monkeypatch.setattr(engine, "finish_in_receive", False)  # and back: the finish RPC again
+    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps + 3)
+    assert len(finishes) == 1 and engine.global_steps == steps + 3
+
+
 async def test_thirty_pushes_keep_memory_bounded(engine: VLLMEngine, tiny_model_a: Path) -> None:
     weights = load_weights(tiny_model_a)
     steps = await _next_steps(engine)

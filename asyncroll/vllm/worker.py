@@ -712,10 +712,12 @@ class AsyncrollWorkerExtension:
             engine.device = self.device  # type: ignore[attr-defined]
 
     def asyncroll_take_update(
-        self, update_info: dict[str, Any], layerwise: bool
+        self, update_info: dict[str, Any], layerwise: bool, finish: bool = False
     ) -> str | dict[str, Any] | None:
         """vLLM's ``start_weight_update`` then ``update_weights``, in one RPC (the engine's
         ``begin_update`` and ``receive``): the workers join a push one round trip sooner.
+        ``finish``: then ``finish_weight_update`` too, in the same RPC (the delivery then says
+        ``finished``): the engine's commit needs no RPC to the workers of its own.
 
         Returns why this worker failed the push, or what it took (``_delivery``; None with
         another weight-transfer engine than asyncroll's): the
@@ -731,11 +733,16 @@ class AsyncrollWorkerExtension:
             else:
                 worker.start_weight_update()
             worker.update_weights(update_info)
+            if finish:
+                worker.finish_weight_update()
             engine = getattr(worker, "weight_transfer_engine", None)
             if not isinstance(engine, AsyncrollWeightTransferEngine):
                 return None
             engine.called, engine.returned = called, time.perf_counter()
-            return _delivery(engine)
+            delivered = _delivery(engine)
+            if delivered is not None:
+                delivered["finished"] = finish
+            return delivered
         except Exception as exc:
             logger.warning("rank %s failed the push: %r", getattr(worker, "rank", "?"), exc)
             return f"{type(exc).__name__}: {exc}"

@@ -213,7 +213,6 @@ class _Child:
         rss: list[int] = []
         versions: list[int] = []
         timelines: list[list[dict[str, float]]] = []
-        prints: list[dict[str, bytes]] = []
         buckets = 0
 
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -242,7 +241,6 @@ class _Child:
             push = 0
             versions.append(report.version)
             timelines.append([dataclasses.asdict(times) for times in report.timeline])
-            prints.append(dict(report.fingerprints))
             got.update({name: digest(t) for name, t in kept.items()})
             rss.append(rss_bytes())
         return {
@@ -251,7 +249,6 @@ class _Child:
             "rss": rss,
             "stats": self.stats(),
             "timelines": timelines,
-            "fingerprints": prints,
         }
 
     def close(self) -> dict[str, Any]:

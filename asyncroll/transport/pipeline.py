@@ -195,13 +195,12 @@ class PushPipeline:
             await self._waits.poll_sources(backend.sources_done)
             pack_s = time.perf_counter() - t0
             self._hold(0, state, bucket=0, loads=False)  # receivers synchronise before they ack
-            final, prints = state.final_flags(0)
             for peer in state.peers:
                 await self._control.send(
                     peer,
                     lambda p, seq: wire.Shared(
                         conn=p.conn, seq=seq, push=state.id, version=version,
-                        storages=storages, entries=entries, final=final, prints=prints,
+                        storages=storages, entries=entries,
                     ),
                 )
             await self._pushes.send_prints(state)
@@ -383,15 +382,13 @@ class PushPipeline:
             for s in bucket.slots
         ]
         self._hold(index, state, bucket=bucket.index)
-        final, prints = state.final_flags(bucket.index)
         for peer in state.peers:
             await self._control.send(
                 peer,
                 lambda p, seq: wire.Bucket(
                     conn=p.conn, seq=seq, push=state.id, version=state.version,
                     index=bucket.index, buffer=index, entries=entries,
-                    completes=list(bucket.completes), copying=copying, final=final,
-                    prints=prints,
+                    completes=list(bucket.completes), copying=copying,
                 ),
             )
         if bucket.index == state.prints_after:

@@ -10,10 +10,7 @@ Invariants:
   is sent every bucket and the End;
 * every push ends with an End to each receiver still here, naming the error if it failed (and
   then counted as failed once), even when its caller is cancelled; so does a push called off
-  before it began, where its receivers were already waiting for it (``call_off``). One
-  exception: a push with one receiver marks its last message ``final``, and if it succeeds
-  sends no End: that receiver's ack of its last message was the push's verdict (a failure
-  still sends one, which the receiver reads, or skips as stale once it has returned);
+  before it began, where its receivers were already waiting for it (``call_off``);
 * the lazy tensors a push made for a buffer live until the buffer's copies are done, at the
   latest until the push ends.
 """
@@ -63,17 +60,6 @@ class PushState:
     made: list[list[torch.Tensor]] = field(default_factory=list)
     """Per staging buffer, the lazy tensors made for its bucket: alive until the buffer's
     copies are done (the next bucket into it, or the end of the push)."""
-    buckets: int = 0
-    final_sent: bool = False
-    """The push's last message went out ``final`` (``final_flags``): no End if it succeeds."""
-
-    def final_flags(self, index: int) -> tuple[bool, bool]:
-        """(``final``, ``prints``) for the message of bucket ``index``: final where it is the
-        last of a push to one receiver; prints where the push's Prints follows it."""
-        final = len(self.peers) == 1 and index == self.buckets - 1
-        if final:
-            self.final_sent = True
-        return final, final and index == self.prints_after and bool(self.fingerprints)
 
 
 class Pushes:
@@ -130,12 +116,11 @@ class Pushes:
         state = self.current = PushState(
             id=self._ids, version=version, peers=peers, prints_after=prints_after,
             fingerprints=dict(fingerprints or {}), makes=makes, fingerprint=fingerprint,
-            pieces=pieces, made=[[] for _ in range(buffers)], buckets=buckets,
+            pieces=pieces, made=[[] for _ in range(buffers)],
         )
         try:
             yield state
-            if not state.final_sent:
-                await self._send_end(state, buckets, error="")
+            await self._send_end(state, buckets, error="")
         except BaseException as exc:
             self.failed += 1
             await shielded(self._send_end(state, buckets, error=_describe_exc(exc)))

@@ -367,8 +367,6 @@ class WeightReceiver:
         expected, push, buckets, tensors, nbytes = push, 0, 0, 0, 0
         failure: tuple[str, str] | None = None
         prints: dict[str, builtins.bytes] = {}
-        last: wire.Bucket | wire.Shared | None = None
-        """The push's ``final`` message, acked: the push is over once its Prints is in."""
         try:
             while True:
                 waiting = clock()
@@ -385,9 +383,6 @@ class WeightReceiver:
                     continue
                 if isinstance(message, wire.Prints):
                     prints = message.fingerprints  # mid-push; checked after the last load
-                    if last is not None:
-                        push, end = last.push, _verdict(last, buckets)
-                        break
                     continue
                 if isinstance(message, wire.End):
                     push, end = message.push, message
@@ -419,12 +414,6 @@ class WeightReceiver:
                         acked=acked,
                     )
                 )
-                if message.final:  # the only receiver: our ack was the verdict, no End comes
-                    if message.prints and failure is None:
-                        last = message  # its Prints follows (already sent)
-                        continue
-                    end = _verdict(message, buckets)
-                    break
         except BaseException:
             self._finished_push = max(self._finished_push, push)
             self._failed += 1
@@ -773,9 +762,3 @@ def _slot(entry: wire.Entry, dtype: torch.dtype) -> Slot:
         total=entry.total,
         spanning=entry.spanning,
     )
-
-
-def _verdict(last: wire.Bucket | wire.Shared, buckets: int) -> wire.End:
-    """The End a push whose last message was ``final`` does not send: its only receiver took
-    every message (it acked the last one), so the push succeeded unless its own load failed."""
-    return wire.End(conn=b"", seq=0, push=last.push, version=last.version, buckets=buckets)

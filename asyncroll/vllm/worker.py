@@ -735,13 +735,14 @@ class AsyncrollWorkerExtension:
             worker.update_weights(update_info)
             engine = getattr(worker, "weight_transfer_engine", None)
             if not isinstance(engine, AsyncrollWeightTransferEngine):
-                return None  # (not finished here: the adapter sends the finish RPC)
+                return None  # not finished here: the adapter sends the finish RPC
+            delivered = _delivery(engine)
+            if delivered is None:
+                return None  # (likewise)
             if finish:
                 worker.finish_weight_update()
+            delivered["finished"] = finish  # the adapter finishes where any worker did not
             engine.called, engine.returned = called, time.perf_counter()
-            delivered = _delivery(engine)
-            if delivered is not None:
-                delivered["finished"] = finish
             return delivered
         except Exception as exc:
             logger.warning("rank %s failed the push: %r", getattr(worker, "rank", "?"), exc)

@@ -45,6 +45,42 @@ def test_cuda_tensors_on_two_devices_or_cpu_skip_the_kernel() -> None:
     assert check._last is not None and check._last.table is None
 
 
+@needs_cuda
+def test_cuda_an_early_read_sees_the_work_queued_before_it_not_after() -> None:
+    """``read_early`` queues the read behind the copies already on the stream (a read that ran
+    first would see zeros), and the next check of the same mapping uses it: it answers for
+    the tensors as they were then, not for a change queued after it."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    sources = {"big": torch.randn(8192, 8192, generator=g, device="cuda").to(torch.bfloat16),
+               "small": torch.randn(7, generator=g, device="cuda").to(torch.bfloat16)}
+    expected = fingerprints(sources)
+    targets = {name: torch.zeros_like(t) for name, t in sources.items()}
+    check = Fingerprinter()
+    assert check.differing(targets, expected) == ["big", "small"]  # zeros, and a table made
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the copies below start well after read_early returns
+    for name, t in targets.items():
+        t.copy_(sources[name])
+    assert check.read_early(targets)
+    targets["big"].view(-1)[0] += 1  # queued after the read: not in it
+    assert check.differing(targets, expected) == [] and check.early_reads == 1
+    assert check.differing(targets, expected) == ["big"]  # read again: sees the change
+    assert check.early_reads == 1
+    other = dict(targets)  # another mapping: its check does not use the early read
+    assert check.read_early(targets)
+    assert check.differing(other, expected) == ["big"] and check.early_reads == 1
+
+
+def test_an_early_read_where_the_kernel_does_not_apply_queues_nothing() -> None:
+    tensors = {"a": torch.arange(100, dtype=torch.float32), "b": torch.ones(3)}
+    check = Fingerprinter()
+    assert not check.read_early(tensors)
+    expected = fingerprints(tensors)
+    assert check.differing(tensors, expected) == [] and check.early_reads == 0
+    tensors["a"][0] = -1
+    assert check.differing(tensors, expected) == ["a"]
+
+
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096], ids=["one-bucket", "many-buckets"])
 async def test_fingerprints_reach_the_receiver_whole_once_a_push(bucket_bytes: int) -> None:
     g = torch.Generator().manual_seed(3)

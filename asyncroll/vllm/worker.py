@@ -264,10 +264,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
             parts: dict[str, Part] = getattr(batch, "parts", None) or {}
             persist = bool(getattr(batch, "sources_persist", False))
-            received.update(
-                (name, (t.dtype, parts[name].whole if name in parts else tuple(t.shape)))
-                for name, t in batch
-            )
+            whole_push = bool(getattr(batch, "whole_push", False))
+            arrived = batch
             if parts and not self._planning:
                 raise PieceNotPlannedError(
                     f"pieces of tensors ({next(iter(parts))!r}, ...) need the direct load with a"
@@ -287,11 +285,17 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             except Exception as exc:  # name the tensors: vLLM's loaders often say nothing
                 names = ", ".join(name for name, _ in batch[:4])
                 raise RuntimeError(f"loading [{names}]: {type(exc).__name__}: {exc}") from exc
+            received.update(  # after the loads: the device starts on them sooner
+                (name, (t.dtype, parts[name].whole if name in parts else tuple(t.shape)))
+                for name, t in arrived
+            )
             handed.update(name for name, _ in batch)
             for name, tensor in batch:
                 self._pending[name] = tensor.detach().clone() if keep else _LOADED
             if not direct:
                 _detach_pending_views()
+            if whole_push:  # one copy: nothing more of the push to load
+                self._read_prints_early(received)
 
         place: PlaceFn | None = None
         if self._planning and self._plan is not None and not keep:
@@ -347,6 +351,33 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self._plan.end_push()  # the last push's unused copies: their sources may be gone
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
+
+    @property
+    def early_reads(self) -> int:
+        """How many checks read the loaded tensors early (``_read_prints_early``)."""
+        return self._fingerprinter.early_reads
+
+    def _read_prints_early(
+        self, received: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> None:
+        """Queue the check's read of the loaded tensors behind the loads, before the device
+        sync that precedes the ack (``Fingerprinter.read_early``), where the check will look
+        at the same tensors as the last push's (same plan, same names and shapes; the check
+        makes sure) and nothing changes them between the loads and the check (no
+        ``after_load`` of a subclass or an injected fault)."""
+        key = self._verify_key
+        plan = self._plan if self._planning else None
+        if (
+            plan is None
+            or not isinstance(key, tuple)
+            or key[:2] != (id(plan), plan.generation)
+            or key[3] != received
+            or "after_load" in vars(self)
+            or type(self).after_load is not AsyncrollWeightTransferEngine.after_load
+        ):
+            return
+        found, as_pushed = self._verify_targets
+        self._fingerprinter.read_early(found, as_pushed)
 
     def _verify(
         self, report: ReceiveReport, received: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -779,6 +810,7 @@ class AsyncrollWorkerExtension:
         out: dict[str, Any] = {
             **delivered,
             "verify_seconds": getattr(engine, "verify_seconds", 0.0),
+            "early_reads": getattr(engine, "early_reads", 0),
             "seconds": report.seconds,
             "load_seconds": report.load_seconds,
             "wait_seconds": report.wait_seconds,

@@ -316,7 +316,8 @@ class LoadPlan:
         transport's receiver sets for staging buffers and one-copy pushes, else False): the
         tensors are views of memory that stays mapped at the same addresses while viewed, so
         a batch the plan maps whole is remembered, its copies' (destination, source) pairs
-        kept for the next push of the same layout (by address), until the end of a push that
+        kept for the next push of the same layout (by address, or by the batch's ``layout``
+        where the receiver gives one), until the end of a push that
         does not use them (``end_push``) or ``forget_sources``. False: nothing of the batch is
         kept past the call."""
         if parts is None:
@@ -331,7 +332,8 @@ class LoadPlan:
             sources_persist = bool(getattr(batch, "sources_persist", False))
         key: tuple[Any, ...] = ()
         if sources_persist:
-            key = tuple(
+            layout = getattr(batch, "layout", None)  # the receiver's word for the same views
+            key = (layout,) if layout is not None and not parts else tuple(
                 (name, t.data_ptr(), t.dtype, t.shape, t.stride(), parts.get(name))
                 for name, t in batch
             )

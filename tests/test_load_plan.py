@@ -15,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.load_plan import LoadPlan
-from asyncroll.transport import LazyTensor, Part, Piece, ShmBackend, WeightReceiver
+from asyncroll.transport import LazyTensor, Part, Piece, ShmBackend, WeightReceiver, wire
 from asyncroll.transport.packing import FUSE_BYTES
 from asyncroll.transport.sender import open_weight_sender
 
@@ -742,3 +744,78 @@ def test_a_push_lets_go_of_remembered_sources_it_did_not_use() -> None:
     del old
     gc.collect()
     assert gone() is None
+
+
+class _MappedStorages:
+    """A receiver's backend for ``_load_shared`` on the CPU: a descriptor names a buffer."""
+
+    def __init__(self, buffers: dict[bytes, torch.Tensor]) -> None:
+        self.buffers, self.opened, self.closed = buffers, [], []
+
+    def open(self, descriptor: bytes, *, nbytes: int) -> Any:
+        self.opened.append(descriptor)
+        return SimpleNamespace(tensor=self.buffers[descriptor],
+                               close=lambda: self.closed.append(descriptor))
+
+    def finish_loads(self) -> None:
+        pass
+
+
+def _shared_message(views: list[tuple[str, torch.Tensor]], buffer: torch.Tensor,
+                    descriptor: bytes = b"trainer", ident: int = 1) -> wire.Shared:
+    base = buffer.data_ptr()
+    entries = [wire.SharedEntry(name=name, dtype=str(t.dtype).removeprefix("torch."),
+                                shape=list(t.shape), storage=ident,
+                                offset=t.data_ptr() - base,
+                                nbytes=t.numel() * t.element_size())
+               for name, t in views]
+    storages = [wire.Storage(id=ident, descriptor=descriptor, nbytes=buffer.numel())]
+    return wire.Shared(conn=b"c", seq=1, push=1, version=1, storages=storages, entries=entries)
+
+
+def test_one_copy_pushes_of_the_same_storages_reuse_the_views_and_replay_by_layout() -> None:
+    """A one-copy receiver hands over the same views, under one ``layout``, for each push that
+    lists the same storages and entries (a fresh list each time: a loader may change it); the
+    plan replays its copies by that layout, reading each push's bytes. A message that differs
+    (another storage) gets a new layout, so nothing is replayed from the old views."""
+    twins = Twins(pad_vocab=False)
+    tensors = {k: v for k, v in pushed(0).items() if k != "scaled.weight"}
+    views = staged(tensors)
+    buffer = views[0][1].untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(buffer)
+    other = flat.clone()
+    backend = _MappedStorages({b"trainer": flat, b"moved": other})
+    receiver = WeightReceiver(address="ipc:///nowhere", secret=b"s" * 32)
+    receiver._backend = backend  # type: ignore[assignment]
+    batches = []
+    for step in range(4):
+        fresh = {k: v for k, v in pushed(70 + step).items() if k != "scaled.weight"}
+        for (_, view), tensor in zip(views, fresh.values(), strict=True):
+            view.copy_(tensor)
+        twins.plan.begin_push()
+        failure, loaded = receiver._load_shared(
+            _shared_message(views, flat), lambda b: (batches.append(b), twins.plan.load(b))
+        )
+        assert failure is None and loaded == len(views)
+        twins.plain.load_weights(fresh.items())
+        assert_same(twins.planned, twins.plain)
+        assert twins.plan.statistics().remembered == (1 if step >= 2 else 0)
+    assert backend.opened == [b"trainer"]  # mapped once
+    assert len({id(b) for b in batches}) == 4 and len({b.layout for b in batches}) == 1
+    assert all(x is y for b in batches[1:] for (_, x), (_, y) in zip(b, batches[0], strict=True))
+    other.copy_(flat)
+    other_views = [(n, other[v.data_ptr() - flat.data_ptr():][: v.numel() * v.element_size()]
+                    .view(v.dtype).view(v.shape)) for n, v in views]
+    last = {k: v for k, v in pushed(80).items() if k != "scaled.weight"}
+    for (_, view), tensor in zip(other_views, last.values(), strict=True):
+        view.copy_(tensor)
+    twins.plan.begin_push()
+    failure, _ = receiver._load_shared(
+        _shared_message(other_views, other, b"moved", ident=2), lambda b: (batches.append(b),
+                                                                  twins.plan.load(b))
+    )
+    assert failure is None and backend.closed == [b"trainer"]
+    assert batches[-1].layout is not batches[0].layout
+    assert twins.plan.statistics().remembered == 0
+    twins.plain.load_weights(last.items())
+    assert_same(twins.planned, twins.plain)

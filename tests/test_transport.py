@@ -895,6 +895,9 @@ async def test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_re
             await child.acall("close")
         stats = sender.statistics()
     assert first.buckets == 1 and report.buckets == 1 and report.receivers == 2
+    (times,) = report.timeline  # the one message's way, stamped like a bucket's
+    assert report.began == times.waited <= times.free <= times.queued <= times.copied
+    assert times.copied <= times.signalled <= report.began + report.seconds
     assert exported == len([t for t in tensors.values() if t.numel()])
     assert stats.pushes == 3 and stats.failed_pushes == 0
     for reply in replies:

@@ -189,11 +189,12 @@ class PushPipeline:
         opened = self._pushes.open(version, buckets=1, buffers=0, fingerprints=fingerprints)
         async with opened as state:
             await self._wait_buffer_free(0, state)  # no bucket of an earlier push pending
+            free = time.perf_counter()
             backend.mark_sources_ready()
             storages, entries, used = self._shared.share(backend, tensors)
             t0 = time.perf_counter()
             await self._waits.poll_sources(backend.sources_done)
-            pack_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
             self._hold(0, state, bucket=0, loads=False)  # receivers synchronise before they ack
             for peer in state.peers:
                 await self._control.send(
@@ -203,13 +204,21 @@ class PushPipeline:
                         storages=storages, entries=entries,
                     ),
                 )
+            signalled = time.perf_counter()
             await self._pushes.send_prints(state)
-            t1 = time.perf_counter()
+            t2 = time.perf_counter()
             await self._wait_buffer_free(0, state)
-            wait_s = time.perf_counter() - t1
+            wait_s = time.perf_counter() - t2
         self._shared.keep_only(used)  # receivers release what the next push does not list
+        # The one message's way, in a staged bucket's terms: sharing is its "queue", the
+        # wait for the trainer's last writes its "copies".
+        times = SenderBucketTimes(
+            bucket=0, waited=started, free=free, loads_done=free, queued=t0, copied=t1,
+            signalled=signalled,
+        )
         return self._pushes.report(
-            state, tensors, buckets=1, started=started, pack_s=pack_s, wait_s=wait_s
+            state, tensors, buckets=1, started=started, pack_s=t1 - t0, wait_s=wait_s,
+            timeline=(times,),
         )
 
     async def drain(self, makes: Makes) -> None:

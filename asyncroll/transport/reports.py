@@ -43,7 +43,7 @@ class PushReport:
     wait_seconds: float
     """Time waiting for receivers to release a buffer (and for the final acks)."""
     timeline: tuple[SenderBucketTimes, ...] = ()
-    """Per bucket, where its time went (staged pushes)."""
+    """Per bucket, where its time went (a one-copy push: its one message, as bucket 0)."""
     began: float = 0.0
     """When the push began (``time.perf_counter()``: it lines up with the receivers' stamps)."""
 

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -402,7 +402,7 @@ async def timed(repeats: int, push: Callable[[int], Awaitable[dict[str, float]]]
 
 
 async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
-                         pairs: int = 40) -> None:
+                         pairs: int = 40, only_one_copy: bool = False) -> None:
     s = f"push {size}"
     shape = SHAPES[size]
     folder = write_config(work / size, shape)
@@ -434,6 +434,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                     ("layerwise", 512, 2, False, False, True)]
         if size == "7b":
             variants = variants[:5]
+        if only_one_copy:  # a quick A/B of one-copy updates: no baselines
+            variants = variants[:1]
         for load, bucket_mib, buffers, planned, one_copy, verify in variants:
             how = "plan" if planned else ("load_weights" if load == "direct" else "reload")
             label = (f"asyncroll one-copy {how}" if one_copy
@@ -480,7 +482,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                         "copies": worker.get("copies", 0), "buckets": r.push.buckets,
                         "verify_ms": worker.get("verify_seconds", 0.0) * 1e3,
                         "verified": worker.get("verified", [0, 0])[0],
-                        "not verifiable": worker.get("verified", [0, 0])[1]}
+                        "not verifiable": worker.get("verified", [0, 0])[1],
+                        "early reads": worker.get("early_reads", 0)}
 
             results[label] = await timed(repeats, ours)
             res.record(s, f"{label} timeline (last push)", last["timeline"])
@@ -504,15 +507,20 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
             name = "model.embed_tokens.weight"
             res.check(s, f"{label}: engine serves the pushed tensors",
                       math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
+            if one_copy and verify:
+                await _changed_in_place(res, s, label, engine, pusher, tensors, steps)
             await pusher.aclose()
         rtt_ms = await _rpc_round_trip_ms(engine)
-        await _verify_cost(res, s, engine, tensors, steps, pairs)
-        if size == "0.5b":
+        if not only_one_copy:
+            await _verify_cost(res, s, engine, tensors, steps, pairs)
+        if size == "0.5b" and not only_one_copy:
             await _plan_bitwise(res, s, engine, tensors, steps)
     gc.collect()
     torch.cuda.empty_cache()
-    results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results)
-    ours_ms = results["asyncroll direct plan 512 MiB x2"]["update_ms"]
+    if not only_one_copy:
+        results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results)
+    ours = results.get("asyncroll direct plan 512 MiB x2") or results["asyncroll one-copy plan"]
+    ours_ms = ours["update_ms"]
     # An update through vLLM's protocol makes two RPCs (the receive, the finish), one where
     # the workers finish in the receive's: the floor under it is the copies plus that many
     # round trips, measured on the same engine.
@@ -562,6 +570,31 @@ def update_phases(report: Any, worker: dict[str, Any]) -> dict[str, float]:
     phases["phase: the rest (RPC back, the pusher)"] = report.push_seconds - accounted
     phases["phase: finish (vLLM's finish RPC, the label)"] = report.finish_seconds
     return {name: seconds * 1e3 for name, seconds in phases.items()}
+
+
+async def _changed_in_place(res: Results, s: str, label: str, engine: VLLMEngine,
+                            pusher: WeightPusher, tensors: dict[str, torch.Tensor],
+                            steps: Iterator[int]) -> None:
+    """A one-copy push of tensors the trainer changed in place (same storages, new values),
+    then of the old values again: each is checked, the check's read queued early behind the
+    loads (a read that ran before the copies would see the other values, and fail the
+    push), and the engine serves each."""
+    name = "model.embed_tokens.weight"
+    ok, detail = True, []
+    for _ in range(2):
+        for t in tensors.values():
+            t.neg_()
+        (before,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+        await pusher.update(tensors, global_steps=next(steps))
+        (after,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+        (digest,) = await engine.llm.collective_rpc("asyncroll_weight_digest")
+        early = after.get("early_reads", 0) - before.get("early_reads", 0)
+        served = math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9)
+        verified = after.get("verified", [0, 0])[0]
+        ok = ok and early == 1 and served and verified == len(tensors)
+        detail.append({"early reads": early, "served": served, "verified": verified})
+    res.check(s, f"{label}: tensors changed in place are pushed, checked early, served",
+              ok, detail)
 
 
 async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:
@@ -837,6 +870,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--finish-rpc", action="store_true",
                         help="push: the workers finish an update in an RPC of its own (the"
                              " order before 2026-11-28), for an A/B against the default")
+    parser.add_argument("--only-one-copy", action="store_true",
+                        help="push: only the one-copy variant, no baselines (a quick A/B of"
+                             " two trees on one machine; the limit is still measured)")
     parser.add_argument("--torch-copies", action="store_true",
                         help="baseline: the sender packs with torch's copy_, not the driver's"
                              " memcpy from address ranges")
@@ -872,7 +908,8 @@ async def main(args: argparse.Namespace) -> int:
             for size in args.sizes.split(","):
                 steps.append((f"push {size}",
                               lambda size=size: push_benchmark(res, work, size, args.repeats,
-                                                                 args.verify_pairs)))
+                                                                 args.verify_pairs,
+                                                                 args.only_one_copy)))
         if "rollout" in sections:
             batch = {key: value for key, value in (
                 ("max_num_seqs", args.max_num_seqs),

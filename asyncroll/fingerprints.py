@@ -99,8 +99,10 @@ class Fingerprinter:
         launch or a device sync of its own. A receiver queues it behind its last load, before
         the device sync it makes anyway: the check then costs a comparison of bytes (7B on an
         H100: 0.35-0.6 ms less an update). What it reads is what the tensors hold once the
-        queued work is done: do not change them before the check. False (nothing queued)
-        where the kernel does not apply (see ``_gathered``)."""
+        queued work is done: do not change them before the check. A read not used by then
+        stays until the next ``read_early``, ``discard_early`` or ``clear``: discard it where
+        its tensors may change before a later check (a receiver does, as each push begins).
+        False (nothing queued) where the kernel does not apply (see ``_gathered``)."""
         self._early = None
         prepared = self._prepared(tensors, dtypes)
         table = self._table(prepared)
@@ -109,6 +111,10 @@ class Fingerprinter:
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
             self._early = (prepared, table.queue())
         return True
+
+    def discard_early(self) -> None:
+        """Forget the read ``read_early`` queued, if any: the next check reads afresh."""
+        self._early = None
 
     def _prepared(
         self, tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None

@@ -333,7 +333,7 @@ class LoadPlan:
         key: tuple[Any, ...] = ()
         if sources_persist:
             layout = getattr(batch, "layout", None)  # the receiver's word for the same views
-            key = (layout,) if layout is not None and not parts else tuple(
+            key = (layout, len(batch)) if layout is not None and not parts else tuple(
                 (name, t.data_ptr(), t.dtype, t.shape, t.stride(), parts.get(name))
                 for name, t in batch
             )

@@ -28,6 +28,7 @@ LINKS = (
     ("sender: wait for its loads on the device", "free", "loads_done"),
     ("sender: queue the copies", "loads_done", "queued"),
     ("sender: copies on the device", "queued", "copied"),
+    ("sender: send the signal", "copied", "signalled"),
     ("copied -> receiver has the signal", "copied", "r.received"),
     ("receiver: wait for the sender's copies", "r.received", "r.landed"),
     ("receiver: issue the loads", "r.landed", "r.issued"),

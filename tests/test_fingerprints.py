@@ -69,6 +69,11 @@ def test_cuda_an_early_read_sees_the_work_queued_before_it_not_after() -> None:
     other = dict(targets)  # another mapping: its check does not use the early read
     assert check.read_early(targets)
     assert check.differing(other, expected) == ["big"] and check.early_reads == 1
+    targets["big"].view(-1)[0] -= 1
+    assert check.read_early(targets)  # reads the restored value ...
+    targets["big"].view(-1)[0] += 1
+    check.discard_early()  # ... but is discarded: the check reads afresh
+    assert check.differing(targets, expected) == ["big"] and check.early_reads == 1
 
 
 def test_an_early_read_where_the_kernel_does_not_apply_queues_nothing() -> None:

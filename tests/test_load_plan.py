@@ -802,6 +802,16 @@ def test_one_copy_pushes_of_the_same_storages_reuse_the_views_and_replay_by_layo
         assert twins.plan.statistics().remembered == (1 if step >= 2 else 0)
     assert backend.opened == [b"trainer"]  # mapped once
     assert len({id(b) for b in batches}) == 4 and len({b.layout for b in batches}) == 1
+    # The plan keys its replay by the layout (and the length), not by the views' addresses:
+    # the same views under another layout, or fewer of them under the same, replay nothing.
+    for layout, pairs in ((object(), list(batches[0])), (batches[0].layout, batches[0][:-1])):
+        again = type(batches[0])()
+        again.extend(pairs)
+        again.sources_persist, again.layout = True, layout
+        twins.plan.begin_push()
+        twins.plan.load(again)
+        assert twins.plan.statistics().remembered == 0
+        assert_same(twins.planned, twins.plain)
     assert all(x is y for b in batches[1:] for (_, x), (_, y) in zip(b, batches[0], strict=True))
     other.copy_(flat)
     other_views = [(n, other[v.data_ptr() - flat.data_ptr():][: v.numel() * v.element_size()]

@@ -219,6 +219,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         assert self._receiver is not None and self._info is not None
         self._push_id = update_info.push
         self.entered = time.perf_counter()
+        self._fingerprinter.discard_early()  # an early read is this push's, or none
         with _outside_device_context() as self._device_context:
             try:
                 self._receive(load_weights)
@@ -377,7 +378,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         ):
             return
         found, as_pushed = self._verify_targets
-        self._fingerprinter.read_early(found, as_pushed)
+        try:
+            self._fingerprinter.read_early(found, as_pushed)
+        except Exception:  # only a head start: the check reads them itself
+            logger.debug("could not queue the fingerprint read early", exc_info=True)
+            self._fingerprinter.discard_early()
 
     def _verify(
         self, report: ReceiveReport, received: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -393,6 +398,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         pushed = report.fingerprints
         if not pushed:
             self.verified = (0, 0)
+            self._verify_key = None  # (no early reads while pushes come unchecked)
             return
         plan = self._plan if self._planning else None
         key = (id(plan), plan.generation, pushed.keys(), received) if plan is not None else None
@@ -484,6 +490,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def abort_update(self) -> bool:
         """End an update in progress, if any: restore the previous weights where a backup
         exists. Returns whether the weights served now are whole (previous, or untouched)."""
+        self._fingerprinter.discard_early()
         if not self._active:
             return not self._mixed
         self._active = False

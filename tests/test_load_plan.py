@@ -804,7 +804,11 @@ def test_one_copy_pushes_of_the_same_storages_reuse_the_views_and_replay_by_layo
     assert len({id(b) for b in batches}) == 4 and len({b.layout for b in batches}) == 1
     # The plan keys its replay by the layout (and the length), not by the views' addresses:
     # the same views under another layout, or fewer of them under the same, replay nothing.
-    for layout, pairs in ((object(), list(batches[0])), (batches[0].layout, batches[0][:-1])):
+    for layout, pairs in ((batches[0].layout, batches[0][:-1]), (object(), list(batches[0]))):
+        for _ in range(2):  # (re)remembered, then replayed by the layout; then one of these
+            twins.plan.begin_push()
+            receiver._load_shared(_shared_message(views, flat), twins.plan.load)
+        assert twins.plan.statistics().remembered == 1
         again = type(batches[0])()
         again.extend(pairs)
         again.sources_persist, again.layout = True, layout

@@ -46,6 +46,7 @@ import bisect
 import itertools
 import logging
 import math
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -552,24 +553,31 @@ def _count_registrations() -> None:
 
 class _Walk:
     """The model's parameters and buffers from one walk of its modules, and a check that the
-    walk still holds that costs half as much as walking again (a vLLM 7B model's walk took
-    about 2 ms of every push): nothing was registered since (a module, parameter or buffer
-    added or replaced anywhere), and each tensor is still its owner's attribute (not
-    deleted)."""
+    walk still holds that costs a tenth of walking again (a vLLM 7B model's walk took about 2
+    ms of every push): nothing was registered since (a module, parameter or buffer added or
+    replaced anywhere), and each tensor is still its owner's, in the owner's own table of
+    parameters or buffers (not deleted, not put there behind the hooks). The tables are read
+    directly: through ``getattr`` (``Module.__getattr__``) the check of 340 tensors took
+    0.2-0.4 ms of every push."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         _count_registrations()
         self.generation = _registrations[0]
-        named = [*model.named_parameters(), *model.named_buffers()]
-        self.tensors = [tensor for _, tensor in named]
-        self._owned = []
-        for name, tensor in named:
+        named = [
+            *((name, tensor, "_parameters") for name, tensor in model.named_parameters()),
+            *((name, tensor, "_buffers") for name, tensor in model.named_buffers()),
+        ]
+        self.tensors = [tensor for _, tensor, _ in named]
+        self._tables: list[dict[str, Any]] = []
+        self._attributes: list[str] = []
+        for name, _, table in named:
             prefix, _, attribute = name.rpartition(".")
-            self._owned.append((model.get_submodule(prefix), attribute, tensor))
+            self._tables.append(getattr(model.get_submodule(prefix), table))
+            self._attributes.append(attribute)
 
     def holds(self) -> bool:
         return self.generation == _registrations[0] and all(
-            getattr(owner, attribute, None) is tensor for owner, attribute, tensor in self._owned
+            map(operator.is_, map(dict.get, self._tables, self._attributes), self.tensors)
         )
 
 

@@ -4,7 +4,7 @@ Both sides stamp with ``time.perf_counter()``, one monotonic clock for every pro
 machine, so a bucket's chain can be followed across the two processes:
 
     sender   waited -> free -> loads_done -> queued -> copied -> signalled
-    receiver                          received -> landed -> issued -> recorded -> acked
+    receiver                (arrived ->) received -> landed -> issued -> recorded -> acked
 
 (With early signals, CUDA's default, a bucket is signalled once its copies are queued: its
 ``copied`` stamp is its ``queued`` one, and the receiver's ``landed`` says when it saw the
@@ -30,6 +30,8 @@ LINKS = (
     ("sender: copies on the device", "queued", "copied"),
     ("sender: send the signal", "copied", "signalled"),
     ("copied -> receiver has the signal", "copied", "r.received"),
+    ("signal sent -> the receiver's socket had it", "signalled", "r.arrived"),
+    ("receiver: read and check the signal", "r.arrived", "r.received"),
     ("receiver: wait for the sender's copies", "r.received", "r.landed"),
     ("receiver: issue the loads", "r.landed", "r.issued"),
     ("receiver: record the load event", "r.issued", "r.recorded"),

@@ -462,8 +462,9 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                     last["timeline"]["worker: vLLM called us after the sender began (ms)"] = (
                         round((worker["entered"] - r.push.timeline[0].waited) * 1e3, 3))
                 phases = update_phases(r, worker)
+                details = update_details(r, worker, engine)
                 return {"update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
-                        **phases,
+                        **phases, **details,
                         "call_ms": call_ms,
                         "total_with_pause_resume_ms": r.seconds * 1e3,
                         "pause_ms": r.pause_seconds * 1e3, "push_ms": r.push_seconds * 1e3,
@@ -492,6 +493,11 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
             phase_lines = "\n".join(f"    {k[7:]:52s} {v:7.2f}"
                                     for k, v in results[label].items() if k.startswith("phase: "))
             log(f"  {label}: the update by phase (median ms):\n{phase_lines}")
+            detail_lines = "\n".join(f"    {k[8:]:52s} {v:7.2f}"
+                                     for k, v in results[label].items()
+                                     if k.startswith("detail: "))
+            if detail_lines:
+                log(f"  {label}: within the phases (median ms):\n{detail_lines}")
             (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
             if planned:
                 res.record(s, f"{label} not planned", worker.get("unplannable"))
@@ -570,6 +576,43 @@ def update_phases(report: Any, worker: dict[str, Any]) -> dict[str, float]:
     phases["phase: the rest (RPC back, the pusher)"] = report.push_seconds - accounted
     phases["phase: finish (vLLM's finish RPC, the label)"] = report.finish_seconds
     return {name: seconds * 1e3 for name, seconds in phases.items()}
+
+
+def update_details(report: Any, worker: dict[str, Any], engine: Any) -> dict[str, float]:
+    """Splits of ``update_phases``' phases (not summed with them), in ms, where the stamps
+    exist: the worker's check of the load plan within its preparation; the first message's
+    way (the sender sent it, the receiver's socket had it, the receiver read and checked it);
+    the End's way (the sender saw the last ack, sent the End, the receive returned); and the
+    way back (the worker's RPC returned, its answer reached the pusher, the push ended)."""
+    timeline = worker.get("timeline") or []
+    push = report.push
+    if not timeline or push is None or not push.timeline:
+        return {}
+    out: dict[str, float] = {}
+    checking, checked = worker.get("plan_checked") or (0.0, 0.0)
+    if checked:
+        out["detail: prep: the plan's check of the parameters"] = checked - checking
+        out["detail: prep: the rest"] = worker["began"] - worker["entered"] - (checked - checking)
+    first, sent = timeline[0], push.timeline[0]
+    if first.get("arrived"):
+        out["detail: first message: sent -> the receiver's socket had it"] = (
+            first["arrived"] - sent.signalled)
+        out["detail: first message: receiver began -> socket had it (0: queued)"] = max(
+            0.0, first["arrived"] - worker["began"])
+        out["detail: first message: read and check it"] = first["received"] - first["arrived"]
+    last_sent, last = push.timeline[-1], timeline[-1]
+    r_end = worker["began"] + worker["seconds"]
+    if getattr(last_sent, "acked", 0.0) and push.ended:
+        out["detail: End: last ack -> the sender saw it"] = last_sent.acked - last["acked"]
+        out["detail: End: the sender sends the End"] = push.ended - last_sent.acked
+        out["detail: End: sent -> the receive returned"] = r_end - push.ended
+    answered, returned = getattr(engine, "answered", 0.0), worker.get("returned") or 0.0
+    if answered and returned:
+        out["detail: back: the worker returned -> its answer reached the pusher"] = (
+            answered - returned)
+        out["detail: back: answer -> the sender's push returned (< 0: before)"] = (
+            push.began + push.seconds - answered)
+    return {name: seconds * 1e3 for name, seconds in out.items()}
 
 
 async def _changed_in_place(res: Results, s: str, label: str, engine: VLLMEngine,

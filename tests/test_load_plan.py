@@ -762,7 +762,11 @@ class _MappedStorages:
 
 
 def _shared_message(views: list[tuple[str, torch.Tensor]], buffer: torch.Tensor,
-                    descriptor: bytes = b"trainer", ident: int = 1) -> wire.Shared:
+                    descriptor: bytes = b"trainer", ident: int = 1, layout: int = 0,
+                    repeat: bool = False) -> wire.Shared:
+    if repeat:  # the list of id ``layout``, by its id alone
+        return wire.Shared(conn=b"c", seq=1, push=1, version=1, storages=[], entries=[],
+                           layout=layout, repeat=True)
     base = buffer.data_ptr()
     entries = [wire.SharedEntry(name=name, dtype=str(t.dtype).removeprefix("torch."),
                                 shape=list(t.shape), storage=ident,
@@ -770,7 +774,8 @@ def _shared_message(views: list[tuple[str, torch.Tensor]], buffer: torch.Tensor,
                                 nbytes=t.numel() * t.element_size())
                for name, t in views]
     storages = [wire.Storage(id=ident, descriptor=descriptor, nbytes=buffer.numel())]
-    return wire.Shared(conn=b"c", seq=1, push=1, version=1, storages=storages, entries=entries)
+    return wire.Shared(conn=b"c", seq=1, push=1, version=1, storages=storages, entries=entries,
+                       layout=layout)
 
 
 def test_one_copy_pushes_of_the_same_storages_reuse_the_views_and_replay_by_layout() -> None:
@@ -833,3 +838,56 @@ def test_one_copy_pushes_of_the_same_storages_reuse_the_views_and_replay_by_layo
     assert twins.plan.statistics().remembered == 0
     twins.plain.load_weights(last.items())
     assert_same(twins.planned, twins.plain)
+
+
+def test_a_one_copy_push_repeated_by_its_id_loads_the_list_the_receiver_holds() -> None:
+    """A sender repeats a one-copy list by its id alone (``Shared.repeat``: no storages, no
+    entries) once the receiver's ack said it holds it. The receiver loads that list's views
+    (under the same layout, so the plan replays), each push's bytes; its acks name the list
+    it holds. A repeat of a list it does not hold fails the push, naming both, and loads
+    nothing."""
+    twins = Twins(pad_vocab=False)
+    tensors = {k: v for k, v in pushed(0).items() if k != "scaled.weight"}
+    views = staged(tensors)
+    flat = torch.empty(0, dtype=torch.uint8).set_(views[0][1].untyped_storage())
+    backend = _MappedStorages({b"trainer": flat})
+    receiver = WeightReceiver(address="ipc:///nowhere", secret=b"s" * 32)
+    receiver._backend = backend  # type: ignore[assignment]
+    batches: list[Any] = []
+
+    def push(message: wire.Shared, step: int) -> tuple[str, str] | None:
+        fresh = {k: v for k, v in pushed(90 + step).items() if k != "scaled.weight"}
+        for (_, view), tensor in zip(views, fresh.values(), strict=True):
+            view.copy_(tensor)
+        twins.plan.begin_push()
+        failure, loaded = receiver._load_shared(
+            message, lambda b: (batches.append(b), twins.plan.load(b))
+        )
+        twins.plan.end_push()
+        if failure is None:
+            assert loaded == len(views)
+            twins.plain.load_weights(fresh.items())
+        assert_same(twins.planned, twins.plain)  # (a failed push loaded nothing)
+        return failure
+
+    def held() -> int:
+        ack = receiver._ack(_shared_message(views, flat), None)(0)
+        assert isinstance(ack, wire.Ack)
+        return ack.layout
+
+    assert held() == 0
+    assert push(_shared_message(views, flat, layout=5), 0) is None and held() == 5
+    nbytes = sum(t.numel() * t.element_size() for _, t in views)
+    assert receiver._last_shared is not None and receiver._last_shared.nbytes == nbytes
+    for step in (1, 2, 3):  # learned, planned, then replayed by the layout
+        assert push(_shared_message(views, flat, layout=5, repeat=True), step) is None
+    assert twins.plan.statistics().remembered == 1
+    assert held() == 5 and backend.opened == [b"trainer"]
+    assert len({b.layout for b in batches}) == 1 and len({id(b) for b in batches}) == 4
+    # The same list under a new id (the sender built it again): the same views, the new id.
+    assert push(_shared_message(views, flat, layout=6), 4) is None and held() == 6
+    assert batches[-1].layout is batches[0].layout
+    failure = push(_shared_message(views, flat, layout=5, repeat=True), 5)
+    assert failure is not None and "repeated one-copy list 5" in failure[1]
+    assert "holds list 6" in failure[1] and len(batches) == 5  # no loader call
+    assert held() == 6

@@ -241,6 +241,9 @@ async def test_both_sides_time_every_bucket_on_one_clock(child: Child, kind: str
         assert sent.copied <= sent.signalled
         assert got["received"] <= got["issued"] <= got["recorded"] <= got["acked"]
         assert got["received"] >= sent.queued  # signalled once its copies were queued (done)
+        # its socket had it before it was read and checked, and after the sender sent it
+        assert sent.queued <= got["arrived"] <= got["received"]
+        assert sent.acked == 0.0  # (stamped for a one-copy push's one message only)
     for sent in ours[2:]:  # two buffers: bucket k reuses the buffer of bucket k - 2, once acked
         assert sent.free >= theirs[sent.bucket - 2]["recorded"]  # ("acked": once sent)
 
@@ -885,6 +888,7 @@ async def test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_re
                 tensor.mul_(2)
         await sender.push(tensors, version=2, one_copy=True)
         assert sender.statistics().shared_storages == exported
+        assert sender.statistics().shared_repeats == 2  # each held the list: sent by its id
         tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1  # a new storage
         report = await sender.push(tensors, version=3, one_copy=True)
         expected = digests(tensors)
@@ -897,11 +901,15 @@ async def test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_re
     assert first.buckets == 1 and report.buckets == 1 and report.receivers == 2
     (times,) = report.timeline  # the one message's way, stamped like a bucket's
     assert report.began == times.waited <= times.free <= times.queued <= times.copied
-    assert times.copied <= times.signalled <= report.began + report.seconds
+    assert times.copied <= times.signalled <= times.acked <= report.ended
+    assert report.ended <= report.began + report.seconds  # the End went before the report
     assert exported == len([t for t in tensors.values() if t.numel()])
     assert stats.pushes == 3 and stats.failed_pushes == 0
+    assert stats.shared_repeats == 2  # the new storage: the whole list again
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     for reply in replies:
         assert reply["versions"] == [1, 2, 3]
+        assert reply["bytes"] == [nbytes] * 3  # the repeat's too
         assert reply["digests"] == expected
 
 

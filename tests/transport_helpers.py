@@ -212,6 +212,7 @@ class _Child:
         kept: dict[str, torch.Tensor] = {}
         rss: list[int] = []
         versions: list[int] = []
+        sizes: list[int] = []
         timelines: list[list[dict[str, float]]] = []
         buckets = 0
 
@@ -240,12 +241,14 @@ class _Child:
             report = self.receiver.receive(load, push=push)
             push = 0
             versions.append(report.version)
+            sizes.append(report.bytes)
             timelines.append([dataclasses.asdict(times) for times in report.timeline])
             got.update({name: digest(t) for name, t in kept.items()})
             rss.append(rss_bytes())
         return {
             "digests": dict(got),
             "versions": versions,
+            "bytes": sizes,
             "rss": rss,
             "stats": self.stats(),
             "timelines": timelines,

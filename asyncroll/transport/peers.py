@@ -82,6 +82,9 @@ class Peer:
     """Device events the peer records after loading each buffer (None: it syncs before acks)."""
     polls_copies: bool = False
     """The peer polls our copy events before reading a bucket: it may be signalled early."""
+    shared_layout: int = 0
+    """The one-copy list the peer holds (``wire.Ack.layout`` of its last ack), which a
+    push of the same list repeats by its id alone; 0: none."""
 
     def describe(self) -> str:
         return f"receiver {self.name!r} (pid {self.pid})"

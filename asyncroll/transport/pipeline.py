@@ -45,7 +45,7 @@ from asyncroll.transport import wire
 from asyncroll.transport.backends import Backend, CudaIpcBackend
 from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.packing import bucket_spans, dtype_name, pack_bucket
-from asyncroll.transport.peers import ControlPlane
+from asyncroll.transport.peers import ControlPlane, Peer
 from asyncroll.transport.plan import Bucket
 from asyncroll.transport.pushes import Fingerprint, Pushes, PushState, shielded
 from asyncroll.transport.reports import PushReport, SenderBucketTimes
@@ -79,6 +79,8 @@ class PushPipeline:
         self._backend = backend
         self._staging = staging
         self._shared = shared
+        self.shared_repeats = 0
+        """One-copy messages sent as a repeat of the list the receiver held (by its id)."""
         self._pushes = pushes
         self._ack_timeout = ack_timeout
         self._waits = DeviceWaits(control=control, backend=backend, ack_timeout=ack_timeout)
@@ -196,25 +198,36 @@ class PushPipeline:
             await self._waits.poll_sources(backend.sources_done)
             t1 = time.perf_counter()
             self._hold(0, state, bucket=0, loads=False)  # receivers synchronise before they ack
-            for peer in state.peers:
-                await self._control.send(
-                    peer,
-                    lambda p, seq: wire.Shared(
-                        conn=p.conn, seq=seq, push=state.id, version=version,
-                        storages=storages, entries=entries,
-                    ),
+            layout = self._shared.layout
+
+            def full(p: Peer, seq: int) -> wire.Message:
+                return wire.Shared(
+                    conn=p.conn, seq=seq, push=state.id, version=version, storages=storages,
+                    entries=entries, layout=layout,
                 )
+
+            def again(p: Peer, seq: int) -> wire.Message:  # the list it holds: its id will do
+                return wire.Shared(
+                    conn=p.conn, seq=seq, push=state.id, version=version, storages=[],
+                    entries=[], layout=layout, repeat=True,
+                )
+
+            for peer in state.peers:
+                repeat = peer.shared_layout == layout
+                self.shared_repeats += repeat
+                await self._control.send(peer, again if repeat else full)
             signalled = time.perf_counter()
             await self._pushes.send_prints(state)
             t2 = time.perf_counter()
             await self._wait_buffer_free(0, state)
-            wait_s = time.perf_counter() - t2
+            acked = time.perf_counter()
+            wait_s = acked - t2
         self._shared.keep_only(used)  # receivers release what the next push does not list
         # The one message's way, in a staged bucket's terms: sharing is its "queue", the
         # wait for the trainer's last writes its "copies".
         times = SenderBucketTimes(
             bucket=0, waited=started, free=free, loads_done=free, queued=t0, copied=t1,
-            signalled=signalled,
+            signalled=signalled, acked=acked,
         )
         return self._pushes.report(
             state, tensors, buckets=1, started=started, pack_s=t1 - t0, wait_s=wait_s,

@@ -57,6 +57,8 @@ class PushState:
     """Fingerprints the lazy tensors made for each bucket (into ``fingerprints``)."""
     pieces: frozenset[str] = frozenset()
     """The push's tensors that are pieces (never fingerprinted as if whole)."""
+    ended: float = 0.0
+    """When the End was sent to every receiver."""
     made: list[list[torch.Tensor]] = field(default_factory=list)
     """Per staging buffer, the lazy tensors made for its bucket: alive until the buffer's
     copies are done (the next bucket into it, or the end of the push)."""
@@ -121,6 +123,7 @@ class Pushes:
         try:
             yield state
             await self._send_end(state, buckets, error="")
+            state.ended = time.perf_counter()
         except BaseException as exc:
             self.failed += 1
             await shielded(self._send_end(state, buckets, error=_describe_exc(exc)))
@@ -149,7 +152,7 @@ class Pushes:
         return PushReport(
             version=state.version, bytes=nbytes, buckets=buckets, tensors=len(tensors),
             receivers=len(state.peers), seconds=seconds, pack_seconds=pack_s,
-            wait_seconds=wait_s, timeline=timeline, began=started,
+            wait_seconds=wait_s, timeline=timeline, began=started, ended=state.ended,
         )
 
     async def send_prints(self, state: PushState) -> None:

@@ -87,6 +87,9 @@ class ReceiverBucketTimes:
     """Its reads were marked (the buffer's load event recorded, or the device synchronised)."""
     acked: float
     """The ack was sent."""
+    arrived: float = 0.0
+    """The socket had its signal (polled; ``received`` is then its read and check): at the
+    start of the wait for a signal already queued."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,6 +138,19 @@ class ReceiverStatistics:
     each ack."""
     polls_copies: bool = False
     """We poll the sender's copy events: buckets are signalled while their copies run."""
+
+
+@dataclass(frozen=True, slots=True)
+class _SharedLayout:
+    """A one-copy list of storages and entries as a receiver holds it: mapped, viewed."""
+
+    layout: int
+    """The sender's id of the list (``wire.Shared.layout``)."""
+    storages: list[wire.Storage]
+    entries: list[wire.SharedEntry]
+    made: _Batch
+    """The (name, view) pairs, under their ``layout`` token (handed over as copies)."""
+    nbytes: int
 
 
 class _Batch(list[tuple[str, torch.Tensor]]):
@@ -197,8 +213,7 @@ class WeightReceiver:
         """One-copy pushes: per trainer storage, the views of its tensors, as ``_views``."""
         self._shared: dict[int, MappedBuffer] = {}
         """One-copy mode: the trainer's storages mapped, by the sender's id."""
-        self._last_shared: tuple[list[wire.Storage], list[wire.SharedEntry], _Batch] | None
-        self._last_shared = None
+        self._last_shared: _SharedLayout | None = None
         """The last shared push's storages and entries, and the batch made of them."""
         self._spans = SpanAssembler()
         self._place: PlaceFn | None = None
@@ -220,7 +235,7 @@ class WeightReceiver:
         self._auth_failures = self._stale = 0
         self._load_seconds = 0.0
         self._stage = {"wait": 0.0, "record": 0.0, "ack": 0.0, "sync": 0.0}
-        self._issued = self._recorded = self._landed = 0.0
+        self._issued = self._recorded = self._landed = self._arrived = 0.0
         """When the current bucket's loads were issued and marked (``ReceiverBucketTimes``)."""
         self._load_events = 0
         self._polls_copies = False
@@ -406,10 +421,12 @@ class WeightReceiver:
                 if failure is None:
                     if isinstance(message, wire.Shared):
                         failure, loaded = self._load_shared(message, load_fn)
+                        last = self._last_shared
+                        nbytes += last.nbytes if failure is None and last is not None else 0
                     else:
                         failure, loaded = self._load(message, load_fn)
+                        nbytes += sum(e.nbytes for e in message.entries)
                     tensors += loaded
-                    nbytes += sum(e.nbytes for e in message.entries)
                     buckets += 1
                 acking = clock()
                 self._send(self._ack(message, failure))
@@ -424,6 +441,7 @@ class WeightReceiver:
                         issued=self._issued,
                         recorded=self._recorded,
                         acked=acked,
+                        arrived=self._arrived,
                     )
                 )
         except BaseException:
@@ -612,24 +630,42 @@ class WeightReceiver:
 
     def _shared_batch(self, message: wire.Shared, batch: _Batch) -> None:
         """Fill ``batch`` with the (name, view) pairs of a shared push, its storages mapped. A
-        push that lists the same storages and entries as the last one (a trainer pushing the
-        same tensors again: every step) gets the last one's pairs, and its ``layout``: a 7B
-        model's 339 views are not looked up again before the first copy (with the plan's key by
-        layout and the worker's names, 1.4 ms of an H100 host's Python). ``batch`` is the
-        loader's to change; the pairs kept are a copy."""
+        push that repeats the list we hold (``message.repeat``: by its id alone), or lists
+        the same storages and entries as it (a trainer pushing the same tensors again: every
+        step), gets the last one's pairs, and its ``layout``: a 7B model's 339 views are not
+        looked up again before the first copy (with the plan's key by layout and the worker's
+        names, 1.4 ms of an H100 host's Python). ``batch`` is the loader's to change; the
+        pairs kept are a copy.
+
+        Raises:
+            TransportBrokenError: a repeat of a list we do not hold (the sender's mistake).
+        """
         last = self._last_shared
-        if last is not None and last[0] == message.storages and last[1] == message.entries:
-            made = last[2]
-            list.extend(batch, list.__iter__(made))
+        if message.repeat:
+            if last is None or last.layout != message.layout:
+                held = f"list {last.layout}" if last is not None else "none"
+                raise TransportBrokenError(
+                    f"the sender repeated one-copy list {message.layout}; this receiver holds"
+                    f" {held}"
+                )
+        elif last is not None and last.storages == message.storages and (
+            last.entries == message.entries
+        ):
+            last = self._last_shared = dataclasses.replace(last, layout=message.layout)
         else:
             self._last_shared = None  # (its views may go now)
             self._new_shared_batch(message, batch)  # (partly filled if it raises: named)
             made = _Batch()
             list.extend(made, list.__iter__(batch))
             made.layout = object()  # unique while anyone keys by it
-            self._last_shared = (message.storages, message.entries, made)
+            last = self._last_shared = _SharedLayout(
+                message.layout, message.storages, message.entries, made,
+                sum(entry.nbytes for entry in message.entries),
+            )
+        if not batch:
+            list.extend(batch, list.__iter__(last.made))
         batch.sources_persist = batch.whole_push = True
-        batch.layout = made.layout
+        batch.layout = last.made.layout
 
     def _new_shared_batch(self, message: wire.Shared, batch: _Batch) -> None:
         if self._backend is None:
@@ -675,6 +711,7 @@ class WeightReceiver:
     ) -> Callable[[int], wire.Message]:
         tensor, error = failure or ("", "")
         index = bucket.index if isinstance(bucket, wire.Bucket) else 0
+        layout = self._last_shared.layout if self._last_shared is not None else 0
         return lambda seq: wire.Ack(
             conn=self._conn,
             seq=seq,
@@ -682,6 +719,7 @@ class WeightReceiver:
             index=index,
             error=error,
             tensor=tensor,
+            layout=layout,
         )
 
     def _discard_stale(self, message: wire.Bucket | wire.Shared | wire.Prints | wire.End) -> None:
@@ -706,6 +744,7 @@ class WeightReceiver:
             remaining = deadline - time.monotonic()
             ready = dict(self._poller.poll(max(1, int(remaining * 1000)))) if remaining > 0 else {}
             if self._sock in ready:
+                self._arrived = time.perf_counter()
                 frames = self._sock.recv_multipart()
             elif self._monitor in ready:
                 assert self._monitor is not None

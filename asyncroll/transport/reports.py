@@ -26,6 +26,8 @@ class SenderBucketTimes:
     """They were done (the bucket may be signalled)."""
     signalled: float
     """It was sent to every receiver."""
+    acked: float = 0.0
+    """Every receiver's ack of it was seen (a one-copy push's one message; 0: not stamped)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +48,8 @@ class PushReport:
     """Per bucket, where its time went (a one-copy push: its one message, as bucket 0)."""
     began: float = 0.0
     """When the push began (``time.perf_counter()``: it lines up with the receivers' stamps)."""
+    ended: float = 0.0
+    """When its End was sent to every receiver (0: not stamped)."""
 
     @property
     def gb_per_s(self) -> float:

@@ -85,6 +85,8 @@ class SenderStatistics:
     closed: bool
     shared_storages: int = 0
     """One-copy mode: the trainer's storages exported and kept (since the last push)."""
+    shared_repeats: int = 0
+    """One-copy messages sent as a repeat of the list the receiver holds (by its id)."""
 
 
 class WeightSender:
@@ -180,6 +182,7 @@ class WeightSender:
             sealed=control.sealed,
             closed=control.closed,
             shared_storages=len(self._shared),
+            shared_repeats=self._pipeline.shared_repeats,
         )
 
     def __repr__(self) -> str:
@@ -389,6 +392,9 @@ class WeightSender:
         return self._backend.open_peer_events(handles)
 
     def _on_ack(self, identity: bytes, ack: wire.Ack) -> None:
+        peer = self._control.peers.get(identity)
+        if peer is not None:
+            peer.shared_layout = ack.layout
         self._staging.acked(identity, push=ack.push, bucket=ack.index)
         state = self._pushes.current
         if ack.error and state is not None and state.id == ack.push and state.failure is None:

@@ -12,7 +12,9 @@ Invariants:
 * after a push, only the storages it listed are kept (receivers release the others then);
 * a push of the same tensors as the last one, each at the same address, with the same shape
   and dtype, in the same storage (by base address and size: the key ``share`` exports by),
-  reuses the last push's message: it is the message ``share`` would build again.
+  reuses the last push's message: it is the message ``share`` would build again. Each list
+  ``share`` builds gets a new ``layout`` id (never reused), by which a receiver that holds it
+  can be sent it again (``wire.Shared.repeat``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class SharedStorages:
         self._kept: dict[StorageKey, tuple[int, torch.Tensor, bytes]] = {}
         """(id, the storage as a uint8 tensor, its descriptor) by key."""
         self._ids = 0
+        self.layout = 0
+        """The id of the list ``share`` returned last (0: none yet)."""
         self._last: tuple[_Signature, _Shared] | None = None
         """The last push's tensors by (name, address, dtype, shape, storage address, storage
         bytes), and what ``share`` made of them (7B: 339 tensors; on the CPU machine 0.9 ms of
@@ -73,6 +77,7 @@ class SharedStorages:
             return self._last[1]
         shared = self._share(backend, tensors)
         self._last = (signature, shared)
+        self.layout += 1
         return shared
 
     def _share(self, backend: CudaIpcBackend, tensors: Mapping[str, torch.Tensor]) -> _Shared:

@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -130,6 +131,9 @@ class VLLMEngine:
         self._holding: str | None = None
         self._begun: str | None = None
         """An update begun (its load mode): the workers begin it with the receive."""
+        self.answered = 0.0
+        """When the workers' answers to the last receive RPC came back
+        (``time.perf_counter()``; benchmarks: the RPC's way back)."""
         self._delivery: Delivery | None = None
         """What the workers said they took as the last receive returned (None: ask them)."""
         self.finish_in_receive = compat.worker_runs_the_session()
@@ -557,6 +561,7 @@ class VLLMEngine:
                 kwargs={"update_info": info, "layerwise": load == "layerwise", "finish": finish},
             )
         )
+        self.answered = time.perf_counter()
         failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
         if failed:
             rank, why = failed[0]

@@ -127,6 +127,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.entered = 0.0
         """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
         report's ``began``: what preparing the receive cost)."""
+        self.plan_checked = (0.0, 0.0)
+        """When the last receive's check of the load plan (``LoadPlan.begin_push``: did a
+        parameter move?) began and ended (benchmarks: part of preparing the receive)."""
         self._push_id = 0
         """The push the current receive takes (``UpdateInfo.push``)."""
         self.called = 0.0
@@ -252,7 +255,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     self.model,
                     functools.partial(self._under_device, self.model.load_weights),  # type: ignore[arg-type]
                 )
+            checking = time.perf_counter()
             self._plan.begin_push()
+            self.plan_checked = (checking, time.perf_counter())
             load_batch = self._plan.load
         if worker_driven:
             self._begin()
@@ -829,6 +834,7 @@ class AsyncrollWorkerExtension:
             "entered": getattr(engine, "entered", report.began),
             "called": getattr(engine, "called", 0.0),
             "returned": getattr(engine, "returned", 0.0),
+            "plan_checked": list(getattr(engine, "plan_checked", (0.0, 0.0))),
         }
         stats = (
             engine.plan_statistics

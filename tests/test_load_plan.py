@@ -136,14 +136,17 @@ def assert_same(a: torch.nn.Module, b: torch.nn.Module) -> None:
 class Twins:
     """Two identical models: one loads through a plan, the other through ``load_weights``."""
 
-    def __init__(self, *, pad_vocab: bool = True, tied_check: bool = False) -> None:
+    def __init__(
+        self, *, pad_vocab: bool = True, tied_check: bool = False, check_late: bool = False
+    ) -> None:
         self.planned = VllmLike(pad_vocab=pad_vocab, tied_check=tied_check)
         self.plain = VllmLike(pad_vocab=pad_vocab, tied_check=tied_check)
         self.plan = LoadPlan(self.planned, self.planned.load_weights)
+        self.check_late = check_late
 
     def push(self, tensors: dict[str, torch.Tensor]) -> None:
         """Push ``tensors`` into both; they must end bitwise equal."""
-        self.plan.begin_push()
+        self.plan.begin_push(check_late=self.check_late)
         self.plan.load(staged(tensors))
         self.plain.load_weights(tensors.items())
         assert_same(self.planned, self.plain)
@@ -256,8 +259,9 @@ def test_pushes_through_the_same_buffer_replay_remembered_copies_exactly() -> No
         assert stats.remembered == 0 and stats.planned == len(views)
 
 
-def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again() -> None:
-    twins = Twins(pad_vocab=False)
+@pytest.mark.parametrize("check_late", [False, True], ids=["checked-first", "checked-late"])
+def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again(check_late: bool) -> None:
+    twins = Twins(pad_vocab=False, check_late=check_late)
     twins.push(pushed(0))
     twins.push(pushed(1))
     twins.planned.qkv_weight.data = twins.planned.qkv_weight.data.clone()  # a new address
@@ -891,3 +895,47 @@ def test_a_one_copy_push_repeated_by_its_id_loads_the_list_the_receiver_holds() 
     assert failure is not None and "repeated one-copy list 5" in failure[1]
     assert "holds list 6" in failure[1] and len(batches) == 5  # no loader call
     assert held() == 6
+
+
+def test_a_late_check_replays_first_and_a_moved_parameter_is_loaded_again() -> None:
+    """``begin_push(check_late=True)``: a one-copy push of the list held replays its copies,
+    then the parameters are checked. A parameter that moved since is caught: those copies
+    went to its old storage (kept alive until ``end_push``), and the push is loaded again,
+    learned, so the model ends equal to ``load_weights``; the next pushes replay again."""
+    twins = Twins(pad_vocab=False)
+    tensors = {k: v for k, v in pushed(0).items() if k != "scaled.weight"}
+    views = staged(tensors)
+    flat = torch.empty(0, dtype=torch.uint8).set_(views[0][1].untyped_storage())
+    receiver = WeightReceiver(address="ipc:///nowhere", secret=b"s" * 32)
+    receiver._backend = _MappedStorages({b"trainer": flat})  # type: ignore[assignment]
+    message = _shared_message(views, flat, layout=1)
+    spent = []
+
+    def push(step: int) -> None:
+        fresh = {k: v for k, v in pushed(100 + step).items() if k != "scaled.weight"}
+        for (_, view), tensor in zip(views, fresh.values(), strict=True):
+            view.copy_(tensor)
+        twins.plan.begin_push(check_late=True)
+        failure, _ = receiver._load_shared(message, twins.plan.load)
+        assert failure is None
+        spent.append(len(twins.plan._spent))
+        twins.plan.end_push()
+        assert not twins.plan._spent
+        twins.plain.load_weights(fresh.items())
+        assert_same(twins.planned, twins.plain)
+
+    for step in range(3):  # learned, planned and remembered, replayed by the layout
+        push(step)
+    stats = twins.plan.statistics()
+    assert stats.remembered == 1 and stats.invalidations == 0
+    old = twins.planned.qkv_weight.data
+    before = old.clone()
+    twins.planned.qkv_weight.data = old.clone()  # a new address
+    push(3)
+    stats = twins.plan.statistics()
+    assert stats.invalidations == 1 and stats.learned > 0 and stats.remembered == 0
+    assert spent == [0, 0, 0, 1]  # the replay into the old storage, kept to the end
+    assert not torch.equal(old, before)  # the replay wrote there; the reload here (above)
+    for step in (4, 5, 6):  # planned, then replayed into the new storage
+        push(step)
+    assert twins.plan.statistics().remembered == 1 and spent[-1] == 0

@@ -928,9 +928,11 @@ class _ExportCounter:
 
 def test_one_copy_reuses_its_last_message_only_for_the_same_tensors_at_the_same_places() -> None:
     """A one-copy push of the tensors of the last one, unchanged in place, reuses its message;
-    a tensor with a new storage, a new shape or a new dtype at the same address, the same
-    address in another storage, or a storage the last push let go of, is shared again (and
-    only a new storage is exported)."""
+    a tensor with a new storage, a new shape or a new dtype at the same address, or a storage
+    the last push let go of, is shared again (and only a new storage is exported). A tensor
+    of the same address, shape and dtype as last time reuses it even through another storage
+    object: the storages the last push listed are kept, so its bytes are where the message
+    says."""
     from asyncroll.transport.shared import SharedStorages
 
     backend: Any = _ExportCounter()
@@ -954,9 +956,11 @@ def test_one_copy_reuses_its_last_message_only_for_the_same_tensors_at_the_same_
     fourth = shared.share(backend, tensors)
     assert fourth[1][1].offset == 0 and fourth[1][1].storage != fourth[1][0].storage
     assert backend.exported == 4
+    tensors["b"] = base[32:]  # the same memory, back through base's storage: the same bytes
+    assert shared.share(backend, tensors) is fourth
     shared.keep_only(set())  # the last push's storages let go of: exported again
     shared.share(backend, tensors)
-    assert backend.exported == 7  # a, b and c: three storages
+    assert backend.exported == 6  # a and b: base's storage; c: its own
 
 
 async def test_one_copy_sources_that_never_finish_time_out_naming_them() -> None:

@@ -256,7 +256,10 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     functools.partial(self._under_device, self.model.load_weights),  # type: ignore[arg-type]
                 )
             checking = time.perf_counter()
-            self._plan.begin_push()
+            # The check of the parameters waits for a one-copy push's replay to be queued:
+            # it then overlaps the copies (the receive syncs the device before we end the
+            # push, which a replay into moved parameters needs).
+            self._plan.begin_push(check_late=True)
             self.plan_checked = (checking, time.perf_counter())
             load_batch = self._plan.load
         if worker_driven:

@@ -47,6 +47,7 @@ import itertools
 import logging
 import math
 import operator
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -117,6 +118,8 @@ class PlanStatistics:
     remembered: int = 0
     """Batches of the last push replayed from copies remembered from an earlier push of the
     same layout (the same staging buffers): no per-copy view or check."""
+    check_seconds: float = 0.0
+    """How long the last push's check that no parameter moved took (``begin_push``)."""
 
 
 class LoadPlan:
@@ -152,6 +155,8 @@ class LoadPlan:
         buffer no longer in use)."""
         self._unchecked = False
         """This push has not checked the parameters yet (``begin_push(check_late=True)``)."""
+        self.check_seconds = 0.0
+        """How long the last check of the parameters took (late or not)."""
         self._spent: list[_Replay] = []
         """Replays run into parameters that had moved (a late check found it): they keep
         the old storages their copies write alive until ``end_push``."""
@@ -172,6 +177,7 @@ class LoadPlan:
             unplannable=dict(self._unplannable),
             invalidations=self._invalidations,
             remembered=self._counts["remembered"],
+            check_seconds=self.check_seconds,
         )
 
     @property
@@ -186,12 +192,19 @@ class LoadPlan:
         by its ``layout`` (a one-copy push of the same storages: the whole push) replays its
         copies first, so that the check (a 7B model's 340 parameters: 0.5-0.8 ms of an H100
         host's Python) overlaps them on the device instead of delaying them. If a parameter
-        moved, those copies wrote its old storage, which stays alive until ``end_push`` (call
-        it after the device finished them), and the batch is loaded again, as a plan dropped
-        loads it. Use it only where the device work of the push is synchronised before
-        ``end_push``."""
+        moved, those copies wrote its old storage, which the replay keeps alive until
+        ``end_push`` or the next ``begin_push``, and the batch is loaded again, as a plan
+        dropped loads it. Use it only where
+
+        * the device work of a push is synchronised before ``end_push`` (or the next push);
+        * a parameter moves only by being replaced or re-pointed (``.data =``, a new
+          ``Parameter``, a reload), so that its old storage stays allocated while referenced:
+          never by freeing its storage in place (``untyped_storage().resize_(0)``, as FSDP
+          does), nor onto memory another live tensor keeps using. vLLM's workers move
+          parameters only the first way. (Checked first, the copies would never reach it.)"""
         self._counts.clear()
         self._replays_before, self._replays = self._replays, {}
+        self._spent.clear()  # (the last push's device work is done: see above)
         self._unchecked = True
         if not check_late:
             self._check()
@@ -202,8 +215,15 @@ class LoadPlan:
 
     def _check(self) -> bool:
         """``begin_push``'s check of the parameters: whether they held (else the plan is
-        dropped)."""
+        dropped). Its duration: ``check_seconds``."""
         self._unchecked = False
+        checking = time.perf_counter()
+        try:
+            return self._parameters_held()
+        finally:
+            self.check_seconds = time.perf_counter() - checking
+
+    def _parameters_held(self) -> bool:
         if not self._walk.holds():
             self._walk = _Walk(self._model)
         # Without the parameters' own ``__torch_function__`` (vLLM's are a Python subclass:
@@ -614,10 +634,10 @@ class _Walk:
     """The model's parameters and buffers from one walk of its modules, and a check that the
     walk still holds that costs a tenth of walking again (a vLLM 7B model's walk took about 2
     ms of every push): nothing was registered since (a module, parameter or buffer added or
-    replaced anywhere), and each tensor is still its owner's, in the owner's own table of
-    parameters or buffers (not deleted, not put there behind the hooks). The tables are read
-    directly: through ``getattr`` (``Module.__getattr__``) the check of 340 tensors took
-    0.2-0.4 ms of every push."""
+    replaced anywhere), each owner still has the tables of parameters and buffers it had (not
+    replaced whole), and each tensor is still in its owner's table (not deleted, not replaced
+    there behind the hooks). The tables are read directly: through ``getattr``
+    (``Module.__getattr__``) the check of 340 tensors took 0.2-0.4 ms of every push."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         _count_registrations()
@@ -629,14 +649,23 @@ class _Walk:
         self.tensors = [tensor for _, tensor, _ in named]
         self._tables: list[dict[str, Any]] = []
         self._attributes: list[str] = []
-        for name, _, table in named:
+        owned: dict[tuple[int, str], tuple[torch.nn.Module, str, dict[str, Any]]] = {}
+        for name, _, kind in named:
             prefix, _, attribute = name.rpartition(".")
-            self._tables.append(getattr(model.get_submodule(prefix), table))
+            owner = model.get_submodule(prefix)
+            table = getattr(owner, kind)
+            self._tables.append(table)
             self._attributes.append(attribute)
+            owned[id(owner), kind] = (owner, kind, table)
+        self._owners = [owner for owner, _, _ in owned.values()]
+        self._kinds = [kind for _, kind, _ in owned.values()]
+        self._owned_tables = [table for _, _, table in owned.values()]
 
     def holds(self) -> bool:
-        return self.generation == _registrations[0] and all(
-            map(operator.is_, map(dict.get, self._tables, self._attributes), self.tensors)
+        return (
+            self.generation == _registrations[0]
+            and all(map(operator.is_, map(getattr, self._owners, self._kinds), self._owned_tables))
+            and all(map(operator.is_, map(dict.get, self._tables, self._attributes), self.tensors))
         )
 
 

@@ -580,7 +580,8 @@ def update_phases(report: Any, worker: dict[str, Any]) -> dict[str, float]:
 
 def update_details(report: Any, worker: dict[str, Any], engine: Any) -> dict[str, float]:
     """Splits of ``update_phases``' phases (not summed with them), in ms, where the stamps
-    exist: the worker's check of the load plan within its preparation; the first message's
+    exist: the load plan's check of the parameters (in the copies' phase, where a one-copy
+    push replays first; else in the preparation); the first message's
     way (the sender sent it, the receiver's socket had it, the receiver read and checked it);
     the End's way (the sender saw the last ack, sent the End, the receive returned); and the
     way back (the worker's RPC returned, its answer reached the pusher, the push ended)."""
@@ -589,10 +590,8 @@ def update_details(report: Any, worker: dict[str, Any], engine: Any) -> dict[str
     if not timeline or push is None or not push.timeline:
         return {}
     out: dict[str, float] = {}
-    checking, checked = worker.get("plan_checked") or (0.0, 0.0)
-    if checked:
-        out["detail: prep: the plan's check of the parameters"] = checked - checking
-        out["detail: prep: the rest"] = worker["began"] - worker["entered"] - (checked - checking)
+    if "plan_check_seconds" in worker:  # since session 25 in the copies' phase, as they run
+        out["detail: the plan's check of the parameters"] = worker["plan_check_seconds"]
     first, sent = timeline[0], push.timeline[0]
     if first.get("arrived"):
         out["detail: first message: sent -> the receiver's socket had it"] = (

@@ -282,6 +282,13 @@ def test_a_moved_parameter_drops_the_plan_and_it_is_learned_again(check_late: bo
     twins.push(pushed(9))
     stats = twins.plan.statistics()
     assert stats.invalidations == 3 and stats.planned == 0 and stats.learned > 0
+    # The owner's whole table replaced behind the hooks (the old table still holds the old).
+    twins.push(pushed(10))
+    new = torch.nn.Parameter(twins.planned.norm.detach().clone(), False)
+    twins.planned._parameters = {**twins.planned._parameters, "norm": new}
+    twins.push(pushed(11))
+    stats = twins.plan.statistics()
+    assert stats.invalidations == 4 and stats.planned == 0 and stats.learned > 0
 
 
 @pytest.mark.parametrize("place", [False, True], ids=["reassembled", "placed"])
@@ -939,3 +946,31 @@ def test_a_late_check_replays_first_and_a_moved_parameter_is_loaded_again() -> N
     for step in (4, 5, 6):  # planned, then replayed into the new storage
         push(step)
     assert twins.plan.statistics().remembered == 1 and spent[-1] == 0
+
+
+@pytest.mark.parametrize("use", ["destination", "whole_target", "knows", "read_ranges"])
+def test_a_late_check_runs_before_the_plan_answers_where_a_tensor_goes(use: str) -> None:
+    """With ``check_late``, whatever asks the plan where bytes go before any load (a piece's
+    destination, the fingerprint check's targets) gets the check first: after a parameter
+    moved, the plan is dropped, and no answer points into the old storage."""
+    twins = Twins(pad_vocab=False)
+    for step in range(3):
+        twins.push(pushed(110 + step))
+    name = "self_attn.q_proj.weight"
+    tensor = pushed(0)[name]
+    dtype, shape = tensor.dtype, tuple(tensor.shape)
+    old = twins.planned.qkv_weight.data_ptr()
+    assert twins.plan.whole_target(name, dtype, shape).data_ptr() == old  # planned, whole
+    twins.planned.qkv_weight.data = twins.planned.qkv_weight.data.clone()  # a new address
+    twins.plan.begin_push(check_late=True)
+    answer: Any = {
+        "destination": lambda: twins.plan.destination(name, dtype, shape),
+        "whole_target": lambda: twins.plan.whole_target(name, dtype, shape),
+        "knows": lambda: twins.plan.knows(name),
+        "read_ranges": lambda: twins.plan.read_ranges().get(name),
+    }[use]()
+    assert twins.plan.statistics().invalidations == 1
+    assert answer in (None, False)  # dropped: learned again at its next load
+    twins.plan.load(staged(pushed(113)))
+    twins.plain.load_weights(pushed(113).items())
+    assert_same(twins.planned, twins.plain)

@@ -1168,3 +1168,30 @@ def test_lazy_tensors_of_another_batch_context_do_not_split_a_batch() -> None:
     inside = events[events.index(("enter", "")) + 1 : events.index(("exit", ""))]
     assert inside == [("make", n) for n in gathered]
     assert [n for kind, n in events if kind == "make" and n in alone] == alone
+
+
+async def test_each_ack_names_the_one_copy_list_the_receiver_holds() -> None:
+    """A receiver's acks say which one-copy list it holds (``Ack.layout``), and the sender
+    notes it per receiver: a later one-copy push of that list is sent by its id alone. Here
+    the receiver holds list 7 and a staged push carries the word (one-copy itself needs CUDA:
+    ``test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_reads``)."""
+    from asyncroll.transport.receiver import _Batch, _SharedLayout
+
+    tensors = model_tensors()
+    async with open_weight_sender(
+        backend=ShmBackend(), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
+        receiver = WeightReceiver.from_config(sender.receiver_config(), name="layout-ack")
+        await asyncio.to_thread(receiver.connect)
+        try:
+            for held in (7, 0):  # a list held, then none (dropped: the sender must know)
+                receiver._last_shared = (
+                    _SharedLayout(held, [], [], _Batch(), 0) if held else None
+                )
+                receiving = asyncio.ensure_future(asyncio.to_thread(receiver.receive, list))
+                await sender.push(tensors, version=held)
+                await receiving
+                (peer,) = sender._control.peers.values()
+                assert peer.shared_layout == held
+        finally:
+            await asyncio.to_thread(receiver.close)

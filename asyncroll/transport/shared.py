@@ -11,11 +11,13 @@ Invariants:
   once); keeping its tensor keeps its address from reuse by another storage;
 * after a push, only the storages it listed are kept (receivers release the others then);
 * a push of the same names as the last one, each tensor at the same address with the same
-  shape and dtype, reuses the last push's message: it is the message ``share`` would build
-  again. (Each tensor then lies in the storage it lay in: the storages the last push listed
-  are kept, so no other storage can hold those addresses. Contiguity is checked before.) Each list
-  ``share`` builds gets a new ``layout`` id (never reused), by which a receiver that holds it
-  can be sent it again (``wire.Shared.repeat``).
+  shape and dtype, reuses the last push's message: its bytes are where that message says.
+  The storages the last push listed are kept, so their memory stays allocated and nothing
+  else can be allocated at those addresses; a tensor there is that memory, whatever storage
+  object views it. (A kept storage resized in place, ``untyped_storage().resize_``, would
+  break this: one-copy pushes need persistent tensors. Contiguity is checked before.) Each
+  list ``share`` builds gets a new ``layout`` id (never reused), by which a receiver that
+  holds it can be sent it again (``wire.Shared.repeat``).
 """
 
 from __future__ import annotations

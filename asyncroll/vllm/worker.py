@@ -127,9 +127,6 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self.entered = 0.0
         """When vLLM called ``receive_weights`` last (``time.perf_counter()``; with the
         report's ``began``: what preparing the receive cost)."""
-        self.plan_checked = (0.0, 0.0)
-        """When the last receive's check of the load plan (``LoadPlan.begin_push``: did a
-        parameter move?) began and ended (benchmarks: part of preparing the receive)."""
         self._push_id = 0
         """The push the current receive takes (``UpdateInfo.push``)."""
         self.called = 0.0
@@ -255,12 +252,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     self.model,
                     functools.partial(self._under_device, self.model.load_weights),  # type: ignore[arg-type]
                 )
-            checking = time.perf_counter()
             # The check of the parameters waits for a one-copy push's replay to be queued:
             # it then overlaps the copies (the receive syncs the device before we end the
-            # push, which a replay into moved parameters needs).
+            # push, which a replay into moved parameters needs; vLLM moves parameters only by
+            # replacing them, whose old storage the replay keeps alive).
             self._plan.begin_push(check_late=True)
-            self.plan_checked = (checking, time.perf_counter())
             load_batch = self._plan.load
         if worker_driven:
             self._begin()
@@ -837,7 +833,6 @@ class AsyncrollWorkerExtension:
             "entered": getattr(engine, "entered", report.began),
             "called": getattr(engine, "called", 0.0),
             "returned": getattr(engine, "returned", 0.0),
-            "plan_checked": list(getattr(engine, "plan_checked", (0.0, 0.0))),
         }
         stats = (
             engine.plan_statistics
@@ -853,6 +848,7 @@ class AsyncrollWorkerExtension:
                 "calls": stats.calls,
                 "remembered": stats.remembered,
                 "invalidations": stats.invalidations,
+                "plan_check_seconds": stats.check_seconds,
                 "unplannable": dict(list(stats.unplannable.items())[:8]),
             }
         return out

@@ -14,7 +14,8 @@ AsyncrollError
 │   │   └── TransportTimeoutError  a peer did not answer within its deadline (also a TimeoutError)
 │   └── TransportAuthError      a peer failed authentication (wrong secret)
 ├── WeightSyncError             a push failed; the old version stays in force
-│   └── ReceiverFailedError     the sender's side went well; a receiver failed its part
+│   ├── ReceiverFailedError     the sender's side went well; a receiver failed its part
+│   └── PieceNotPlannedError    a receiver cannot load a piece of a tensor; push it whole
 ├── ManagerClosedError          a call on a closed AsyncServerManager (also a RuntimeError)
 └── InvalidRequestError         bad input, caught before it reaches an engine (also a ValueError)
 ```

@@ -1,6 +1,8 @@
 """asyncroll's layering, checked statically: no import circle among its modules, and no module
 using another module's private names (``_name``); the floors talk through public verbs
-(asyncroll.interfaces), as httpcore's pools talk to connections through its interfaces module."""
+(asyncroll.interfaces), as httpcore's pools talk to connections through its interfaces module.
+Floor rules: ``asyncroll.vllm`` never reaches the trainer side, and only ``asyncroll/vllm/``
+imports vLLM (``KNOWN_FLOOR_BREACHES`` lists today's exceptions, each awaiting a design change)."""
 
 from __future__ import annotations
 
@@ -141,3 +143,86 @@ def test_no_module_uses_another_modules_private_names(name: str) -> None:
     foreign = [r for r in reached if r.split(".")[0] not in outside]
     assert not taken, f"{name} imports private names: {taken}"
     assert not foreign or name in SHIMS, f"{name} reaches into other modules' privates: {foreign}"
+
+
+TRAINER_SIDE = (
+    "asyncroll.weights",
+    "asyncroll.distributed",
+    "asyncroll.trainer",
+    "asyncroll.recipes",
+)
+"""The trainer's half: the update sequence, the pushers, the trainer, the recipes over them."""
+
+KNOWN_FLOOR_BREACHES = {
+    # VLLMEngine.update_weights pushes through a WeightPusher of its own (issue 41 deletes both).
+    ("asyncroll.vllm.engine", "asyncroll.weights"),
+    # The broadcast transport's NCCL group is vLLM's PyNcclCommunicator (an injected
+    # communicator would let the transport stay below asyncroll.vllm).
+    ("asyncroll.transport.broadcast", "vllm"),
+}
+"""Imports that break a floor rule below today, each waiting on a design change. The rules
+fail on a breach not listed here, and on a listed one that is gone (then strike it here)."""
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == package or module.startswith(package + ".") for package in packages)
+
+
+def _crossings(start: str, side: tuple[str, ...]) -> set[tuple[str, str]]:
+    """The imports ``(importer, imported)`` by which ``start``, directly or through other
+    asyncroll modules, reaches a module of ``side`` (type-checking imports count: they are
+    design dependencies)."""
+    seen, todo, found = {start}, [start], set()
+    while todo:
+        name = todo.pop()
+        for other in _imports(name):
+            if _within(other, side):
+                found.add((name, other))
+            elif other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return found
+
+
+def _breaches_of_vllm_floor() -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for name in MODULES:
+        if _within(name, ("asyncroll.vllm",)):
+            found |= _crossings(name, TRAINER_SIDE)
+    return found
+
+
+def _vllm_imports_outside_its_folder() -> set[tuple[str, str]]:
+    found = set()
+    for name, path in MODULES.items():
+        if _within(name, ("asyncroll.vllm",)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            if "vllm" in roots:
+                found.add((name, "vllm"))
+    return found
+
+
+def test_the_vllm_adapter_never_imports_the_trainer_side() -> None:
+    """``asyncroll.vllm`` and the trainer side stand side by side: the engine's half of an
+    update never reaches (directly or through another module) the pushers, the trainer or
+    the recipes; the manager composes them from above."""
+    breaches = _breaches_of_vllm_floor()
+    known = {b for b in KNOWN_FLOOR_BREACHES if b[1] != "vllm"}
+    assert not breaches - known, f"asyncroll.vllm reaches the trainer side: {breaches - known}"
+    assert not known - breaches, f"gone, strike from KNOWN_FLOOR_BREACHES: {known - breaches}"
+
+
+def test_only_asyncroll_vllm_imports_vllm() -> None:
+    """vLLM is one adapter among the engines: only ``asyncroll/vllm/`` imports it (inside
+    functions too), so the manager, the transport and the trainer side run without it."""
+    breaches = _vllm_imports_outside_its_folder()
+    known = {b for b in KNOWN_FLOOR_BREACHES if b[1] == "vllm"}
+    assert not breaches - known, f"vllm imported outside asyncroll/vllm/: {breaches - known}"
+    assert not known - breaches, f"gone, strike from KNOWN_FLOOR_BREACHES: {known - breaches}"

@@ -1,6 +1,10 @@
-"""A small reference trainer: the tiny Qwen2 the engines serve, a GRPO-style policy-gradient step.
+"""A small reference trainer: any local Llama / Qwen2 / Qwen3 checkpoint, a GRPO-style step.
 
-Not a training framework: enough to show the rollout layer doing its job on CPU. Invariants:
+Not a training framework: enough to show the rollout layer doing its job, on CPU (CI, the tiny
+model) and on GPUs (bf16 mixed precision; one device, or FSDP2 shards through ``wrap``).
+Invariants:
+- Everything the loss touches lives on the trainer's ``device``: the model, the optimiser's
+  state and every tensor built from the samples.
 - The loss uses the rollout's own log probs (behaviour policy) with a clipped importance ratio
   per token, so tokens sampled by stale weights (their ``global_steps`` tell how stale) are
   corrected, not trusted.
@@ -12,16 +16,27 @@ Not a training framework: enough to show the rollout layer doing its job on CPU.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from asyncroll.errors import InvalidRequestError
 
-__all__ = ["ReferenceTrainer", "TrainMetrics", "TrainSample"]
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "Precision",
+    "ReferenceTrainer",
+    "TrainMetrics",
+    "TrainSample",
+    "check_checkpoint",
+    "resolve_device",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,37 +87,86 @@ class TrainMetrics:
 
 
 class ReferenceTrainer:
-    """GRPO on CPU: group-normalised advantages, PPO-clipped importance ratios."""
+    """GRPO on any local Hugging Face checkpoint of a supported family, on CPU or one GPU (or N
+    GPUs, sharded by ``wrap``): group-normalised advantages, PPO-clipped importance ratios.
+
+    Precision: on CUDA, ``"bf16-mixed"`` (the default there): fp32 master weights and fp32
+    Adam state, forward and backward under ``torch.autocast`` in bf16, the log probs and the
+    loss in fp32, as PyTorch's AMP and most RL trainers do (verl's FSDP, OpenRLHF). bf16
+    throughout would halve the optimiser's memory but loses small updates to rounding (bf16
+    keeps 8 bits of mantissa: an update below 1/256 of a weight vanishes). On CPU: ``"fp32"``
+    throughout (the default there, and what CI runs).
+
+    A batch is cut into micro-batches of at most ``micro_batch_tokens`` tokens (whole samples,
+    padded), each run forward and backward before the next, so the logits of a 150k-token
+    vocabulary never exist for the whole batch at once; the loss is the mean over the batch's
+    trained tokens whatever the cut.
+    """
 
     def __init__(
         self,
         model_path: str | Path,
         *,
+        device: str | torch.device | None = None,
+        precision: Precision | None = None,
         lr: float = 3e-3,
         clip: float = 0.2,
         threads: int | None = 1,
         seed: int = 0,
         wrap: Callable[[torch.nn.Module], object] | None = None,
+        micro_batch_tokens: int = 16384,
+        gradient_checkpointing: bool = False,
+        max_grad_norm: float | None = None,
     ) -> None:
-        """``wrap`` prepares the model before the optimiser sees its parameters: e.g. FSDP2's
+        """``device``: where the model, the optimiser and every tensor of the loss live (None:
+        the current CUDA device when there is one, else the CPU). ``threads``: torch's CPU
+        threads, set only when training on the CPU (leave the other cores to the engines).
+
+        ``wrap`` prepares the model before the optimiser sees its parameters: e.g. FSDP2's
         ``fully_shard`` of each layer and the model (``examples/fsdp_hybrid.py``); then
         ``named_parameters`` yields each rank's ``DTensor`` shards, which
-        ``DistributedWeightPusher`` gathers as it pushes."""
-        from transformers import Qwen2ForCausalLM
+        ``DistributedWeightPusher`` gathers as it pushes. The wrapped model must end on
+        ``device`` (FSDP2 moves it to its mesh's device).
 
-        if threads is not None:
+        Raises:
+            InvalidRequestError: ``model_path`` is not a checkpoint of a supported family
+                (``check_checkpoint``), ``device`` does not exist, or an option is out of range.
+        """
+        from transformers import AutoModelForCausalLM
+
+        path = check_checkpoint(model_path)
+        self.device = resolve_device(device)
+        self.precision: Precision = check_precision(precision, self.device)
+        if micro_batch_tokens < 1:
+            raise InvalidRequestError(f"micro_batch_tokens must be >= 1, not {micro_batch_tokens}")
+        if threads is not None and self.device.type == "cpu":
             torch.set_num_threads(threads)  # leave the other cores to the engines
         torch.manual_seed(seed)
-        self.model = Qwen2ForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-        if wrap is not None:
-            wrap(self.model)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32
+        )
+        model.config.use_cache = False  # type: ignore[union-attr]
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(  # type: ignore[operator]
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if wrap is None:
+            model.to(self.device)
+        else:
+            wrap(model)
+            _check_on_device(model, self.device)
+        self.model = model
         self.model.train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.clip = clip
+        self.micro_batch_tokens = micro_batch_tokens
+        self.max_grad_norm = max_grad_norm
         self.steps = 0
+        self._sharded = wrap is not None
 
     def __repr__(self) -> str:
-        return f"<ReferenceTrainer steps={self.steps} clip={self.clip}>"
+        return (f"<ReferenceTrainer {type(self.model).__name__} on {self.device} "
+                f"({self.precision}) steps={self.steps} clip={self.clip}>")
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights as the engines hold them (bf16, checkpoint names)."""
@@ -110,37 +174,214 @@ class ReferenceTrainer:
             yield name, parameter.detach().to(torch.bfloat16)
 
     def step(self, samples: Sequence[TrainSample]) -> TrainMetrics:
-        """One optimiser step on a batch of scored samples (blocking: run it in a thread)."""
-        loss, metrics = self.loss(samples)
+        """One optimiser step on a batch of scored samples (blocking: run it in a thread).
+
+        Micro-batch by micro-batch, forward and backward; then one optimiser step. A sharded
+        model's ranks run the same number of micro-batches (a rank with fewer runs empty ones),
+        since each forward gathers parameters across ranks."""
+        batch = _Batch.of(samples, self.device)
+        chunks = batch.micro_batches(self.micro_batch_tokens)
+        rounds = self._agreed_rounds(len(chunks))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
+        parts = []
+        for i in range(rounds):
+            if i < len(chunks):
+                loss, part = self._chunk_loss(batch, chunks[i])
+                parts.append(part)
+            else:
+                loss = self._empty_loss()
+            loss.backward()  # type: ignore[no-untyped-call]
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.steps += 1
-        return metrics
+        return batch.metrics(parts)
 
     def loss(self, samples: Sequence[TrainSample]) -> tuple[torch.Tensor, TrainMetrics]:
-        """The batch's loss (with its graph) and metrics, without stepping.
+        """The batch's loss (with its graph, the whole batch as one micro-batch) and metrics,
+        without stepping.
 
         Raises:
             InvalidRequestError: no sample has a token with ``loss_mask`` 1.
         """
-        advantages = _group_advantages(samples)
-        tokens, positions, targets, old, adv = _flatten(samples, advantages)
-        if targets.numel() == 0:
-            raise InvalidRequestError("the batch has no token to train on (every mask is 0)")
-        logits = self.model(input_ids=tokens).logits.float()
-        logp = torch.log_softmax(logits, dim=-1)
-        new = logp[positions[:, 0], positions[:, 1], targets]
+        batch = _Batch.of(samples, self.device)
+        loss, part = self._chunk_loss(batch, range(len(samples)))
+        return loss, batch.metrics([part])
+
+    def _chunk_loss(self, batch: _Batch, rows: range) -> tuple[torch.Tensor, _Part]:
+        tokens, positions, targets, old, adv = batch.tensors(rows)
+        with self._autocast():
+            logits = self.model(input_ids=tokens).logits
+        picked = logits[positions[:, 0], positions[:, 1]].float()  # (trained tokens, vocab)
+        del logits
+        new = picked.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
         ratio = torch.exp(new - old)
         clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
-        loss = -torch.minimum(ratio * adv, clipped * adv).mean()
-        return loss, TrainMetrics(
-            loss=float(loss.detach()),
-            reward=sum(s.reward for s in samples) / len(samples),
-            mean_ratio=float(ratio.detach().mean()),
-            clipped_fraction=float(((ratio - clipped).detach().abs() > 1e-6).float().mean()),
-            num_tokens=len(targets),
-            log_probs=tuple(new.detach().tolist()),
+        loss = -torch.minimum(ratio * adv, clipped * adv).sum() / batch.num_tokens
+        return loss, _Part(loss.detach(), new.detach(), ratio.detach(), clipped.detach())
+
+    def _empty_loss(self) -> torch.Tensor:
+        """A forward of one token whose loss is 0: a rank's share of the collectives."""
+        with self._autocast():
+            logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long,
+                                                      device=self.device)).logits
+        zero: torch.Tensor = logits.float().sum() * 0.0
+        return zero
+
+    def _agreed_rounds(self, mine: int) -> int:
+        if not (self._sharded and torch.distributed.is_available()
+                and torch.distributed.is_initialized()):
+            return mine
+        count = torch.tensor([mine], device=self.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        return int(count.item())
+
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
+        if self.precision == "bf16-mixed":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+Precision = Literal["bf16-mixed", "fp32"]
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+"""Hugging Face ``model_type``s the trainer loads and the examples, tests and benchmarks have
+run: Llama, Qwen2 / Qwen2.5 and Qwen3 (dense decoder-only models vLLM serves by name)."""
+
+
+def check_checkpoint(model_path: str | Path) -> Path:
+    """``model_path`` as a local Hugging Face checkpoint folder of a supported family.
+
+    Raises:
+        InvalidRequestError: not a folder, no ``config.json``, no ``*.safetensors`` weights, or
+            a ``model_type`` outside ``SUPPORTED_FAMILIES``; says which.
+    """
+    path = Path(model_path)
+    if not path.is_dir():
+        raise InvalidRequestError(f"model {str(path)!r} is not a folder (a local Hugging Face "
+                                  "checkpoint: config.json and *.safetensors)")
+    config = path / "config.json"
+    if not config.is_file():
+        raise InvalidRequestError(f"model {str(path)!r} is not a checkpoint: no config.json")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (ValueError, AttributeError) as exc:
+        raise InvalidRequestError(f"model {str(path)!r}: config.json is not a JSON object") from exc
+    if model_type not in SUPPORTED_FAMILIES:
+        raise InvalidRequestError(
+            f"model {str(path)!r} is a {model_type!r} model; the trainer loads "
+            f"{', '.join(SUPPORTED_FAMILIES)}"
+        )
+    if not any(path.glob("*.safetensors")):
+        raise InvalidRequestError(f"model {str(path)!r} has no *.safetensors weights")
+    return path
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to train on: ``None`` is the current CUDA device if there is one, else the
+    CPU; ``"cuda"`` is the current CUDA device.
+
+    Raises:
+        InvalidRequestError: not a device name, a CUDA device where there is none or past the
+            last one, or a device type other than ``cpu`` and ``cuda``.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequestError(f"device {device!r} is not a device name") from exc
+    if resolved.type == "cpu":
+        return torch.device("cpu")
+    if resolved.type != "cuda":
+        raise InvalidRequestError(f"device {device!r}: the trainer runs on cpu or cuda")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise InvalidRequestError(f"device {device!r}: this machine has no CUDA device")
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    if not 0 <= index < count:
+        raise InvalidRequestError(
+            f"device {device!r} does not exist: this machine has {count} CUDA device(s), "
+            f"cuda:0 to cuda:{count - 1}"
+        )
+    return torch.device("cuda", index)
+
+
+def check_precision(precision: str | None, device: torch.device) -> Precision:
+    """``precision`` checked, or the device's default (bf16-mixed on CUDA, fp32 on CPU)."""
+    if precision is None:
+        return "bf16-mixed" if device.type == "cuda" else "fp32"
+    if precision not in ("bf16-mixed", "fp32"):
+        raise InvalidRequestError(f"precision must be 'bf16-mixed' or 'fp32', not {precision!r}")
+    return precision  # type: ignore[return-value]
+
+
+def _check_on_device(model: torch.nn.Module, device: torch.device) -> None:
+    for name, parameter in model.named_parameters():
+        local = getattr(parameter, "_local_tensor", parameter)  # a DTensor's shard
+        if local.device != device:
+            raise InvalidRequestError(
+                f"the wrapped model's {name} is on {local.device}, not on the trainer's "
+                f"device {device}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """What one micro-batch contributed (detached)."""
+
+    loss: torch.Tensor
+    log_probs: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """A batch's samples with their advantages, cut into micro-batches of whole samples."""
+
+    samples: Sequence[TrainSample]
+    advantages: list[float]
+    device: torch.device
+    num_tokens: int
+
+    @classmethod
+    def of(cls, samples: Sequence[TrainSample], device: torch.device) -> _Batch:
+        num_tokens = sum(sum(s.loss_mask) for s in samples)
+        if num_tokens == 0:
+            raise InvalidRequestError("the batch has no token to train on (every mask is 0)")
+        return cls(samples, _group_advantages(samples), device, num_tokens)
+
+    def micro_batches(self, budget: int) -> list[range]:
+        """Consecutive rows, each run at most ``budget`` padded tokens (at least one row)."""
+        cuts, start, width = [], 0, 0
+        for row, sample in enumerate(self.samples):
+            length = len(sample.prompt_ids) + len(sample.response_ids)
+            if row > start and max(width, length) * (row - start + 1) > budget:
+                cuts.append(range(start, row))
+                start, width = row, 0
+            width = max(width, length)
+        cuts.append(range(start, len(self.samples)))
+        return [rows for rows in cuts if any(sum(self.samples[r].loss_mask) for r in rows)]
+
+    def tensors(self, rows: range) -> tuple[torch.Tensor, ...]:
+        samples = [self.samples[r] for r in rows]
+        advantages = [self.advantages[r] for r in rows]
+        return tuple(t.to(self.device, non_blocking=True) for t in _flatten(samples, advantages))
+
+    def metrics(self, parts: Sequence[_Part]) -> TrainMetrics:
+        if not parts:  # a rank with no samples of its own (sharded training)
+            return TrainMetrics(loss=0.0, reward=float("nan"), mean_ratio=float("nan"),
+                                clipped_fraction=float("nan"))
+        ratio = torch.cat([p.ratio for p in parts])
+        clipped = torch.cat([p.clipped for p in parts])
+        return TrainMetrics(
+            loss=float(sum(p.loss for p in parts)),
+            reward=sum(s.reward for s in self.samples) / len(self.samples),
+            mean_ratio=float(ratio.mean()),
+            clipped_fraction=float(((ratio - clipped).abs() > 1e-6).float().mean()),
+            num_tokens=len(ratio),
+            log_probs=tuple(torch.cat([p.log_probs for p in parts]).tolist()),
         )
 
 

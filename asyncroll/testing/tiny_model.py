@@ -1,4 +1,5 @@
-"""Seeded random-weight Qwen2-style models, built locally (no hub), with a real tokenizer.
+"""Seeded random-weight models, built locally (no hub): tiny ones with a real tokenizer for
+tests and the CPU demo, and real shapes (``SHAPES``) for GPU runs and benchmarks.
 
 Invariants:
 - The same arguments give the same bytes on disk, so two engines started on two builds with one
@@ -15,12 +16,49 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["CHAT_TEMPLATE", "REASONING_DROPPING_TEMPLATE", "TINY_CONFIG", "make_tiny_model"]
+from asyncroll.errors import InvalidRequestError
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "FAMILIES",
+    "REASONING_DROPPING_TEMPLATE",
+    "SHAPES",
+    "TINY_CONFIG",
+    "make_model",
+    "make_tiny_model",
+]
+
+Family = Literal["qwen2", "qwen3", "llama"]
+FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama")
+"""The architectures ``make_tiny_model`` and ``make_model`` write (Hugging Face ``model_type``)."""
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(family="qwen2", hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(family="qwen2", hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       vocab_size=152064, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(family="qwen3", hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(family="qwen3", hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(family="llama", hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=128256, tie_word_embeddings=True),
+}
+"""The published configurations of real models (their shapes, not their weights): ``make_model``
+writes random weights at these shapes, for GPU runs and benchmarks."""
 
 TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 512,
@@ -46,21 +84,23 @@ def make_tiny_model(
     num_key_value_heads: int = TINY_CONFIG["num_key_value_heads"],
     max_position_embeddings: int = TINY_CONFIG["max_position_embeddings"],
     init_std: float = 0.02,
+    family: Family = "qwen2",
 ) -> Path:
-    """Write a seeded random-weight Qwen2 model (bf16 safetensors) that vLLM serves token-in/out.
+    """Write a seeded random-weight model (bf16 safetensors) that vLLM serves token-in/out.
 
     Args:
         path: Folder to write; created if missing, files in it overwritten.
         seed: Seed of the weights. Same seed and shape, same bytes.
         init_std: Standard deviation of the random weights (larger makes sampling more peaked).
+        family: ``qwen2`` (the default), ``qwen3`` (q/k norms, head size 64 here) or ``llama``
+            (no biases): the same sizes in each family's architecture.
 
     Returns:
         The folder, ready for ``VLLMEngine.launch(path, skip_tokenizer_init=True)``; its
         tokenizer loads with ``transformers.AutoTokenizer.from_pretrained(path)``.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
+    config = _config(
+        family,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -70,24 +110,93 @@ def make_tiny_model(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
         initializer_range=init_std,
-        bos_token_id=0,
-        eos_token_id=1,
     )
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+        model = _model_class(family)(config)
     finally:
         torch.random.set_rng_state(generator_state)
     tensors = {
         name: tensor.detach().to(torch.bfloat16).contiguous()
         for name, tensor in sorted(model.state_dict().items())
     }
+    out = _write_checkpoint(path, config, tensors, family)
+    _write_tokenizer(out, vocab_size=vocab_size, max_len=max_position_embeddings)
+    return out
+
+
+def make_model(
+    path: str | Path,
+    shape: str | dict[str, Any],
+    *,
+    seed: int = 0,
+    init_std: float = 0.02,
+    max_position_embeddings: int = 4096,
+) -> Path:
+    """Write random weights at a real model's shape (``SHAPES``, or a dict of config fields
+    with ``family``), without a tokenizer: fast for billions of parameters (each tensor drawn
+    directly in bf16, norms at 1, biases at 0; no module is built).
+
+    Raises:
+        InvalidRequestError: an unknown shape name or family.
+    """
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise InvalidRequestError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    fields = dict(shape)
+    family = fields.pop("family", "qwen2")
+    if family not in FAMILIES:
+        raise InvalidRequestError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    config = _config(family, max_position_embeddings=max_position_embeddings,
+                     initializer_range=init_std, **fields)
+    with torch.device("meta"):
+        skeleton = _model_class(family)(config)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, tensor in sorted(skeleton.state_dict().items()):
+        if name.endswith("norm.weight"):
+            value = torch.ones(tensor.shape, dtype=torch.bfloat16)
+        elif name.endswith(".bias"):
+            value = torch.zeros(tensor.shape, dtype=torch.bfloat16)
+        else:
+            value = (torch.randn(tensor.shape, generator=generator) * init_std).to(torch.bfloat16)
+        tensors[name] = value
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    return _write_checkpoint(path, config, tensors, family)
+
+
+def _config(family: Family, **fields: Any) -> Any:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    fields.setdefault("bos_token_id", 0)
+    fields.setdefault("eos_token_id", 1)
+    if family == "qwen3":
+        fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+        return Qwen3Config(**fields)
+    if family == "llama":
+        return LlamaConfig(**fields)
+    return Qwen2Config(**fields)
+
+
+def _model_class(family: Family) -> Any:
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+    return {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM}[
+        family
+    ]
+
+
+def _write_checkpoint(
+    path: str | Path, config: Any, tensors: dict[str, torch.Tensor], family: Family
+) -> Path:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config_dict = config.to_dict()
-    config_dict["architectures"] = ["Qwen2ForCausalLM"]
+    config_dict["architectures"] = [_model_class(family).__name__]
     config_dict["torch_dtype"] = config_dict["dtype"] = "bfloat16"
     config_dict.pop("transformers_version", None)
     _write_json(out / "config.json", config_dict)
@@ -95,7 +204,6 @@ def make_tiny_model(
         out / "generation_config.json",
         {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True},
     )
-    _write_tokenizer(out, vocab_size=vocab_size, max_len=max_position_embeddings)
     return out
 
 

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
     "engine_core_processes",
+    "on_request_added",
     "labels_versions",
     "pause_generation",
     "num_unfinished_requests",
@@ -22,6 +24,23 @@ def engine_core_processes(llm: Any) -> list[Any]:
     resources = getattr(getattr(llm, "engine_core", None), "resources", None)
     manager = getattr(resources, "engine_manager", None)
     return list(getattr(manager, "processes", None) or [])
+
+
+def on_request_added(llm: Any, callback: Callable[[str], None]) -> None:
+    """Call ``callback(request_id)`` each time ``llm.add_request`` returns or raises: by then
+    the request was handed to the EngineCore's input socket (both 0.24 and 0.32 send it
+    before returning), or never will be. A call sent on that socket afterwards (a pause)
+    reaches the EngineCore after it. Wraps the method on this instance only."""
+    add = llm.add_request
+
+    @functools.wraps(add)
+    async def add_request(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await add(request_id, *args, **kwargs)
+        finally:
+            callback(request_id)
+
+    llm.add_request = add_request
 
 
 def labels_versions(llm: Any) -> bool:

@@ -119,6 +119,13 @@ class VLLMEngine:
         self._global_steps = global_steps
         self._live: set[str] = set()
         self._in_flight = 0
+        self._in_transit: set[str] = set()
+        """Requests admitted at the gate whose ``add_request`` has not yet returned: they may
+        still reach the EngineCore (``pause`` waits for them; see ``_landed``)."""
+        self._landed = asyncio.Event()
+        """Set while no request is in transit."""
+        self._landed.set()
+        compat.on_request_added(llm, self._request_added)
         self._gate = AdmissionGate()
         self._paused = False
         self._sleeping_tags: set[str] = set()
@@ -367,6 +374,11 @@ class VLLMEngine:
         self._check_alive()
         self._paused = True
         self._gate.clear()
+        # Requests admitted before the gate closed reach the EngineCore before the pause does:
+        # an abort or wait pause then ends every request that holds the old cache epoch's salt
+        # (``reset_prefix_cache`` relies on it), and none can arrive after it.
+        while not self._landed.is_set():
+            await self._landed.wait()
         await self._call(
             compat.pause_generation(self._llm, mode=mode, clear_cache=clear_cache)
         )
@@ -665,6 +677,11 @@ class VLLMEngine:
             if marks[-1][0] != global_steps:
                 marks.append((global_steps, produced))
 
+    def _request_added(self, request_id: str) -> None:
+        self._in_transit.discard(request_id)
+        if not self._in_transit:
+            self._landed.set()
+
     def _open_gate_if_ready(self) -> None:
         if not self._paused and not self._sleeping_tags and self._holding is None:
             self._gate.set()
@@ -713,6 +730,8 @@ class VLLMEngine:
         if not self.native_versions:
             self._version_marks[request_id] = marks
         salt = f"{self._cache_salt}-{self._cache_epoch}"
+        self._in_transit.add(request_id)  # until vLLM's add_request returns (_request_added)
+        self._landed.clear()
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params, request_id
         )
@@ -728,6 +747,7 @@ class VLLMEngine:
             raise error from exc
         finally:
             self._version_marks.pop(request_id, None)
+            self._request_added(request_id)  # a stream closed before it added anything
         segment = _segment(request_id, last, len(prompt), marks, self.native_versions)
         if segment.finish_reason == "abort":
             self._num_aborted += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -145,6 +146,9 @@ class AsyncServerManager:
         self._num_updates = 0
         self._reprefill_tokens = 0
         self._num_rejected = 0
+        self._busy: dict[str, float] = {}
+        """Seconds each engine had at least one of our requests in flight (ended spells)."""
+        self._busy_since: dict[str, float] = {}
         self._num_failed_updates = 0
         self._recent_updates: deque[UpdateReport] = deque(maxlen=RECENT_UPDATES)
         self._update_metrics = UpdateMetrics()
@@ -193,7 +197,17 @@ class AsyncServerManager:
             pushed_bytes=self._update_metrics.pushed_bytes,
             verified_tensors=self._update_metrics.verified_tensors,
             token_staleness=self._staleness.snapshot(),
+            busy_seconds=self._busy_seconds(),
         )
+
+    def _busy_seconds(self) -> dict[str, float]:
+        now = time.perf_counter()
+        return {
+            name: self._busy.get(name, 0.0) + (
+                now - self._busy_since[name] if name in self._busy_since else 0.0
+            )
+            for name in self._in_flight
+        }
 
     def add_engine(self, engine: Engine) -> None:
         """Put an engine (new, or restarted) into rotation."""
@@ -413,11 +427,18 @@ class AsyncServerManager:
     async def _dispatch(
         self, engine: Engine, request_id: str, prompt: list[int], params: dict[str, Any]
     ) -> Segment:
+        if not self._in_flight[engine.name]:
+            self._busy_since[engine.name] = time.perf_counter()
         self._in_flight[engine.name] += 1
         try:
             return await engine.generate(request_id, prompt_ids=prompt, sampling_params=params)
         finally:
             self._in_flight[engine.name] -= 1
+            if not self._in_flight[engine.name]:
+                began = self._busy_since.pop(engine.name)
+                self._busy[engine.name] = self._busy.get(engine.name, 0.0) + (
+                    time.perf_counter() - began
+                )
 
     def _finish_reason(self, segment: Segment, generated: int, budget: int) -> FinishReason | None:
         """The output's finish reason, or None if the request must be resumed."""

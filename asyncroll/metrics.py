@@ -11,6 +11,7 @@ units, ``le`` buckets)::
 
     asyncroll_requests_total                      counter    calls to generate
     asyncroll_requests_in_flight{engine}          gauge      segments running on each engine
+    asyncroll_engine_busy_seconds_total{engine}   counter    time with a segment in flight there
     asyncroll_request_resumes_total               counter    segments resubmitted after an update
     asyncroll_reprefill_tokens_total              counter    prompt + output tokens prefilled again
     asyncroll_engine_failovers_total              counter    segments moved off a dead engine
@@ -202,6 +203,14 @@ class _Collector:
         for engine, n in s.in_flight_per_engine.items():
             in_flight.add_metric([engine], n)
         yield in_flight
+        busy = CounterMetricFamily(
+            "asyncroll_engine_busy_seconds",
+            "Seconds each engine had a segment in flight (rate: its busy share).",
+            labels=["engine"],
+        )
+        for engine, busy_seconds in s.busy_seconds.items():
+            busy.add_metric([engine], busy_seconds)
+        yield busy
         yield counter("request_resumes", "Segments resubmitted after a weight update.",
                       s.num_preempted)
         yield counter("reprefill_tokens", "Prompt and output tokens prefilled again on resume.",

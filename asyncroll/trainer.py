@@ -179,6 +179,10 @@ class ReferenceTrainer:
         Micro-batch by micro-batch, forward and backward; then one optimiser step. A sharded
         model's ranks run the same number of micro-batches (a rank with fewer runs empty ones),
         since each forward gathers parameters across ranks."""
+        with self._on_device():
+            return self._step(samples)
+
+    def _step(self, samples: Sequence[TrainSample]) -> TrainMetrics:
         batch = _Batch.of(samples, self.device)
         chunks = batch.micro_batches(self.micro_batch_tokens)
         rounds = self._agreed_rounds(len(chunks))
@@ -204,9 +208,10 @@ class ReferenceTrainer:
         Raises:
             InvalidRequestError: no sample has a token with ``loss_mask`` 1.
         """
-        batch = _Batch.of(samples, self.device)
-        loss, part = self._chunk_loss(batch, range(len(samples)))
-        return loss, batch.metrics([part])
+        with self._on_device():
+            batch = _Batch.of(samples, self.device)
+            loss, part = self._chunk_loss(batch, range(len(samples)))
+            return loss, batch.metrics([part])
 
     def _chunk_loss(self, batch: _Batch, rows: range) -> tuple[torch.Tensor, _Part]:
         tokens, positions, targets, old, adv = batch.tensors(rows)
@@ -235,6 +240,13 @@ class ReferenceTrainer:
         count = torch.tensor([mine], device=self.device)
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
         return int(count.item())
+
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        """CUDA's current device is per thread, and recipes step in a worker thread: FSDP2's
+        streams and the collectives' buffers follow the current device, not the model's."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.precision == "bf16-mixed":

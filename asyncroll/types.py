@@ -210,3 +210,6 @@ class ManagerStatistics:
     """Tokens returned, by staleness: how many versions the weights that produced each were
     behind the published version when its output was returned (tokens of unknown version
     are not counted)."""
+    busy_seconds: Mapping[str, float] = field(default_factory=dict)
+    """Per engine, the seconds it had at least one of this manager's requests in flight (paused
+    for an update included): over a span of wall time, its busy share."""

@@ -6,6 +6,7 @@ update are resumed by the manager. The loop is the algorithm; mechanism lives in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from asyncroll.manager import AsyncServerManager
@@ -47,17 +48,25 @@ async def run_fully_async(
     """
     base = manager.global_steps or 0  # versions continue from the engines' current one
     records = []
+    last = time.perf_counter()
     async with open_rollouter(
         manager, source, batch_groups=batch_groups, group_size=group_size,
         max_staleness=max_staleness, concurrency=batch_groups * 2, seed=seed,
     ) as rollouter:
         for step in range(steps):
             batch = await rollouter.next_batch()
+            began = time.perf_counter()
             metrics = await train_step(trainer, batch.samples)
+            metrics_seconds = time.perf_counter() - began
             weights = trainer.named_parameters()
             report = await manager.update_weights(weights, global_steps=base + step + 1)
             await rollouter.set_trainer_version(step + 1)
-            record = StepRecord.of(step, batch, metrics, report, trainer_version=base + step)
+            now = time.perf_counter()
+            record = StepRecord.of(
+                step, batch, metrics, report, trainer_version=base + step,
+                wall_seconds=now - last, train_seconds=metrics_seconds,
+            )
+            last = now
             records.append(record)
             on_step(record)
     return records

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 
 from asyncroll.manager import AsyncServerManager
@@ -50,16 +51,24 @@ async def run_one_step_off(
 
     base = manager.global_steps or 0  # versions continue from the engines' current one
     records = []
+    last = time.perf_counter()
     async with asyncio.TaskGroup() as tasks:
         pending = tasks.create_task(rollout(0))
         for step in range(steps):
             batch = await pending
             if step + 1 < steps:  # start the next rollout before training on this one
                 pending = tasks.create_task(rollout(step + 1))
+            began = time.perf_counter()
             metrics = await train_step(trainer, batch.samples)
+            metrics_seconds = time.perf_counter() - began
             weights = trainer.named_parameters()
             report = await manager.update_weights(weights, global_steps=base + step + 1)
-            record = StepRecord.of(step, batch, metrics, report, trainer_version=base + step)
+            now = time.perf_counter()
+            record = StepRecord.of(
+                step, batch, metrics, report, trainer_version=base + step,
+                wall_seconds=now - last, train_seconds=metrics_seconds,
+            )
+            last = now
             records.append(record)
             on_step(record)
     return records

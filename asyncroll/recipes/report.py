@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +34,16 @@ class StepRecord:
     where the trainer gives no log probs."""
     kl_k3_fresh: float = float("nan")
     """The same over the tokens of the trainer's own version (staleness 0): near 0 unless the
-    pushed weights are not the trainer's."""
+    pushed weights are not the trainer's. nan where the batch has no such token (a rollout
+    that ran ahead of the trainer: every token is at least one version old)."""
+    wall_seconds: float = float("nan")
+    """From the end of the previous step (or the recipe's start) to the end of this one."""
+    train_seconds: float = float("nan")
+    """The trainer's step alone."""
+    tokens: int = 0
+    """Response tokens in the batch (the rollout's output)."""
+    pause_seconds: float = float("nan")
+    """The update's pause (``UpdateReport.pause_seconds``); ``update_seconds`` holds it."""
 
     @classmethod
     def of(
@@ -44,6 +54,8 @@ class StepRecord:
         report: UpdateReport,
         *,
         trainer_version: int,
+        wall_seconds: float = float("nan"),
+        train_seconds: float = float("nan"),
     ) -> StepRecord:
         staleness = batch.staleness(trainer_version)
         mismatch = batch_mismatch(batch.samples, metrics, trainer_version=trainer_version)
@@ -61,6 +73,10 @@ class StepRecord:
             failed=batch.failed,
             kl_k3=mismatch.overall.kl_k3 if mismatch is not None else float("nan"),
             kl_k3_fresh=fresh.kl_k3 if fresh is not None else float("nan"),
+            wall_seconds=wall_seconds,
+            train_seconds=train_seconds,
+            tokens=sum(len(s.response_ids) for s in batch.samples),
+            pause_seconds=report.pause_seconds,
         )
 
 
@@ -84,18 +100,27 @@ def batch_mismatch(
 
 
 def format_table(records: Sequence[StepRecord]) -> str:
-    """One line a step; a ``failed`` column only if some rollout failed."""
+    """One line a step; a ``failed`` column only if some rollout failed. A KL over no token
+    (no token of staleness 0: the rollout ran ahead) reads ``-``."""
     failures = any(r.failed for r in records)
-    lines = ["step  reward  stale p50/max  push ms  update ms  resumed  ratio   k3 KL  fresh KL"
-             + ("  failed" if failures else "")]
+    lines = ["step  reward  stale p50/max  step s  train s   tok/s  pause ms  push ms  update ms"
+             "  resumed  ratio    k3 KL  fresh KL" + ("  failed" if failures else "")]
     for r in records:
+        rate = r.tokens / r.wall_seconds if r.wall_seconds > 0 else float("nan")
         lines.append(
             f"{r.step:>4}  {r.reward:6.3f}  {r.staleness_p50:>5.1f}/{r.staleness_max:<3}"
-            f"      {r.push_seconds * 1e3:7.1f}  {r.update_seconds * 1e3:9.1f}  {r.resumed:>7}"
-            f"  {r.ratio:5.3f}  {r.kl_k3:6.1e}  {r.kl_k3_fresh:8.1e}"
+            f"     {r.wall_seconds:6.2f}  {r.train_seconds:7.2f}  {_number(rate, '7.0f')}"
+            f"  {r.pause_seconds * 1e3:8.1f}  {r.push_seconds * 1e3:7.1f}"
+            f"  {r.update_seconds * 1e3:9.1f}  {r.resumed:>7}  {r.ratio:5.3f}"
+            f"  {_number(r.kl_k3, '7.1e')}  {_number(r.kl_k3_fresh, '8.1e')}"
             + (f"  {r.failed:>6}" if failures else "")
         )
     return "\n".join(lines)
+
+
+def _number(value: float, spec: str) -> str:
+    width = int(spec.split(".")[0])
+    return "-".rjust(width) if math.isnan(value) else format(value, spec)
 
 
 def plot(records: Sequence[StepRecord], path: str | Path, *, title: str) -> Path:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 
 from asyncroll.errors import InvalidRequestError
@@ -51,6 +52,7 @@ async def run_synchronous(
                                   "be an UpdatableEngine")
     base = manager.global_steps or 0  # versions continue from the engines' current one
     records = []
+    last = time.perf_counter()
     for step in range(steps):
         batch = await generate_batch(
             manager, source, rng, first_group=step * batch_groups, groups=batch_groups,
@@ -58,14 +60,21 @@ async def run_synchronous(
         )
         if hybrid:
             await asyncio.gather(*(e.sleep(1) for e in engines))
+        began = time.perf_counter()
         metrics = await train_step(trainer, batch.samples)
+        metrics_seconds = time.perf_counter() - began
         if hybrid:
             await asyncio.gather(*(e.wake_up(["weights"]) for e in engines))
         weights = trainer.named_parameters()
         report = await manager.update_weights(weights, global_steps=base + step + 1)
         if hybrid:
             await asyncio.gather(*(e.wake_up(["kv_cache", "scheduling"]) for e in engines))
-        record = StepRecord.of(step, batch, metrics, report, trainer_version=base + step)
+        now = time.perf_counter()
+        record = StepRecord.of(
+            step, batch, metrics, report, trainer_version=base + step,
+            wall_seconds=now - last, train_seconds=metrics_seconds,
+        )
+        last = now
         records.append(record)
         on_step(record)
     return records

@@ -23,6 +23,15 @@ class BandTask:
     prompt_len: int = 8
     response_len: int = 8
 
+    @classmethod
+    def for_vocabulary(
+        cls, vocab_size: int, *, response_len: int = 8, prompt_len: int = 8
+    ) -> BandTask:
+        """The task for a model of ``vocab_size`` ids: a band of 1/16 of them, so a random
+        policy scores 1/16 on any model (the tiny model's 32 of 512 included)."""
+        return cls(vocab_size=vocab_size, band_size=max(1, vocab_size // 16),
+                   response_len=response_len, prompt_len=prompt_len)
+
     def prompt(self, rng: random.Random) -> list[int]:
         noise = [rng.randrange(2, self.vocab_size) for _ in range(self.prompt_len - 1)]
         return [self.band_start, *noise]

@@ -7,11 +7,10 @@ to roll it out on a vLLM CPU engine serving a tiny random model (20-40 s to star
 
 from __future__ import annotations
 
-import tempfile
-
 import uvloop
+from _common import engine_arguments, engine_on, parser, policy_folder, prepare
 
-from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll import AsyncServerManager
 from asyncroll.agent_loop import (
     AgentLoop,
     AgentLoopFailure,
@@ -21,7 +20,6 @@ from asyncroll.agent_loop import (
     register_agent_loop,
     run_agent_loops,
 )
-from asyncroll.testing import make_tiny_model
 
 FEEDBACK = (7, 8, 9)
 """Token ids the environment inserts between the two answers (a tokenizer-free "try again")."""
@@ -49,10 +47,12 @@ class ReviseLoop(AgentLoop[Sample]):
 
 
 async def main() -> None:
-    with tempfile.TemporaryDirectory() as folder:
-        model = make_tiny_model(folder, seed=0)
+    args = parser(default_steps=1).parse_args()
+    setup = prepare(args)
+    print(f"custom agent loop: {setup.describe()}", flush=True)
+    with policy_folder(setup) as model:
         async with (
-            VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True) as engine,
+            engine_on(setup, model, **engine_arguments(setup, args, prompt_len=64)) as engine,
             AsyncServerManager([engine]) as manager,
         ):
             samples = [Sample(prompt_ids=(2 + i, 3, 4)) for i in range(8)]

@@ -16,9 +16,5 @@ from asyncroll.recipes import run_fully_async
 
 if __name__ == "__main__":
     args = arguments(default_steps=30)
-    uvloop.run(
-        run_recipe(
-            run_fully_async, "fully-async", steps=args.steps, plot_path=args.plot or "demo.png",
-            metrics_port=args.metrics_port, use_ray=args.ray, max_staleness=2,
-        )
-    )
+    args.plot = args.plot or "demo.png"
+    uvloop.run(run_recipe(run_fully_async, "fully-async", args, max_staleness=2))

@@ -3,19 +3,26 @@ same devices. Rank 0 holds the engine (TP = N) and the manager; every rank train
 each batch while the engine sleeps, then every rank pushes: each gathers the full tensors bucket
 by bucket and hands them to the engine worker of its own rank (``DistributedWeightPusher``).
 
-    torchrun --nproc-per-node 2 examples/fsdp_hybrid.py [--steps 10] [--plot fsdp.png]
+    torchrun --nproc-per-node N examples/fsdp_hybrid.py [--steps 10] [--plot fsdp.png]
+        [--model PATH] [--response-len 8] [--lr LR]
 
-On CPU (gloo, shared memory; the tiny random Qwen2 of the demo) as on GPUs (NCCL, CUDA IPC: one
-rank per GPU, the engine's worker r on GPU r).
+On CPU (gloo, shared memory; the tiny random Qwen2 of the demo) as on N GPUs (NCCL, CUDA IPC: one
+rank per GPU, the engine's worker r on GPU r; the trainer in bf16 mixed precision: FSDP2 gathers
+bf16 parameters, reduces fp32 gradients, and keeps fp32 shards and optimiser state).
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's INFO pages bury the run's
+
 import argparse
 import asyncio
 import contextlib
-import os
+import json
 import random
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,11 +32,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncroll import AsyncServerManager, DistributedWeightPusher, VLLMEngine
+from asyncroll import (
+    AsyncServerManager,
+    DistributedWeightPusher,
+    InvalidRequestError,
+    VLLMEngine,
+)
 from asyncroll.recipes import BandTask, BandTaskSource
 from asyncroll.recipes.rollout import generate_batch
 from asyncroll.testing import make_tiny_model
-from asyncroll.trainer import ReferenceTrainer
+from asyncroll.trainer import ReferenceTrainer, check_checkpoint
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
@@ -54,13 +66,15 @@ def engine_environment() -> Iterator[None]:
 
 def shard(model: torch.nn.Module) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    cuda = torch.cuda.is_available()
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda \
+        else MixedPrecisionPolicy()
     for layer in model.model.layers:  # type: ignore[union-attr]
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def broadcast(value: Any) -> Any:
@@ -71,39 +85,62 @@ def broadcast(value: Any) -> Any:
 
 async def main(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    folder = Path(broadcast(tempfile.mkdtemp(prefix="asyncroll-fsdp-") if rank == 0 else None))
-    if rank == 0:
-        make_tiny_model(folder / "policy", seed=0)
-    dist.barrier()
-    trainer = ReferenceTrainer(folder / "policy", wrap=shard)
-    dtype = torch.bfloat16
+    cuda = torch.cuda.is_available()
+    if args.model is None:
+        folder = Path(broadcast(tempfile.mkdtemp(prefix="asyncroll-fsdp-") if rank == 0 else None))
+        if rank == 0:
+            make_tiny_model(folder / "policy", seed=0)
+        dist.barrier()
+        model = folder / "policy"
+    else:
+        model = args.model
+    config = json.loads((model / "config.json").read_text())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    lr = args.lr if args.lr is not None else 3e-3 * 128 / config["hidden_size"]
+    trainer = ReferenceTrainer(model, device=device, wrap=shard, lr=lr)
+    task = BandTask.for_vocabulary(config["vocab_size"], response_len=args.response_len)
     async with contextlib.AsyncExitStack() as stack:
         engines: list[VLLMEngine] = []
         if rank == 0:
-            print(f"starting a vLLM engine with tensor_parallel_size={world}...", flush=True)
+            where = f"{world} GPUs" if cuda else "the CPU"
+            print(f"{config['architectures'][0]} on {where}: trainer {trainer!r}; starting a vLLM "
+                  f"engine with tensor_parallel_size={world}...", flush=True)
             with engine_environment():
                 engine = await stack.enter_async_context(VLLMEngine.launch(
-                    folder / "policy", tensor_parallel_size=world, max_model_len=128,
-                    skip_tokenizer_init=True, enable_sleep_mode=torch.cuda.is_available()))
+                    model, tensor_parallel_size=world, skip_tokenizer_init=True,
+                    max_model_len=max(128, args.response_len + 64), **gpu_arguments(args, cuda)))
             engines = [engine]
         dist.barrier()  # the others wait here (not in the pusher's group set-up) for the engine
-        pusher = DistributedWeightPusher(engines, dtype=dtype)
+        pusher = DistributedWeightPusher(engines, dtype=torch.bfloat16)
         stack.push_async_callback(pusher.aclose)
         manager = None
         if rank == 0:
             manager = await stack.enter_async_context(
                 AsyncServerManager(engines, weights=pusher))
-        await train(args, trainer, pusher, manager, engines)
+        await train(args, trainer, task, pusher, manager, engines)
 
 
-async def train(args: argparse.Namespace, trainer: ReferenceTrainer,
+def gpu_arguments(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+    """On GPUs: sleep mode (the engine sleeps while the ranks train), room for the trainer."""
+    if not cuda:
+        return {}
+    extra: dict[str, Any] = {"enable_sleep_mode": True, "gpu_memory_utilization": 0.3,
+                             "enforce_eager": True, "async_scheduling": False,
+                             "dtype": "bfloat16"}
+    if args.model is None:
+        extra["kv_cache_memory_bytes"] = 2 << 30
+    return extra
+
+
+async def train(args: argparse.Namespace, trainer: ReferenceTrainer, task: BandTask,
                 pusher: DistributedWeightPusher, manager: AsyncServerManager | None,
                 engines: list[VLLMEngine]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    task, rng = BandTask(), random.Random(0)
+    rng = random.Random(0)
     rewards, pushes = [], []
     for step in range(1, args.steps + 1):
         samples = None
+        began = time.perf_counter()
         if manager is not None:
             batch = await generate_batch(manager, BandTaskSource(task), rng,
                                          first_group=step * 4, groups=4, group_size=8)
@@ -111,7 +148,9 @@ async def train(args: argparse.Namespace, trainer: ReferenceTrainer,
             await asyncio.gather(*(e.sleep(1) for e in engines))  # frees the GPU to train
         samples = broadcast(samples)
         mine = [s for s in samples if s.group % world == rank]  # whole groups: GRPO's baseline
+        trained = time.perf_counter()
         metrics = await asyncio.to_thread(trainer.step, mine)
+        train_seconds = time.perf_counter() - trained
         if manager is not None:
             await asyncio.gather(*(e.wake_up(["weights"]) for e in engines))
             report = await manager.update_weights(trainer.model.named_parameters(),
@@ -122,9 +161,11 @@ async def train(args: argparse.Namespace, trainer: ReferenceTrainer,
         rewards.append(sum(s.reward for s in samples) / len(samples))
         pushes.append(report.push_seconds * 1e3)
         if rank == 0:
-            print(f"step {step}: reward {rewards[-1]:.3f} loss {metrics.loss:+.4f} push "
-                  f"{pushes[-1]:.1f} ms ({report.bytes / 2**20:.1f} MiB from {world} ranks, "
-                  f"{report.verified} tensors verified)", flush=True)
+            print(f"step {step}: reward {rewards[-1]:.3f} loss {metrics.loss:+.4f} train "
+                  f"{train_seconds:.2f} s, step {time.perf_counter() - began:.2f} s; update "
+                  f"{report.seconds * 1e3:.1f} ms, push {pushes[-1]:.1f} ms "
+                  f"({report.bytes / 2**20:.1f} MiB from {world} ranks, {report.verified} "
+                  "tensors verified)", flush=True)
     if rank == 0:
         print(f"reward: first step {rewards[0]:.3f}, last {rewards[-1]:.3f}; random policy "
               f"{task.random_policy_reward:.3f}", flush=True)
@@ -148,11 +189,34 @@ def plot(rewards: list[float], pushes: list[float], path: str) -> None:
     print("wrote", path, flush=True)
 
 
+def check(args: argparse.Namespace) -> None:
+    """Bad arguments stop every rank before any engine or process group starts."""
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world < 1 or "LOCAL_RANK" not in os.environ:
+        sys.exit("error: run under torchrun: torchrun --nproc-per-node N examples/fsdp_hybrid.py")
+    try:
+        if args.model is not None:
+            check_checkpoint(args.model)
+    except InvalidRequestError as exc:
+        sys.exit(f"error: {exc}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and int(os.environ.get("LOCAL_WORLD_SIZE", world)) > gpus:
+        sys.exit(f"error: {os.environ.get('LOCAL_WORLD_SIZE', world)} ranks on this machine but "
+                 f"{gpus} GPU(s): one rank a GPU (--nproc-per-node {gpus} at most)")
+    if args.steps < 1 or args.response_len < 1:
+        sys.exit("error: --steps and --response-len must be at least 1")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a local Hugging Face checkpoint (default: a tiny random Qwen2)")
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--response-len", type=int, default=8)
     arguments = parser.parse_args()
+    check(arguments)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

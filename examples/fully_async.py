@@ -12,8 +12,4 @@ from asyncroll.recipes import run_fully_async
 
 if __name__ == "__main__":
     args = arguments()
-    uvloop.run(
-        run_recipe(run_fully_async, "fully-async", steps=args.steps, plot_path=args.plot,
-                   metrics_port=args.metrics_port, use_ray=args.ray,
-                   max_staleness=2)
-    )
+    uvloop.run(run_recipe(run_fully_async, "fully-async", args, max_staleness=2))

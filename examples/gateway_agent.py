@@ -65,8 +65,8 @@ async def gateway_source(manager: AsyncServerManager, model: Path,
 
 if __name__ == "__main__":
     args = arguments(default_steps=40)
-    uvloop.run(
-        run_recipe(run_fully_async, "gateway agent", steps=args.steps, source=gateway_source,
-                   plot_path=args.plot, metrics_port=args.metrics_port, use_ray=args.ray,
-                   max_staleness=2)
-    )
+    if args.model is not None and not (args.model / "tokenizer_config.json").is_file():
+        raise SystemExit(f"error: --model {args.model}: the gateway needs the checkpoint's "
+                         "tokenizer (tokenizer_config.json), and this one has none")
+    uvloop.run(run_recipe(run_fully_async, "gateway agent", args, source=gateway_source,
+                          max_staleness=2))

@@ -12,7 +12,4 @@ from asyncroll.recipes import run_one_step_off
 
 if __name__ == "__main__":
     args = arguments()
-    uvloop.run(
-        run_recipe(run_one_step_off, "one-step-off", steps=args.steps, plot_path=args.plot,
-                   metrics_port=args.metrics_port)
-    )
+    uvloop.run(run_recipe(run_one_step_off, "one-step-off", args))

@@ -6,20 +6,14 @@ engine while the trainer runs (on GPU that frees its memory for training).
 
 from __future__ import annotations
 
-import sys
-
 import uvloop
-from _common import arguments, run_recipe
+from _common import parser, run_recipe
 
 from asyncroll.recipes import run_synchronous
 
 if __name__ == "__main__":
-    hybrid = "--hybrid" in sys.argv
-    if hybrid:
-        sys.argv.remove("--hybrid")
-    args = arguments()
-    uvloop.run(
-        run_recipe(run_synchronous, "synchronous", steps=args.steps, plot_path=args.plot,
-                   metrics_port=args.metrics_port, use_ray=args.ray,
-                   hybrid=hybrid)
-    )
+    options = parser()
+    options.add_argument("--hybrid", action="store_true",
+                         help="the engine sleeps while the trainer trains (frees its GPU memory)")
+    args = options.parse_args()
+    uvloop.run(run_recipe(run_synchronous, "synchronous", args, hybrid=args.hybrid))

@@ -53,7 +53,4 @@ SOURCE = AgentLoopSource(
 
 if __name__ == "__main__":
     args = arguments(default_steps=40)
-    uvloop.run(
-        run_recipe(run_fully_async, "tool agent", steps=args.steps, source=SOURCE,
-                   plot_path=args.plot, max_staleness=2)
-    )
+    uvloop.run(run_recipe(run_fully_async, "tool agent", args, source=SOURCE, max_staleness=2))

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Issue 40's GPU runs, in lanes of GPUs that run side by side, on a lent machine set up by
+# bench/gpu_setup.sh (docs/gpu.md). Every lane logs to $OUT/logs; the lanes' results land in
+# $OUT/results; both are packed into $OUT/session.tar.gz at the end (what comes back is
+# limited in number of files). The lanes share a host: their times are each lane's own, with
+# the host's CPUs shared (64 cores on the 4-GPU machine).
+#
+#   bash bench/gpu_session.sh first     # 4 GPUs: gpu_train hybrid1 and split2, examples (lane A)
+#   bash bench/gpu_session.sh second    # 4 GPUs: gpu_train fsdp2, fsdp_hybrid on 2 and 4 GPUs,
+#                                       # the split example and examples (lane B)
+#   bash bench/gpu_session.sh tests     # the CUDA tests of the trainer and the update's pause
+set -uo pipefail
+OUT=${OUT:-out}
+W=/tmp/session  # logs and results; only the tarball and a summary go to $OUT
+mkdir -p "$OUT" "$W/logs" "$W/results" /tmp/models
+export PYTHONPATH=/root/site2:/root/site:/root/site3:$PWD:$PWD/bench
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "== $(date +%T) $GPUS GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+
+models() {  # tiny checkpoints of the other families, and a real Qwen3 shape
+  python3 - <<'EOF'
+from pathlib import Path
+from asyncroll.testing import make_tiny_model
+from asyncroll.testing.tiny_model import make_model
+for family in ("qwen3", "llama"):
+    if not Path(f"/tmp/models/{family}").exists():
+        make_tiny_model(f"/tmp/models/{family}", seed=0, family=family)
+if not Path("/tmp/models/qwen3-0.6b").exists():
+    make_model("/tmp/models/qwen3-0.6b", "qwen3-0.6b", seed=0)
+EOF
+}
+
+run() {  # run NAME GPUS COMMAND...: one logged step of a lane; says how it ended
+  local name=$1 gpus=$2; shift 2
+  local began=$SECONDS
+  CUDA_VISIBLE_DEVICES=$gpus timeout 900 "$@" >"$W/logs/$name.log" 2>&1
+  local rc=$?
+  echo "== $(date +%T) $name: rc=$rc in $((SECONDS - began)) s (GPUs $gpus)" | tee -a "$W/logs/summary.txt"
+  tail -n 4 "$W/logs/$name.log" | sed 's/^/     /'
+}
+
+examples_lane_a() {  # on GPU $1
+  run demo "$1" python3 examples/demo.py --steps 15 --plot "$W/results/demo.png"
+  run fully_async-qwen3-0.6b "$1" python3 examples/fully_async.py --model /tmp/models/qwen3-0.6b \
+    --steps 8 --response-len 256 --plot "$W/results/fully_async-qwen3-0.6b.png"
+  run synchronous-hybrid-llama "$1" python3 examples/synchronous.py --hybrid \
+    --model /tmp/models/llama --steps 10
+  run custom_agent_loop "$1" python3 examples/custom_agent_loop.py
+}
+
+examples_lane_b() {  # on GPU $1
+  run one_step_off-qwen3 "$1" python3 examples/one_step_off.py --model /tmp/models/qwen3 --steps 10
+  run tool_agent "$1" python3 examples/tool_agent.py --steps 20
+  run gateway_agent "$1" python3 examples/gateway_agent.py --steps 10
+  run bad-model "$1" python3 examples/demo.py --model /tmp/nothing-here
+  run bad-device "$1" python3 examples/demo.py --device cuda:9
+}
+
+phase_first() {  # 4 GPUs: gpu_train hybrid1 (0) and split2 (1-2); examples lane A (3)
+  models
+  run train-hybrid1 0 python3 bench/gpu_train.py --layout hybrid1 --out "$W/results" &
+  run train-split2 1,2 python3 bench/gpu_train.py --layout split2 --out "$W/results" &
+  examples_lane_a 3 &
+  wait
+}
+
+phase_second() {  # 4 GPUs: gpu_train fsdp2 (0-1); fsdp_hybrid 2 and examples lane B (2-3); then 4
+  models
+  run train-fsdp2 0,1 torchrun --nproc-per-node 2 --master-port 29511 bench/gpu_train.py \
+    --layout fsdp2 --out "$W/results" &
+  (
+    run fsdp_hybrid-2 2,3 torchrun --nproc-per-node 2 --master-port 29512 \
+      examples/fsdp_hybrid.py --steps 12 --plot "$W/results/fsdp_hybrid-2.png"
+    run fully_async-split 2,3 python3 examples/fully_async.py --engine-gpu 1 --steps 10
+    examples_lane_b 2
+  ) &
+  wait
+  run fsdp_hybrid-4 0,1,2,3 torchrun --nproc-per-node 4 --master-port 29513 \
+    examples/fsdp_hybrid.py --steps 12 --plot "$W/results/fsdp_hybrid-4.png"
+  run fsdp_hybrid-too-many 0,1 torchrun --nproc-per-node 3 --master-port 29514 \
+    examples/fsdp_hybrid.py --steps 1
+}
+
+phase_tests() {
+  run pytest-cuda 0 python3 -m pytest -q -p no:cacheprovider tests/test_trainer_device.py \
+    tests/test_update_pause.py -x
+}
+
+for phase in "$@"; do
+  echo "== $(date +%T) phase $phase"
+  "phase_$phase"
+done
+tar czf "$OUT/session.tar.gz" -C "$OUT" logs results
+cp "$W/logs/summary.txt" "$OUT/summary.txt" 2>/dev/null
+echo "== $(date +%T) done: $(du -h "$OUT/session.tar.gz" | cut -f1)"

@@ -15,7 +15,7 @@ export VLLM_NO_USAGE_STATS ?= 1
 export DO_NOT_TRACK ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test test-fast demo lint bench clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
+
+# The pure tests only: no engine, no process (the marks in tests/conftest.py); under a minute.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not engine and not process and not slow"
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -1,11 +1,17 @@
-"""Helpers shared by the engine tests (a module, so every test sees the same state)."""
+"""Helpers shared by the engine tests (a module, so every test sees the same state).
+
+Importing it loads neither vLLM nor the fault-injecting worker (which imports vLLM): a module
+that mixes pure tests with engine tests imports it at its top, and a run of the pure tests
+alone stays free of vLLM.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -13,7 +19,9 @@ from safetensors.torch import load_file
 from asyncroll import AsyncServerManager, VLLMEngine
 from asyncroll.interfaces import Engine
 from asyncroll.testing.contract import requests_inside
-from asyncroll.testing.faults import FAULTS_EXTENSION
+
+if TYPE_CHECKING:
+    from asyncroll.testing.faults import FaultPoint
 
 PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
 """Prompts whose greedy continuations identify the weights an engine serves."""
@@ -28,7 +36,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "max_model_len": 512,
     "dtype": "float32",
     "skip_tokenizer_init": True,
-    "worker_extension_cls": FAULTS_EXTENSION,
+    "worker_extension_cls": "asyncroll.testing.faults.FaultInjectingExtension",
 }
 """How every test engine starts (with the fault-injection extension of asyncroll.testing.faults,
 for the tests that inject failures). float32, not the adapter's bf16 default: tests compare greedy
@@ -36,7 +44,8 @@ outputs token for token across batches, resumes (a re-prefill computes the KV wi
 than decoding did) and engines, and a random tiny model's logits have near-ties that bf16 rounding
 flips; float32 keeps the comparisons about our code, not about rounding. No tokenizer: the tiny
 models carry one (for the gateway, which tokenizes in our process), the engines stay token-in,
-token-out."""
+token-out. The extension is named, not imported (its module imports vLLM); the shared engines'
+fixture checks the name against ``asyncroll.testing.faults.FAULTS_EXTENSION``."""
 
 FRESH_GREEDY: dict[str, list[tuple[int, ...]]] = {}
 """Greedy outputs of each model, recorded on its engine before any push reached it."""
@@ -57,6 +66,17 @@ async def greedy(engine: VLLMEngine, tag: str, max_tokens: int = 24) -> list[tup
 
 def load_weights(model: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model / "model.safetensors"))
+
+
+def inject_fault(
+    engine: VLLMEngine,
+    point: FaultPoint,
+    **options: Any,
+) -> AbstractAsyncContextManager[None]:
+    """``asyncroll.testing.faults.inject_fault``, imported on the call (it imports vLLM)."""
+    from asyncroll.testing.faults import inject_fault as inject
+
+    return inject(engine, point, **options)
 
 
 

@@ -51,8 +51,6 @@ from asyncroll.agent_loop import (
     run_agent_loops,
 )
 
-pytestmark = pytest.mark.engine
-
 CALL, GATED, PLAIN, FILLER = 250, 251, 240, 241
 """Token ids: two call tokens, one that ends a turn without a call, one that fills the budget."""
 

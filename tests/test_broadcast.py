@@ -171,6 +171,7 @@ def test_layout_buckets_small_tensors_and_sends_large_ones_whole() -> None:
     assert [t.entries[0].name for t in transfers if t.whole] == ["embed", "layer.1.w"]
 
 
+@pytest.mark.process
 async def test_pushes_arrive_bitwise_in_every_receiver(device: str) -> None:
     receivers = Receivers(device, ["ok"] * peers(device))
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
@@ -189,6 +190,7 @@ async def test_pushes_arrive_bitwise_in_every_receiver(device: str) -> None:
         await receivers.stop()
 
 
+@pytest.mark.process
 async def test_a_sender_failing_mid_push_fails_every_receiver_and_the_group_goes_on(
     device: str,
 ) -> None:
@@ -217,6 +219,7 @@ async def test_a_sender_failing_mid_push_fails_every_receiver_and_the_group_goes
 
 
 @pytest.mark.parametrize("behaviour", ["fail", "reject"])
+@pytest.mark.process
 async def test_a_receiver_failing_its_part_fails_the_push_everywhere_and_the_group_goes_on(
     device: str, behaviour: str
 ) -> None:
@@ -246,6 +249,7 @@ async def test_a_receiver_failing_its_part_fails_the_push_everywhere_and_the_gro
         await receivers.stop()
 
 
+@pytest.mark.process
 async def test_a_receiver_dying_mid_push_fails_the_push_everywhere_and_nothing_hangs(
     device: str,
 ) -> None:
@@ -283,6 +287,7 @@ async def test_a_receiver_dying_mid_push_fails_the_push_everywhere_and_nothing_h
     await receivers.stop()
 
 
+@pytest.mark.process
 async def test_a_manifest_longer_than_the_control_message_follows_it() -> None:
     from asyncroll.transport.broadcast import CONTROL_BYTES
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.engine  # the ranks start the engines
+
 SCENARIO = Path(__file__).resolve().parent / "distributed_scenario.py"
 ROOT = str(Path(__file__).resolve().parent.parent)
 HANG_GUARD_S = 900

@@ -19,8 +19,6 @@ from asyncroll import (
     VLLMEngine,
 )
 
-pytestmark = pytest.mark.engine
-
 PROMPT = [5, 6, 7, 8]
 
 
@@ -56,6 +54,7 @@ async def test_a_missing_model_folder_fails_before_vllm(
             await VLLMEngine.start(path)
 
 
+@pytest.mark.engine
 async def test_bad_engine_arguments_raise_engine_start_error_and_leave_no_process(
     tiny_model_a: Path,
 ) -> None:
@@ -105,6 +104,7 @@ async def test_pause_clears_vllm_caches_by_mode_unless_told(
     assert len(segment.token_ids) == 4
 
 
+@pytest.mark.engine
 async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Path) -> None:
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # shared engines
     engine = await VLLMEngine.start(tiny_model_a, name="doomed", max_model_len=256)

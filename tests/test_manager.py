@@ -24,8 +24,6 @@ from asyncroll import (
 )
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 
-pytestmark = pytest.mark.engine
-
 
 @pytest.fixture(scope="module")
 def weights_a(tiny_model_a: Path) -> dict[str, Any]:
@@ -349,6 +347,7 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
         await doomed.aclose()
 
 
+@pytest.mark.engine
 def test_same_scenario_on_uvloop_with_a_real_engine(tiny_model_a: Path) -> None:
     """uvloop in a subprocess: the suite's session loop (and its engines) is asyncio's."""
     import subprocess

@@ -35,8 +35,6 @@ ray = pytest.importorskip("ray")
 
 from asyncroll.ray import RayEngine  # noqa: E402 - after the skip
 
-pytestmark = pytest.mark.engine
-
 PARAMS: dict[str, Any] = {"max_tokens": 48, "temperature": 1.0, "ignore_eos": True}
 LONG = 480
 

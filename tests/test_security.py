@@ -60,6 +60,7 @@ def test_receiver_refuses_a_segment_that_is_not_private(tmp_path: Path) -> None:
         ShmBackend().open(b"/etc/passwd", nbytes=1)
 
 
+@pytest.mark.process
 async def test_rogue_process_injects_nothing_and_the_push_is_exact(
     pair: tuple[Child, Child], tmp_path: Path
 ) -> None:
@@ -91,6 +92,7 @@ async def test_rogue_process_injects_nothing_and_the_push_is_exact(
     assert stats.pushes == 2 and stats.failed_pushes == 0
 
 
+@pytest.mark.process
 async def test_receiver_with_the_wrong_secret_fails_on_both_sides(child: Child) -> None:
     # The impostor is refused first (its own error says so), then the sender's wait for a
     # receiver expires and names the failure it saw before the wait: event-ordered, so a slow

@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from engine_helpers import ENGINE_ARGS, greedy, load_weights
+from engine_helpers import ENGINE_ARGS, greedy, inject_fault, load_weights
 
 from asyncroll import VLLMEngine, WeightPusher, WeightSyncError
-from asyncroll.testing.faults import inject_fault
+
+pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")

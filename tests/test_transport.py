@@ -48,6 +48,7 @@ REPLY_TIMEOUT = 60.0
 KB = 1 << 10
 
 gpu = pytest.mark.gpu
+process = pytest.mark.process  # the tests whose receivers run in spawned children
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -187,6 +188,7 @@ async def connect_both(sender: WeightSender, pair: tuple[Child, Child]) -> None:
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@process
 async def test_round_trip_is_bit_exact(pair: tuple[Child, Child], kind: str) -> None:
     device = "cuda" if kind == "cuda_ipc" else "cpu"
     tensors = model_tensors(device=device)
@@ -215,6 +217,7 @@ async def test_round_trip_is_bit_exact(pair: tuple[Child, Child], kind: str) -> 
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@process
 async def test_both_sides_time_every_bucket_on_one_clock(child: Child, kind: str) -> None:
     """The per-bucket stamps (``PushReport.timeline``, ``ReceiveReport.timeline``) follow each
     bucket in order, and across the two processes: a bucket is received only after its copies
@@ -249,6 +252,7 @@ async def test_both_sides_time_every_bucket_on_one_clock(child: Child, kind: str
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@process
 async def test_receiver_error_names_the_tensor_and_the_next_push_works(
     child: Child, kind: str
 ) -> None:
@@ -274,6 +278,7 @@ async def test_receiver_error_names_the_tensor_and_the_next_push_works(
     assert reply["stats"]["failed_pushes"] == 1
 
 
+@process
 async def test_a_push_failing_before_it_began_tells_receivers_already_waiting(
     child: Child,
 ) -> None:
@@ -309,6 +314,7 @@ async def test_a_push_failing_before_it_began_tells_receivers_already_waiting(
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@process
 async def test_receiver_killed_mid_push_fails_the_push_without_hanging(kind: str) -> None:
     device = "cuda" if kind == "cuda_ipc" else "cpu"
     victim = Child()
@@ -333,6 +339,7 @@ async def test_receiver_killed_mid_push_fails_the_push_without_hanging(kind: str
 
 @gpu
 @needs_cuda
+@process
 async def test_cuda_acks_precede_device_loads_and_the_sender_waits_for_them(
     pair: tuple[Child, Child],
 ) -> None:
@@ -362,6 +369,7 @@ async def test_cuda_acks_precede_device_loads_and_the_sender_waits_for_them(
 
 @gpu
 @needs_cuda
+@process
 async def test_cuda_receiver_killed_with_loads_queued_leaves_the_trainer_device_usable() -> None:
     """The receiver acks bucket 0 with a long GPU sleep queued before its loads, then dies at
     bucket 1. An IPC event of a process that died never fires (seen on an H100): had the sender's
@@ -434,6 +442,7 @@ class InlineCopiesShm(AsyncCopiesShm):
 
 @pytest.mark.parametrize("inline", [False, True], ids=["packing-thread", "on-the-loop"])
 @pytest.mark.parametrize("buffers", [1, 2, 3])
+@process
 async def test_late_signals_of_asynchronous_copies_deliver_every_bucket(
     child: Child, buffers: int, inline: bool
 ) -> None:
@@ -487,6 +496,7 @@ class SpanCopiesShm(AsyncCopiesShm):
         return True
 
 
+@process
 async def test_a_backend_copying_address_ranges_delivers_every_bucket(child: Child) -> None:
     """The sender hands a bucket to the backend as address ranges when every source allows it
     and packs the rest with torch (strided and transposed sources): every bucket arrives
@@ -503,6 +513,7 @@ async def test_a_backend_copying_address_ranges_delivers_every_bucket(child: Chi
 
 
 @pytest.mark.parametrize("buffers", [1, 2, 3])
+@process
 async def test_early_signals_are_read_only_once_the_copies_land(
     child: Child, buffers: int
 ) -> None:
@@ -535,6 +546,7 @@ async def test_early_signals_are_read_only_once_the_copies_land(
         assert bucket["received"] <= bucket["landed"] <= bucket["issued"]
 
 
+@process
 async def test_a_receiver_without_copy_events_gets_buckets_once_copied(child: Child) -> None:
     """A receiver that cannot poll the sender's copy events (here: plain shared memory against
     a sender that offers them) is signalled only once the copies are done, and loads exactly."""
@@ -549,6 +561,7 @@ async def test_a_receiver_without_copy_events_gets_buckets_once_copied(child: Ch
     assert reply["digests"] == digests(tensors) and reply["versions"] == [1, 2]
 
 
+@process
 async def test_copies_that_do_not_finish_in_time_fail_the_push_not_the_sender(
     child: Child,
 ) -> None:
@@ -571,6 +584,7 @@ async def test_copies_that_do_not_finish_in_time_fail_the_push_not_the_sender(
     assert reply["digests"] == digests(tensors) and reply["versions"] == [2]
 
 
+@process
 async def test_buffers_with_copies_still_queued_are_never_freed(child: Child) -> None:
     """Closing a sender whose copies have not finished (simulated) must not hand the staging
     memory back to the allocator, where the queued copies could overwrite someone's tensor."""
@@ -592,6 +606,7 @@ async def test_buffers_with_copies_still_queued_are_never_freed(child: Child) ->
     assert all(buffer.tensor.numel() == 16 * KB for buffer in staging_module._QUARANTINE[kept:])
 
 
+@process
 async def test_silent_receiver_times_out_naming_it(child: Child) -> None:
     async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=0.5) as sender:
         await child.acall("connect", sender.receiver_config(), "sleepy")
@@ -603,6 +618,7 @@ async def test_silent_receiver_times_out_naming_it(child: Child) -> None:
         await child.acall("close")
 
 
+@process
 async def test_a_push_that_times_out_after_its_last_bucket_fails_at_its_only_receiver(
     child: Child,
 ) -> None:
@@ -626,6 +642,7 @@ async def test_a_push_that_times_out_after_its_last_bucket_fails_at_its_only_rec
     assert sender.statistics().failed_pushes == 1
 
 
+@process
 async def test_cancelled_push_is_counted_and_the_next_push_works(child: Child) -> None:
     tensors = model_tensors()
     async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
@@ -649,6 +666,7 @@ async def test_cancelled_push_is_counted_and_the_next_push_works(child: Child) -
     assert reply["digests"] == digests(tensors)
 
 
+@process
 async def test_a_pack_job_outliving_its_cancelled_push_leaves_the_next_push_alone(
     child: Child, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -711,6 +729,7 @@ async def test_a_pack_job_outliving_its_cancelled_push_leaves_the_next_push_alon
     assert names == list(dict.fromkeys(s.name for b in plan for s in b.slots))  # in order, once
 
 
+@process
 async def test_close_during_a_push_fails_the_push_and_cleans_up(child: Child) -> None:
     async with open_weight_sender(
         bucket_bytes=16 * KB, receivers=1, ack_timeout=30, close_timeout=0.2
@@ -733,6 +752,7 @@ async def test_close_during_a_push_fails_the_push_and_cleans_up(child: Child) ->
     assert nonce_files(sender.nonce) == [] and not sender.runtime_dir.exists()
 
 
+@process
 async def test_hundred_pushes_leak_nothing(child: Child) -> None:
     tensors = {f"layer.{i}.weight": torch.randn(64, 64) for i in range(12)}
     rss: list[int] = []
@@ -753,6 +773,7 @@ async def test_hundred_pushes_leak_nothing(child: Child) -> None:
     assert child_rss[-1] - child_rss[9] < 16 << 20, "receiver memory grew"
 
 
+@process
 async def test_two_jobs_on_one_host_do_not_interfere(pair: tuple[Child, Child]) -> None:
     sets = [model_tensors(seed=1), model_tensors(seed=2)]
     async with (
@@ -778,6 +799,7 @@ async def test_two_jobs_on_one_host_do_not_interfere(pair: tuple[Child, Child]) 
     assert replies[1]["digests"] == digests(sets[1])
 
 
+@process
 async def test_sender_killed_leaves_nothing_on_disk_and_the_receiver_hears_of_it(
     child: Child,
 ) -> None:
@@ -800,6 +822,7 @@ async def test_sender_killed_leaves_nothing_on_disk_and_the_receiver_hears_of_it
         doomed.stop()
 
 
+@process
 async def test_close_is_idempotent_and_cleans_up(child: Child) -> None:
     async with open_weight_sender(bucket_bytes=16 * KB, ack_timeout=5) as sender:
         runtime_dir, nonce = sender.runtime_dir, sender.nonce
@@ -817,6 +840,7 @@ async def test_close_is_idempotent_and_cleans_up(child: Child) -> None:
     assert nonce_files(nonce) == [] and not runtime_dir.exists()
 
 
+@process
 async def test_parameters_that_require_grad_and_an_empty_push(child: Child) -> None:
     params = {n: torch.nn.Parameter(t.float()) for n, t in model_tensors(seed=5).items()}
     async with open_weight_sender(bucket_bytes=16 * KB, receivers=1, ack_timeout=30) as sender:
@@ -867,6 +891,7 @@ def test_sender_repr_and_statistics_before_start() -> None:
 
 @gpu
 @needs_cuda
+@process
 async def test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_reads(
     pair: tuple[Child, Child],
 ) -> None:
@@ -1014,6 +1039,7 @@ def lazy_copies(
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
+@process
 async def test_lazy_tensors_are_made_bucket_by_bucket_in_plan_order(
     child: Child, kind: str
 ) -> None:
@@ -1062,6 +1088,7 @@ async def test_lazy_tensors_are_made_bucket_by_bucket_in_plan_order(
                 assert when[name] >= times.free
 
 
+@process
 async def test_a_failing_make_fails_the_push_and_the_rest_are_still_made(child: Child) -> None:
     """A gather that fails mid-push fails it; every lazy tensor after it is still made (and
     dropped), so the other ranks' collectives are not left waiting; the next push works."""

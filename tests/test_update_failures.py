@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, load_weights
+from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, inject_fault, load_weights
 
 import asyncroll.weights as weights_module
 from asyncroll import (
@@ -25,12 +25,9 @@ from asyncroll import (
     WeightSyncError,
 )
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late, until_decoding
-from asyncroll.testing.faults import inject_fault
 from asyncroll.types import Segment
 from asyncroll.vllm import compat
 from asyncroll.weights import SenderChannel
-
-pytestmark = pytest.mark.engine
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 UP1 = "model.layers.1.mlp.up_proj.weight"
@@ -331,6 +328,7 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
 
 
 @retry_if_late
+@pytest.mark.engine
 async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
     tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

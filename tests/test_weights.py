@@ -16,18 +16,16 @@ from engine_helpers import (
     PROMPT_PARAMS,
     greedy,
     hold,
+    inject_fault,
     load_weights,
     until_decoding,
 )
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
-from asyncroll.testing.faults import inject_fault
 from asyncroll.transport import CudaIpcBackend, Piece, ShmBackend, WeightSender
 from asyncroll.types import PauseMode
 from asyncroll.weights import SenderChannel, WeightPusher, default_buffers
-
-pytestmark = pytest.mark.engine
 
 
 async def _next_steps(engine: VLLMEngine) -> int:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 40's GPU runs, in lanes of GPUs that run side by side, on a lent machine set up by
-# bench/gpu_setup.sh (docs/gpu.md). Every lane logs to $OUT/logs; the lanes' results land in
-# $OUT/results; both are packed into $OUT/session.tar.gz at the end (what comes back is
-# limited in number of files). The lanes share a host: their times are each lane's own, with
+# bench/gpu_setup.sh (docs/gpu.md). Every step logs to /root/session/logs and writes its results
+# to /root/session/results; after each step both are packed into $OUT/session.tar.gz, and the
+# steps' outcomes and headline lines into $OUT/summary.txt (what comes back is limited in
+# number of files, and a run call ends at 600 s: BUDGET, 550 s by default, stops new steps). The lanes share a host: their times are each lane's own, with
 # the host's CPUs shared (64 cores on the 4-GPU machine).
 #
 #   bash bench/gpu_session.sh first     # 4 GPUs: gpu_train hybrid1 and split2, examples (lane A)
@@ -11,7 +12,7 @@
 #   bash bench/gpu_session.sh tests     # the CUDA tests of the trainer and the update's pause
 set -uo pipefail
 OUT=${OUT:-out}
-W=/tmp/session  # logs and results; only the tarball and a summary go to $OUT
+W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
 mkdir -p "$OUT" "$W/logs" "$W/results" /tmp/models
 export PYTHONPATH=/root/site2:/root/site:/root/site3:$PWD:$PWD/bench
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -32,17 +33,34 @@ if not Path("/tmp/models/qwen3-0.6b").exists():
 EOF
 }
 
+DEADLINE=$((SECONDS + ${BUDGET:-550}))  # a run call ends at 600 s: leave time to pack up
+
+pack() {
+  tar czf "$OUT/session.tar.gz" -C "$W" logs results 2>/dev/null
+  cp "$W/logs/summary.txt" "$OUT/summary.txt" 2>/dev/null
+}
+
 run() {  # run NAME GPUS COMMAND...: one logged step of a lane; says how it ended
   local name=$1 gpus=$2; shift 2
-  local began=$SECONDS
-  CUDA_VISIBLE_DEVICES=$gpus timeout 900 "$@" >"$W/logs/$name.log" 2>&1
+  local began=$SECONDS left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "== $(date +%T) $name: skipped, no time left" | tee -a "$W/logs/summary.txt"; return
+  fi
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$left" "$@" >"$W/logs/$name.log" 2>&1
   local rc=$?
   echo "== $(date +%T) $name: rc=$rc in $((SECONDS - began)) s (GPUs $gpus)" | tee -a "$W/logs/summary.txt"
-  tail -n 4 "$W/logs/$name.log" | sed 's/^/     /'
+  grep -E "^reward|update median|^layout|^recipe|^sync|^one_step|^fully|G .* T |error|Error" \
+    "$W/logs/$name.log" | tail -n 12 | sed 's/^/     /' | tee -a "$W/logs/summary.txt"
+  pack
 }
 
 examples_lane_a() {  # on GPU $1
   run demo "$1" python3 examples/demo.py --steps 15 --plot "$W/results/demo.png"
+  run demo-vllm-kv "$1" python3 examples/demo.py --steps 15 --kv-cache-gib 0
+  if [ -d .old ]; then  # the tree the issue was filed on (fe4e6f5), for its update stall
+    run demo-fe4e6f5 "$1" env PYTHONPATH=/root/site2:/root/site:$PWD/.old \
+      python3 .old/examples/demo.py --steps 15
+  fi
   run fully_async-qwen3-0.6b "$1" python3 examples/fully_async.py --model /tmp/models/qwen3-0.6b \
     --steps 8 --response-len 256 --plot "$W/results/fully_async-qwen3-0.6b.png"
   run synchronous-hybrid-llama "$1" python3 examples/synchronous.py --hybrid \
@@ -92,6 +110,5 @@ for phase in "$@"; do
   echo "== $(date +%T) phase $phase"
   "phase_$phase"
 done
-tar czf "$OUT/session.tar.gz" -C "$OUT" logs results
-cp "$W/logs/summary.txt" "$OUT/summary.txt" 2>/dev/null
+pack
 echo "== $(date +%T) done: $(du -h "$OUT/session.tar.gz" | cut -f1)"

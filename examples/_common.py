@@ -117,6 +117,9 @@ def parser(default_steps: int = 30) -> argparse.ArgumentParser:
                         help="tokens per response of the band task")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="let vLLM capture CUDA graphs (faster decoding, slower start)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="the engine's KV cache on a GPU (default: 2 for the tiny model; "
+                             "0: vLLM sizes it from its share of the GPU)")
     return parser
 
 
@@ -180,8 +183,9 @@ def engine_arguments(setup: Setup, args: argparse.Namespace, *, hybrid: bool = F
         "enable_sleep_mode": hybrid,
         "dtype": "bfloat16",
     }
-    if setup.model is None:  # a tiny model: a few GiB of KV is millions of tokens
-        extra["kv_cache_memory_bytes"] = 2 << 30
+    gib = args.kv_cache_gib if args.kv_cache_gib is not None else (2 if setup.model is None else 0)
+    if gib:  # a tiny model: a few GiB of KV is millions of tokens
+        extra["kv_cache_memory_bytes"] = int(gib * 2**30)
     return extra
 
 

@@ -89,7 +89,10 @@ async def main(args: argparse.Namespace) -> None:
     if args.model is None:
         folder = Path(broadcast(tempfile.mkdtemp(prefix="asyncroll-fsdp-") if rank == 0 else None))
         if rank == 0:
-            make_tiny_model(folder / "policy", seed=0)
+            # TP=N splits the attention heads: N of them at least (64 each, as the CPU wants).
+            heads = max(2, world)
+            make_tiny_model(folder / "policy", seed=0, num_attention_heads=heads,
+                            num_key_value_heads=heads, hidden_size=64 * heads)
         dist.barrier()
         model = folder / "policy"
     else:

@@ -10,6 +10,7 @@ from typing import Any
 __all__ = [
     "engine_core_processes",
     "on_request_added",
+    "seeded_split_prefill_kills",
     "labels_versions",
     "pause_generation",
     "num_unfinished_requests",
@@ -41,6 +42,16 @@ def on_request_added(llm: Any, callback: Callable[[str], None]) -> None:
             callback(request_id)
 
     llm.add_request = add_request
+
+
+def seeded_split_prefill_kills(llm: Any) -> bool:
+    """A seeded request whose prefill is split across steps kills this engine: the CPU build
+    rewinds the request's generator with ``set_offset``, which torch's CPU generator lacks
+    (``vllm/v1/worker/gpu_model_runner.py``, the discarded tokens of partial prefills)."""
+    from vllm.platforms import current_platform
+
+    scheduler = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
+    return bool(current_platform.is_cpu() and getattr(scheduler, "enable_chunked_prefill", False))
 
 
 def labels_versions(llm: Any) -> bool:

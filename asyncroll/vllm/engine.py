@@ -126,6 +126,8 @@ class VLLMEngine:
         """Set while no request is in transit."""
         self._landed.set()
         compat.on_request_added(llm, self._request_added)
+        self._seeds_kill = compat.seeded_split_prefill_kills(llm)
+        """A seeded request would kill this engine (vLLM's CPU build, chunked prefill on)."""
         self._gate = AdmissionGate()
         self._paused = False
         self._sleeping_tags: set[str] = set()
@@ -706,6 +708,13 @@ class VLLMEngine:
             vocab_size=self.vocab_size,
             has_tokenizer=self.has_tokenizer,
         )
+        if resolved.get("seed") is not None and self._seeds_kill:
+            raise InvalidRequestError(
+                "seed: on vLLM's CPU build a seeded request whose prefill is split across "
+                "steps kills the engine (torch's CPU generator cannot rewind), and this engine "
+                "splits prefills (enable_chunked_prefill=True); start it without that argument "
+                "(asyncroll's default on CPU turns it off) or send no seed"
+            )
         try:
             return SamplingParams(
                 **resolved,
@@ -955,6 +964,11 @@ def _engine_args_with_defaults(model_path: Path, engine_args: Mapping[str, Any])
             os.environ.setdefault(key, value)
         args["gpu_memory_utilization"] = _CPU_MEMORY_UTILIZATION
         args["dtype"] = "bfloat16"
+        # The CPU build's worker rewinds the random generator of a seeded request whose
+        # prefill was split across steps, and torch's CPU generator cannot (`CPU Generator does
+        # not use offset`): the whole engine dies. Unsplit prefills never rewind. vLLM raises its
+        # token budget to the context length where the caller set none.
+        args["enable_chunked_prefill"] = False
     args.update(engine_args)
     return args
 

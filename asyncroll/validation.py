@@ -11,8 +11,9 @@ Invariants:
   ``vllm.SamplingParams`` accepts.
 - Only keys in ``SAMPLING_KEYS`` pass; the adapter owns ``logprobs``, ``detokenize``,
   ``output_kind`` and ``n`` (which may only be 1).
-- Engines run token-in/token-out (``detokenize=False``): nothing that needs detokenized text is
-  accepted, and nothing that needs a tokenizer unless the engine has one.
+- Engines run token-in/token-out (``detokenize=False``): nothing else that needs detokenized
+  text is accepted, and nothing that needs a tokenizer unless the engine has one (``stop``
+  strings, which the adapter detokenizes for, ``structured_outputs`` and ``bad_words``).
 """
 
 from __future__ import annotations
@@ -51,12 +52,21 @@ _OWNED_KEYS = frozenset({"logprobs", "detokenize", "output_kind"})
 """Sampling keys the adapter sets itself: its own log prob, token ids only, final output only."""
 
 _TEXT_KEYS = frozenset(
-    {"stop", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"}
+    {"include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"}
 )
 """Keys about detokenized text, which token-in/token-out engines never produce."""
 
-_TOKENIZER_KEYS = frozenset({"bad_words"})
-"""Keys vLLM resolves with the engine's tokenizer (silently ignored without one)."""
+_TOKENIZER_KEYS = frozenset({"bad_words", "stop", "structured_outputs"})
+"""Keys vLLM resolves with the engine's tokenizer (ignored or failing without one)."""
+
+STRUCTURED_OUTPUT_KINDS = frozenset(
+    {"json", "json_object", "regex", "choice", "grammar", "structural_tag"}
+)
+"""The constraints of ``structured_outputs`` (vLLM's ``StructuredOutputsParams``): exactly one."""
+
+_STRUCTURED_OPTIONS = frozenset(
+    {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +215,8 @@ def _check_key(key: str, limits: _Limits) -> None:
     if key in _TOKENIZER_KEYS and not limits.has_tokenizer:
         raise InvalidRequestError(
             f"sampling_params {key!r} needs a tokenizer and this engine has none "
-            "(skip_tokenizer_init); pass token ids instead (e.g. 'logit_bias')"
+            "(skip_tokenizer_init, or a model folder without tokenizer files): start the engine "
+            "with its tokenizer, or pass token ids instead ('stop_token_ids', 'logit_bias')"
         )
 
 
@@ -292,6 +303,21 @@ def _words(key: str, value: Any, limits: _Limits) -> list[str]:
     return list(value)
 
 
+def _structured(key: str, value: Any, limits: _Limits) -> dict[str, Any]:
+    """One constraint (``STRUCTURED_OUTPUT_KINDS``) and vLLM's options; the engine checks the
+    constraint itself (a schema or grammar it cannot compile is its ``InvalidRequestError``)."""
+    allowed = f"a mapping of one of {sorted(STRUCTURED_OUTPUT_KINDS)} (and options)"
+    if not isinstance(value, Mapping) or not all(isinstance(name, str) for name in value):
+        raise _bad(key, value, allowed)
+    kinds = [name for name in value if name in STRUCTURED_OUTPUT_KINDS and value[name] is not None]
+    unknown = set(value) - STRUCTURED_OUTPUT_KINDS - _STRUCTURED_OPTIONS
+    if len(kinds) != 1 or unknown:
+        raise _bad(key, value, allowed)
+    if value.get("json_object") not in (None, True):
+        raise _bad(key, value, "json_object=True where given")
+    return dict(value)
+
+
 def _check_token(key: str, token: Any, vocab_size: int) -> None:
     if not (_is_int(token) and 0 <= token < vocab_size):
         raise InvalidRequestError(
@@ -323,6 +349,8 @@ _FIELDS: dict[str, _Check] = {
     "allowed_token_ids": _token_ids(non_empty=True),
     "logit_bias": _logit_bias,
     "bad_words": _words,
+    "stop": _words,
+    "structured_outputs": _structured,
 }
 """The ``vllm.SamplingParams`` arguments a caller may set, each with its check. Ranges are
 vLLM's own (``SamplingParams._verify_args``, which caps temperature at 2 in 0.32, and the input
@@ -331,12 +359,13 @@ start, or return what a ``Segment`` does not carry."""
 
 _OPTIONAL = frozenset(
     {"seed", "max_tokens", "stop_token_ids", "allowed_token_ids", "logit_bias", "bad_words",
-     "skip_reading_prefix_cache"}
+     "skip_reading_prefix_cache", "stop", "structured_outputs"}
 )
 """Keys where None means vLLM's default (the key is then dropped)."""
 
 SAMPLING_KEYS = frozenset(_FIELDS)
-"""The sampling arguments a caller may pass (``bad_words`` only to an engine with a tokenizer)."""
+"""The sampling arguments a caller may pass (``bad_words``, ``stop`` and ``structured_outputs``
+only to an engine with a tokenizer)."""
 
 
 def _finite(key: str, value: object, allowed: str) -> float:

@@ -112,6 +112,29 @@ def test_every_accepted_key_is_a_vllm_sampling_argument() -> None:
     assert set(SAMPLING_KEYS) <= set(SamplingParams.__struct_fields__)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [{}, {"json": {}, "regex": "a"}, {"json_object": False}, {"jsn": {}}, "json", {"regex": None}],
+    ids=repr,
+)
+def test_structured_outputs_take_exactly_one_constraint(value: Any) -> None:
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs=.* is not allowed"):
+        _resolve({"structured_outputs": value}, has_tokenizer=True)
+
+
+def test_stop_strings_and_structured_outputs_reach_vllm_with_a_tokenizer() -> None:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    resolved = _resolve({"stop": ("a", "bc"), "structured_outputs": {
+        "json": {"type": "object"}, "disable_any_whitespace": True}}, has_tokenizer=True)
+    assert resolved["stop"] == ["a", "bc"]
+    structured = StructuredOutputsParams(**resolved.pop("structured_outputs"))
+    SamplingParams(**resolved, structured_outputs=structured, detokenize=True)
+    with pytest.raises(InvalidRequestError, match="non-empty str"):
+        _resolve({"stop": "abc"}, has_tokenizer=True)
+
+
 def test_words_need_a_tokenizer() -> None:
     with pytest.raises(InvalidRequestError, match="'bad_words' needs a tokenizer"):
         _resolve({"bad_words": ["foo"]})
@@ -128,7 +151,9 @@ def test_words_need_a_tokenizer() -> None:
         ({"foo": 1}, r"unknown sampling_params key 'foo'; accepted: \['allowed_token_ids'"),
         ({"logprobs": 1}, "may not set 'logprobs': asyncroll sets it"),
         ({"output_kind": 0}, "may not set 'output_kind'"),
-        ({"stop": ["x"]}, "'stop': it needs detokenized text .* 'stop_token_ids'"),
+        ({"stop": ["x"]}, "'stop' needs a tokenizer .*'stop_token_ids'"),
+        ({"include_stop_str_in_output": True}, "needs detokenized text .* 'stop_token_ids'"),
+        ({"structured_outputs": {"json_object": True}}, "'structured_outputs' needs a tokenizer"),
         ({"n": 2}, "n=2 is not allowed: n must be 1"),
         ({"n": True}, "n=True is not allowed"),
         ({"seed": 2**70}, r"seed=1180591620717411303424 .* in \[-2\*\*63, 2\*\*64 - 1\]"),

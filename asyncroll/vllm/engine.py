@@ -716,10 +716,15 @@ class VLLMEngine:
                 "(asyncroll's default on CPU turns it off) or send no seed"
             )
         try:
+            if "structured_outputs" in resolved:  # vLLM takes its own object, not a mapping
+                from vllm.sampling_params import StructuredOutputsParams
+
+                resolved["structured_outputs"] = StructuredOutputsParams(
+                    **resolved["structured_outputs"])
             return SamplingParams(
                 **resolved,
                 output_kind=RequestOutputKind.FINAL_ONLY,
-                detokenize=False,
+                detokenize="stop" in resolved,  # vLLM matches stop strings on the text
                 # Log probs in plain lists, not a dict and a Logprob object per token: at 256
                 # requests of 1500 tokens those were ~800k objects for every full gc pass to walk.
                 flat_logprobs=True,

@@ -364,6 +364,9 @@ class AsyncServerManager:
             except WeightSyncError:
                 self._num_failed_updates += 1
                 raise
+            except BaseException:  # cancelled: perhaps after the engines took the new label
+                self._adopt_committed(global_steps)
+                raise
             finally:
                 self._gate.set()
             if global_steps is not None:
@@ -372,6 +375,17 @@ class AsyncServerManager:
             self._recent_updates.append(report)
             self._update_metrics.observe(report)
             return report
+
+    def _adopt_committed(self, global_steps: int | None) -> None:
+        """An update cancelled once every live engine had labelled its weights ``global_steps``
+        (the label is applied shielded, so a cancellation there lets it finish) is published
+        all the same: the manager's version never disagrees with what its engines serve."""
+        live = [e for e in self._engines if not e.is_dead]
+        if global_steps is None or not live:
+            return
+        if all(getattr(e, "global_steps", None) == global_steps for e in live):
+            self._global_steps = global_steps
+            self._num_updates += 1
 
     async def aclose(self) -> None:
         """Release the weight pusher. Idempotent; engines stay the caller's to close."""

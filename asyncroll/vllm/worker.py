@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
-from asyncroll.fingerprints import Fingerprinter, holds_exactly
+from asyncroll.fingerprints import Fingerprinter, fingerprints, holds_exactly
 from asyncroll.load_plan import LoadPlan, PlanStatistics
 from asyncroll.transport import WeightReceiver
 from asyncroll.transport.broadcast import BroadcastReceiver
@@ -156,6 +156,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._mixed = False
         """A push failed without a backup: the served weights are partly loaded."""
         self._pending: dict[str, torch.Tensor] = {}
+        self._arrived: dict[str, bytes] = {}
+        """Fingerprints of the tensors as they arrived (layerwise loads): the check of those the
+        model holds fused or repacked, which cannot be found whole after the load."""
         self._active = False
         self._touched = False
         """The update in progress has handed tensors to the model's loader."""
@@ -261,6 +264,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if worker_driven:
             self._begin()
         keep = self._keeps_copies()
+        self._arrived = {}
         received: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         handed: set[str] = set()
         """Names that arrived, and names that reached the model's loader (or their place):
@@ -276,6 +280,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     f"pieces of tensors ({next(iter(parts))!r}, ...) need the direct load with a"
                     " load plan"
                 )
+            if not direct:  # what arrived, for the tensors no longer whole once loaded
+                self._arrived.update(fingerprints(dict(arrived)))
             self.before_load(batch)
             batch = self.to_load(batch)
             self._touched = True  # from here on a failure may leave the batch partly loaded
@@ -420,7 +426,16 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             self._verify_key = key
             self._verify_targets = (found, as_pushed)
         wrong = self._fingerprinter.differing(found, pushed, as_pushed)
-        self.verified = (len(found), len(pushed) - len(found))
+        arrived = [n for n in pushed if n in received and n not in found and n in self._arrived]
+        torn = [n for n in arrived if self._arrived[n] != pushed[n]]
+        self.verified = (len(found) + len(arrived), len(pushed) - len(found) - len(arrived))
+        if torn:
+            shown = ", ".join(torn[:5]) + (f" and {len(torn) - 5} more" if len(torn) > 5 else "")
+            raise WeightSyncError(
+                f"push {report.push} (version {report.version}): {len(torn)} tensors arrived"
+                f" other than they were before the pause (changed while update_weights read"
+                f" them? they must not change until it returns): {shown}"
+            )
         if wrong:
             shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
             raise WeightSyncError(

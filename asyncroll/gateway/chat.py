@@ -3,7 +3,8 @@
 Invariants:
 - ``parse_chat_request`` accepts a request only if every key is one it honours or one that
   changes nothing here (``ALLOWED_IGNORED``); anything else is a ``ChatRequestError`` naming the
-  parameter, raised before a token is generated.
+  parameter, raised before a token is generated. ``stop``, ``response_format`` and a forced
+  ``tool_choice`` become vLLM sampling arguments (``asyncroll.gateway.constraints``).
 - ``assistant_reply`` never raises on model output: a ``<tool_call>`` it cannot read stays in
   the content as text (as vLLM's Hermes parser leaves it).
 - ``message_key`` is equal for two messages exactly when the gateway treats them as the same
@@ -19,7 +20,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncroll.errors import InvalidRequestError
+from asyncroll.gateway.constraints import (
+    ToolChoice,
+    output_constraint,
+    parse_response_format,
+    parse_stop,
+    parse_tool_choice,
+)
+from asyncroll.gateway.errors import ChatRequestError
 
 __all__ = [
     "ALLOWED_IGNORED",
@@ -30,32 +38,6 @@ __all__ = [
     "message_key",
     "parse_chat_request",
 ]
-
-
-class ChatRequestError(InvalidRequestError):
-    """A request the gateway refuses, with what OpenAI's error format needs."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        code: str | None = None,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.param = param
-        self.type = type
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body OpenAI's API answers errors with."""
-        return {
-            "error": {"message": str(self), "type": self.type, "param": self.param,
-                      "code": self.code}
-        }
 
 
 SAMPLING_KEYS = {
@@ -75,6 +57,9 @@ SAMPLING_KEYS = {
 }
 """Request key -> vLLM sampling argument; the manager checks the values."""
 
+AUTO = ToolChoice()
+"""``tool_choice`` left to the model."""
+
 ALLOWED_IGNORED = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier"})
 """Keys that change nothing about the tokens: accepted and ignored."""
 
@@ -92,6 +77,21 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    stop: tuple[str, ...] = ()
+    """Stop strings: the reply's content ends before the first one (the tokens keep it)."""
+    tool_choice: ToolChoice = AUTO
+
+    @property
+    def needs_tokenizer(self) -> tuple[str, str] | None:
+        """What in this request the engines need a tokenizer for, and its parameter."""
+        if self.stop:
+            return "stop strings", "stop"
+        if "structured_outputs" not in self.sampling_params:
+            return None
+        if self.tool_choice.mode in ("required", "function"):
+            return f"tool_choice {self.tool_choice.name or self.tool_choice.mode!r}", \
+                "tool_choice"
+        return "a JSON response_format", "response_format"
 
 
 def parse_chat_request(body: object, *, models: Sequence[str]) -> ChatRequest:
@@ -99,8 +99,7 @@ def parse_chat_request(body: object, *, models: Sequence[str]) -> ChatRequest:
 
     Raises:
         ChatRequestError: not an object, a missing or malformed field, an unknown model (404),
-            or a parameter the gateway does not support (``n`` > 1, ``stop`` strings,
-            ``tool_choice`` other than ``auto``/``none``, ...).
+            or a parameter the gateway does not support (``n`` > 1, ``top_logprobs``, ...).
     """
     if not isinstance(body, dict):
         raise ChatRequestError("the request body must be a JSON object")
@@ -122,21 +121,37 @@ def parse_chat_request(body: object, *, models: Sequence[str]) -> ChatRequest:
         )
     _check_unsupported(body)
     tools = _tools(body.get("tools"))
-    if body.get("tool_choice", "auto") == "none":
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    if choice.mode == "none":
         tools = None
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ChatRequestError("'stream_options' must be an object", param="stream_options")
+    stop = parse_stop(body.get("stop"))
+    constraint = output_constraint(tools=tools, choice=choice,
+                                   json_format=parse_response_format(body.get("response_format")))
     return ChatRequest(
         model=model,
         messages=_messages(body.get("messages")),
         tools=tools,
-        sampling_params=_sampling_params(body),
+        sampling_params=constrained(_sampling_params(body), stop=stop, constraint=constraint),
         stream=stream,
         include_usage=stream and bool(options.get("include_usage")),
         logprobs=_flag(body, "logprobs"),
+        stop=stop,
+        tool_choice=choice,
     )
+
+
+def constrained(params: dict[str, Any], *, stop: Sequence[str],
+                constraint: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``params`` with the stop strings and the output constraint (where given) added."""
+    if stop:
+        params["stop"] = list(stop)
+    if constraint is not None:
+        params["structured_outputs"] = dict(constraint)
+    return params
 
 
 def _sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -157,26 +172,9 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
             "only n=1 is supported: open one session per sample (GRPO groups are sessions)",
             code="unsupported_parameter", param="n",
         )
-    if body.get("stop"):
-        raise ChatRequestError(
-            "stop strings are not supported: the engines run without a tokenizer",
-            code="unsupported_parameter", param="stop",
-        )
     if body.get("top_logprobs"):
         raise ChatRequestError(
             "top_logprobs is not supported", code="unsupported_parameter", param="top_logprobs"
-        )
-    choice = body.get("tool_choice", "auto")
-    if choice not in ("auto", "none"):
-        raise ChatRequestError(
-            f"tool_choice {choice!r} is not supported (only 'auto' and 'none')",
-            code="unsupported_parameter", param="tool_choice",
-        )
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise ChatRequestError(
-            "only response_format {'type': 'text'} is supported",
-            code="unsupported_parameter", param="response_format",
         )
 
 
@@ -276,7 +274,7 @@ def message_key(message: Mapping[str, Any]) -> str:
 def _json_or_text(arguments: str) -> object:
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # text, or nested past Python's stack
         return arguments
 
 
@@ -325,7 +323,7 @@ def assistant_reply(text: str, *, tools: bool) -> AssistantReply:
 def _hermes(raw: str) -> dict[str, Any] | None:
     try:
         payload = json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         return None

@@ -9,17 +9,24 @@ async with open_gateway(manager, tokenizer=model_dir, model="policy") as gateway
     result = await gateway.finish_session(session.id, reward=1.0)  # exact tokens, mask, versions
 ```
 
-Routes: ``POST /v1/chat/completions`` (streaming with ``"stream": true``), ``GET /v1/models``,
-the same under ``/s/{session_id}/v1/`` (a base URL per session, so an agent needs no change),
-``POST /sessions`` and ``POST /sessions/{session_id}/finish``. A request names its session by the
-path or an ``X-Session-Id`` header; without one the gateway opens a session and answers its id
-in ``X-Session-Id``.
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/responses`` (each streaming with
+``"stream": true``), ``GET /v1/models``, the same under ``/s/{session_id}/v1/`` (a base URL per
+session), ``POST /sessions`` and ``POST /sessions/{session_id}/finish``. A request names its
+session by the path or an ``X-Session-Id`` header (a Responses request also by its
+``previous_response_id``); one that names none continues the session whose recorded
+conversation it extends (``asyncroll.gateway.matching``), or opens one; either way the reply
+says which in ``X-Session-Id``. So an agent on the plain ``/v1`` base URL records one
+trajectory per conversation.
 
 Invariants:
 - A session runs one turn at a time (a per-session lock); sessions run concurrently.
-- A refused request (bad JSON, unknown model, unsupported parameter, over-long conversation,
-  unknown session, wrong API key) is a 4xx in OpenAI's error format; it reaches no engine and
-  changes no session.
+- A refused request (bad JSON, a body too large, too deep or not ``application/json``, unknown
+  model, unsupported parameter, a feature the engines cannot serve, over-long conversation,
+  unknown session, wrong API key, a ``Host`` not allowed) is a 4xx in OpenAI's error format;
+  it reaches no engine and changes no session. Nothing a client sends is answered with a 5xx:
+  those are for no engine able to serve (503) and the gateway's own bugs (500).
+- Without an API key, only requests whose ``Host`` is an IP address, ``localhost`` or one of
+  ``allowed_hosts`` are served: a web page cannot reach the gateway by DNS rebinding.
 - The server lives in a task owned by ``open_gateway``'s block; leaving the block stops it and
   closes its socket, whatever happened inside.
 """
@@ -34,7 +41,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -45,13 +52,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncroll.errors import InvalidRequestError, ManagerClosedError, NoEngineAvailableError
+from asyncroll.gateway import responses
 from asyncroll.gateway.chat import (
     AssistantReply,
     ChatRequest,
     ChatRequestError,
     assistant_reply,
+    message_key,
     parse_chat_request,
 )
+from asyncroll.gateway.constraints import cut_at_stop
+from asyncroll.gateway.http import BodyRules, check_host, read_json, reward_value
+from asyncroll.gateway.matching import Candidate, continued_session, opening
 from asyncroll.gateway.render import HFChatRenderer
 from asyncroll.gateway.session import ChatRenderer, PreparedTurn, Session, SessionResult
 from asyncroll.types import TokenOutput, version_range
@@ -65,7 +77,9 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-
+Turn = tuple[ChatRequest, Session, TokenOutput, AssistantReply, bool]
+"""A served turn: the checked request, its session, the output, the parsed reply, whether it
+forked the session's trajectory."""
 
 
 class ReplyParser(Protocol):
@@ -129,6 +143,8 @@ class Gateway:
         max_sessions: int = 4096,
         reply_parser: ReplyParser = assistant_reply,
         auto_session_idle_s: float = 600.0,
+        allowed_hosts: Sequence[str] = (),
+        max_body_bytes: int | None = None,
     ) -> None:
         """Args:
             manager: Where turns are generated.
@@ -142,6 +158,10 @@ class Gateway:
                 vLLM's tool parsers) in the same signature.
             auto_session_idle_s: A session the gateway opened for a request that named none
                 is dropped once it has been idle this long (checked when another opens).
+            allowed_hosts: Host names served without an API key besides IP addresses and
+                ``localhost`` (the ``Host`` check against DNS rebinding).
+            max_body_bytes: The largest request body (413 past it); by default 64 bytes per
+                token of the engines' context, at least 1 MiB.
         """
         if not isinstance(model, str) or not model:
             raise InvalidRequestError(f"the gateway needs a model name, not {model!r}")
@@ -165,6 +185,17 @@ class Gateway:
         self._sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._counts = _Counts()
+        self._openings: dict[str, set[str]] = {}
+        """How a conversation opens (``matching.opening``) -> the auto sessions opened so."""
+        self._opening_of: dict[str, str] = {}
+        self._responses: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        """Response id -> its session and its conversation (``previous_response_id``)."""
+        self._responses_of: dict[str, list[str]] = {}
+        context = min(engine.max_model_len for engine in manager.engines)
+        self._body_rules = BodyRules(
+            max_bytes=max_body_bytes if max_body_bytes is not None
+            else max(1 << 20, 64 * context),
+            hosts=frozenset(allowed_hosts) if api_key is None else None)
         self.app = self._make_app()
 
     def __repr__(self) -> str:
@@ -210,8 +241,10 @@ class Gateway:
         """Close a session (after its running turn, if any) and return its training data.
 
         Raises:
-            ChatRequestError: no open session has this id (404).
+            ChatRequestError: no open session has this id (404), or ``reward`` is not a finite
+                number (400; the session stays open).
         """
+        reward = reward_value(reward)
         self._session(session_id)
         async with self._locks[session_id]:
             session = self._session(session_id)  # a concurrent finish may have won
@@ -219,9 +252,12 @@ class Gateway:
             self._counts.finished += 1
         return session.result(reward)
 
-    async def chat(self, body: object, *, session_id: str | None = None
-                   ) -> tuple[ChatRequest, Session, TokenOutput, AssistantReply, bool]:
-        """One turn, without HTTP: check, render, generate, record.
+    def auto_session_ids(self) -> list[str]:
+        """The open sessions the gateway opened for requests that named none."""
+        return [session_id for session_id in self._sessions if session_id in self._auto]
+
+    async def chat(self, body: object, *, session_id: str | None = None) -> Turn:
+        """One chat turn, without HTTP: check, render, generate, record.
 
         Returns:
             The checked request, its session, the output, the parsed reply, and whether the
@@ -231,20 +267,81 @@ class Gateway:
             ChatRequestError: a refused request (see the module invariants).
             NoEngineAvailableError, ManagerClosedError: no engine can serve.
         """
-        request = parse_chat_request(body, models=(self.model,))
+        return await self._serve(parse_chat_request(body, models=(self.model,)), session_id)
+
+    async def respond(self, body: object, *, session_id: str | None = None
+                      ) -> tuple[Turn, dict[str, Any]]:
+        """One Responses API turn, without HTTP: as ``chat``, and the ``response`` object.
+
+        Raises:
+            ChatRequestError: a refused request, or an unknown ``previous_response_id`` (404).
+            NoEngineAvailableError, ManagerClosedError: no engine can serve.
+        """
+        call = responses.chat_body(body)
+        earlier: list[dict[str, Any]] = []
+        if call.previous_response_id is not None:
+            owner, earlier = self._previous(call.previous_response_id, session_id)
+            session_id = owner
+        request = parse_chat_request(
+            {**call.chat, "messages": [*call.instructions, *earlier, *call.input]},
+            models=(self.model,))
+        turn = await self._serve(request, session_id)
+        _, session, output, reply, fork = turn
+        rid = responses.response_id()
+        kept = [*request.messages[len(call.instructions):], reply.message()]
+        self._responses[rid] = (session.id, kept)
+        self._responses_of.setdefault(session.id, []).append(rid)
+        body = {**body, "previous_response_id": call.previous_response_id} \
+            if isinstance(body, dict) else {}
+        return turn, responses.response_body(
+            rid=rid, model=self.model, body=body, items=responses.output_items(reply, rid),
+            usage={"prompt": output.num_prompt_tokens, "completion": len(output.token_ids),
+                   "cached": output.num_cached_tokens},
+            finish=output.finish_reason, extra=_extra(session, output, fork))
+
+    def _previous(self, response_id: str, session_id: str | None
+                  ) -> tuple[str, list[dict[str, Any]]]:
+        found = self._responses.get(response_id)
+        if found is None or found[0] not in self._sessions:
+            raise ChatRequestError(f"no response {response_id!r} in an open session",
+                                   status=404, code="previous_response_not_found",
+                                   param="previous_response_id")
+        if session_id is not None and session_id != found[0]:
+            raise ChatRequestError(f"response {response_id!r} belongs to another session",
+                                   param="previous_response_id")
+        return found
+
+    async def _serve(self, request: ChatRequest, session_id: str | None) -> Turn:
+        """A turn on the named session, the one the conversation continues, or a new one."""
         if session_id is not None:
             return await self._turn(request, session_id)
         if not self._auto_sessions:
             raise ChatRequestError("name a session: /s/<id>/v1/... or X-Session-Id",
                                    code="session_required")
+        keys = [message_key(message) for message in request.messages]
+        found = self._continued(request.messages, keys)
+        if found is not None:
+            return await self._turn(request, found, keys)
         self._drop_idle_auto_sessions()
         session_id = self.open_session().id
         self._auto.add(session_id)
         try:
-            return await self._turn(request, session_id)
+            turn = await self._turn(request, session_id, keys)
         except BaseException:
             self._drop(session_id)  # its first turn failed: nothing to keep
             raise
+        key = self._opening_of[session_id] = opening(request.messages)
+        self._openings.setdefault(key, set()).add(session_id)
+        return turn
+
+    def _continued(self, messages: list[dict[str, Any]], keys: list[str]) -> str | None:
+        candidates = [
+            Candidate(session_id, session.record, session.last_used,
+                      self._locks[session_id].locked())
+            for session_id in self._openings.get(opening(messages), ())
+            if (session := self._sessions.get(session_id)) is not None
+        ]
+        return continued_session(messages, keys, candidates)
 
     def _drop_idle_auto_sessions(self) -> None:
         """Auto sessions nobody finishes (a plain OpenAI client) must not fill the table."""
@@ -263,17 +360,26 @@ class Gateway:
         self._sessions.pop(session_id, None)
         self._locks.pop(session_id, None)
         self._auto.discard(session_id)
+        key = self._opening_of.pop(session_id, None)
+        if key is not None:
+            opened = self._openings.get(key, set())
+            opened.discard(session_id)
+            if not opened:
+                self._openings.pop(key, None)
+        for response_id in self._responses_of.pop(session_id, ()):
+            self._responses.pop(response_id, None)
 
-    async def _turn(self, request: ChatRequest, session_id: str
-                    ) -> tuple[ChatRequest, Session, TokenOutput, AssistantReply, bool]:
+    async def _turn(self, request: ChatRequest, session_id: str,
+                    keys: list[str] | None = None) -> Turn:
         self._session(session_id)
+        self._check_engines_serve(request)
         lock = self._locks[session_id]
         async with lock:
             session = self._session(session_id)
             if self._locks.get(session_id) is not lock:  # finished and opened anew meanwhile
                 raise ChatRequestError(f"session {session_id!r} was finished",
                                        status=404, code="session_not_found")
-            turn = self._prepare(session, request)
+            turn = self._prepare(session, request, keys)
             params = dict(request.sampling_params)
             if not params.get("ignore_eos"):  # end turns where the renderer ends them
                 params["stop_token_ids"] = sorted(self.renderer.eos_token_ids)
@@ -287,16 +393,31 @@ class Gateway:
                 raise
             except InvalidRequestError as exc:
                 raise ChatRequestError(str(exc)) from exc
-            reply = self._parse_reply(session.reply_text(output.token_ids),
-                                      tools=bool(request.tools))
+            text = session.reply_text(output.token_ids)
+            if request.stop:  # the content ends before the stop string; the tokens keep it
+                text = cut_at_stop(text, request.stop)[0]
+            reply = self._parse_reply(text, tools=bool(request.tools))
             session.commit(turn, output, reply, seconds=time.perf_counter() - started)
         self._counts.turns += 1
         self._counts.forks += turn.fork
         return request, session, output, reply, turn.fork
 
-    def _prepare(self, session: Session, request: ChatRequest) -> PreparedTurn:
+    def _check_engines_serve(self, request: ChatRequest) -> None:
+        needs = request.needs_tokenizer
+        if needs is None or all(getattr(engine, "has_tokenizer", False)
+                                for engine in self.manager.engines):
+            return
+        feature, param = needs
+        raise ChatRequestError(
+            f"{feature} need engines with a tokenizer, and this gateway's engines run without "
+            "one (skip_tokenizer_init=True, or a model folder without tokenizer files): start "
+            "them with the model's tokenizer (VLLMEngine.launch(model_dir) loads it by default)",
+            code="unsupported_parameter", param=param)
+
+    def _prepare(self, session: Session, request: ChatRequest, keys: list[str] | None
+                 ) -> PreparedTurn:
         try:
-            turn = session.prepare(request.messages, request.tools)
+            turn = session.prepare(request.messages, request.tools, keys=keys)
         except Exception as exc:  # jinja raises its own errors on conversations it rejects
             raise ChatRequestError(
                 f"the chat template could not render the conversation: {exc}", param="messages"
@@ -318,6 +439,7 @@ class Gateway:
 
     def _authorize(self, headers: Mapping[str, str]) -> None:
         if self._api_key is None:
+            check_host(headers, self._body_rules)
             return
         given = headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), self._api_key.encode()):
@@ -354,27 +476,28 @@ class Gateway:
                 {"id": self.model, "object": "model", "created": 0, "owned_by": "asyncroll"}]})
 
         async def completions(request: Request) -> Response:
-            self._counts.requests += 1
-            self._authorize(request.headers)
-            session_id = request.path_params.get("session_id") or request.headers.get(
-                "x-session-id")
-            body = _decode(await request.body())
-            try:
-                turn = await _unless_disconnected(request, self.chat(body, session_id=session_id))
-                if turn is None:  # the client left: the turn was aborted and not recorded
-                    return Response(status_code=499)
-                chat, session, output, reply, fork = turn
-            except (NoEngineAvailableError, ManagerClosedError) as exc:
-                self._counts.failed += 1
-                error = ChatRequestError(str(exc), status=503, type="server_error",
-                                         code="unavailable")
-                return JSONResponse(error.body(), status_code=503)
+            served = await self._over_http(request, self.chat)
+            if isinstance(served, Response):
+                return served
+            chat, session, output, reply, fork = served
             headers = {"X-Session-Id": session.id}
             completion = _completion(self, chat, session, output, reply, fork)
             if chat.stream:
                 return StreamingResponse(_sse(completion, chat), headers=headers,
                                          media_type="text/event-stream")
             return Response(msgspec.json.encode(completion), headers=headers,
+                            media_type="application/json")
+
+        async def respond(request: Request) -> Response:
+            served = await self._over_http(request, self.respond)
+            if isinstance(served, Response):
+                return served
+            (chat, session, *_), body = served
+            headers = {"X-Session-Id": session.id}
+            if chat.stream:
+                return StreamingResponse(_events(body), headers=headers,
+                                         media_type="text/event-stream")
+            return Response(msgspec.json.encode(body), headers=headers,
                             media_type="application/json")
 
         async def open_session(request: Request) -> Response:
@@ -384,21 +507,41 @@ class Gateway:
 
         async def finish(request: Request) -> Response:
             self._authorize(request.headers)
-            raw = await request.body()
-            body = _decode(raw) if raw else {}
-            reward = body.get("reward") if isinstance(body, dict) else None
-            if reward is not None and (isinstance(reward, bool)
-                                       or not isinstance(reward, int | float)):
-                raise ChatRequestError("'reward' must be a number", param="reward")
+            body = await read_json(request.stream(), request.headers, self._body_rules,
+                                   empty={})
+            reward = reward_value(body.get("reward") if isinstance(body, dict) else None)
             result = await self.finish_session(request.path_params["session_id"], reward=reward)
             return JSONResponse(_result_json(result))
 
         for prefix in ("", "/s/{session_id}"):
             app.add_api_route(f"{prefix}/v1/models", models, methods=["GET"])
             app.add_api_route(f"{prefix}/v1/chat/completions", completions, methods=["POST"])
+            app.add_api_route(f"{prefix}/v1/responses", respond, methods=["POST"])
         app.add_api_route("/sessions", open_session, methods=["POST"])
         app.add_api_route("/sessions/{session_id}/finish", finish, methods=["POST"])
         return app
+
+    async def _over_http(self, request: Request, serve: Callable[..., Awaitable[_T]]
+                         ) -> _T | Response:
+        """Check, read and serve one request; a Response where it ends otherwise (the client
+        left: 499; no engine can serve: 503)."""
+        self._counts.requests += 1
+        self._authorize(request.headers)
+        session_id = request.path_params.get("session_id") or request.headers.get(
+            "x-session-id")
+        body = await read_json(request.stream(), request.headers, self._body_rules)
+        try:
+            served = await _unless_disconnected(request, serve(body, session_id=session_id))
+        except RecursionError as exc:  # a body nested past what the template or json takes
+            raise ChatRequestError("the body's JSON is nested too deeply") from exc
+        except (NoEngineAvailableError, ManagerClosedError) as exc:
+            self._counts.failed += 1
+            error = ChatRequestError(str(exc), status=503, type="server_error",
+                                     code="unavailable")
+            return JSONResponse(error.body(), status_code=503)
+        if served is None:  # the client left: the turn was aborted and not recorded
+            return Response(status_code=499)
+        return served
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
@@ -425,7 +568,6 @@ async def _disconnect(request: Request) -> None:
 
 def _completion(gateway: Gateway, chat: ChatRequest, session: Session, output: TokenOutput,
                 reply: AssistantReply, fork: bool) -> dict[str, Any]:
-    low, high = version_range(output.global_steps)
     finish = "tool_calls" if reply.tool_calls else (
         output.finish_reason if output.finish_reason in ("length", "abort") else "stop")
     choice: dict[str, Any] = {"index": 0, "message": reply.message(), "finish_reason": finish,
@@ -445,10 +587,15 @@ def _completion(gateway: Gateway, chat: ChatRequest, session: Session, output: T
         "usage": {"prompt_tokens": output.num_prompt_tokens,
                   "completion_tokens": len(output.token_ids),
                   "total_tokens": output.num_prompt_tokens + len(output.token_ids)},
-        "asyncroll": {"session_id": session.id, "min_global_steps": low,
-                      "max_global_steps": high, "num_preempted": output.num_preempted,
-                      "fork": fork},
+        "asyncroll": _extra(session, output, fork),
     }
+
+
+def _extra(session: Session, output: TokenOutput, fork: bool) -> dict[str, Any]:
+    """What a reply says of its turn under ``asyncroll``."""
+    low, high = version_range(output.global_steps)
+    return {"session_id": session.id, "min_global_steps": low, "max_global_steps": high,
+            "num_preempted": output.num_preempted, "fork": fork}
 
 
 async def _sse(completion: dict[str, Any], chat: ChatRequest) -> AsyncIterator[bytes]:
@@ -479,11 +626,9 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-def _decode(body: bytes) -> Any:
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise ChatRequestError(f"the body is not valid JSON: {exc}") from exc
+async def _events(response: dict[str, Any]) -> AsyncIterator[bytes]:
+    for event in responses.response_events(response):
+        yield event
 
 
 def _server_class() -> type[Any]:
@@ -529,6 +674,8 @@ async def open_gateway(
     auto_sessions: bool = True,
     max_sessions: int = 4096,
     reply_parser: ReplyParser = assistant_reply,
+    allowed_hosts: Sequence[str] = (),
+    max_body_bytes: int | None = None,
 ) -> AsyncIterator[Gateway]:
     """Serve a ``Gateway`` over HTTP for the block's duration.
 
@@ -544,6 +691,9 @@ async def open_gateway(
         auto_sessions: Open a session for a request that names none.
         max_sessions: Most open sessions at once.
         reply_parser: Generated text -> reply (Hermes tool calls by default).
+        allowed_hosts: ``Host`` names served without an API key besides IP addresses and
+            ``localhost`` (``host`` itself is one where it is a name).
+        max_body_bytes: The largest request body (see ``Gateway``).
 
     Raises:
         InvalidRequestError: a bad port.
@@ -558,7 +708,8 @@ async def open_gateway(
                                   chat_template=chat_template)
     gateway = Gateway(manager, renderer, model=model, api_key=api_key,
                       auto_sessions=auto_sessions, max_sessions=max_sessions,
-                      reply_parser=reply_parser)
+                      reply_parser=reply_parser, allowed_hosts=(*allowed_hosts, host),
+                      max_body_bytes=max_body_bytes)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

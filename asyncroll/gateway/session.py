@@ -4,6 +4,9 @@ How a turn is prepared (``Session.prepare``):
 1. Assistant messages the agent sends back unchanged (same content and tool calls as the gateway
    returned) are replaced by the text of the tokens the model generated for them, so the model's
    own tokens are never re-tokenized and a template's re-formatting of tool calls cannot drift.
+   So are those it sends back rewritten (tool calls as plain text, whitespace normalised: the
+   loose match of ``asyncroll.gateway.matching``), the first recorded reply after the last one
+   matched that matches.
 2. The conversation is rendered with the chat template. If the text starts with the text the
    current trajectory's tokens stand for, only the rest (the end of the last turn, tool results,
    new user turns, the generation prompt) is tokenized and appended with loss mask 0.
@@ -28,6 +31,7 @@ from typing import Any, Protocol
 
 from asyncroll.agent_loop import AgentLoopMetrics, AgentLoopOutput, ResponseBuilder, StopReason
 from asyncroll.gateway.chat import AssistantReply, message_key
+from asyncroll.gateway.matching import Recorded, matches
 from asyncroll.types import TokenOutput
 
 __all__ = ["ChatRenderer", "PreparedTurn", "Session", "SessionResult"]
@@ -92,6 +96,8 @@ class PreparedTurn:
     """The current trajectory does not prefix the rendered prompt: a new one starts."""
     epoch: int
     """The session's number of commits when prepared; a commit of a stale turn is refused."""
+    sent: tuple[Recorded, ...] = ()
+    """The conversation as the agent sent it (the session's record once committed)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,9 +123,13 @@ class Session:
         self._budget = budget
         self._finished: list[_Trajectory] = []
         self._current: _Trajectory | None = None
-        self._replies: dict[str, list[str]] = {}
-        """message_key of a returned assistant message -> the texts of the generated tokens of
-        each reply with that key, in order (two replies may read the same to the agent)."""
+        self._replies: dict[str, list[int]] = {}
+        """message_key of a returned assistant message -> the index in ``_given`` of each reply
+        with that key, in order (two replies may read the same to the agent)."""
+        self._given: list[Recorded] = []
+        """Every reply given, in order, with the text of its generated tokens."""
+        self.record: tuple[Recorded, ...] = ()
+        """The conversation as of the last turn: what the agent sent, then the reply."""
         self.num_forks = 0
         self.num_turns = 0
         self.created = self.last_used = time.monotonic()
@@ -130,17 +140,24 @@ class Session:
                 f"forks={self.num_forks}>")
 
     def prepare(self, messages: Sequence[dict[str, Any]],
-                tools: Sequence[dict[str, Any]] | None) -> PreparedTurn:
-        """The prompt for the next turn (see the module docstring); changes nothing."""
-        rendered = self.renderer.render(self._substituted(messages), tools)
+                tools: Sequence[dict[str, Any]] | None, *,
+                keys: Sequence[str] | None = None) -> PreparedTurn:
+        """The prompt for the next turn (see the module docstring); changes nothing.
+
+        ``keys``: the messages' ``message_key``s, where the caller has them already."""
+        if keys is None:
+            keys = [message_key(message) for message in messages]
+        sent = tuple(Recorded(message, None, key) for message, key in zip(messages, keys,
+                                                                          strict=True))
+        rendered = self.renderer.render(self._substituted(sent), tools)
         current = self._current
         if current is not None and rendered.startswith(current.text):
             suffix = self.renderer.encode(rendered[len(current.text):])
             return PreparedTurn(prompt_ids=current.all_ids() + suffix, rendered=rendered,
-                                suffix_ids=suffix, fork=False, epoch=self.num_turns)
+                                suffix_ids=suffix, fork=False, epoch=self.num_turns, sent=sent)
         prompt = self.renderer.encode(rendered)
         return PreparedTurn(prompt_ids=prompt, rendered=rendered, suffix_ids=[],
-                            fork=current is not None, epoch=self.num_turns)
+                            fork=current is not None, epoch=self.num_turns, sent=sent)
 
     def commit(self, turn: PreparedTurn, output: TokenOutput, reply: AssistantReply,
                *, seconds: float) -> None:
@@ -172,8 +189,10 @@ class Session:
         current.num_interrupted += output.num_preempted
         current.num_tool_calls += len(reply.tool_calls)
         current.num_cached_tokens += output.num_cached_tokens
-        key = message_key(reply.message())
-        self._replies.setdefault(key, []).append(reply_text)
+        given = Recorded.of(reply.message(), reply_text)
+        self._replies.setdefault(given.key, []).append(len(self._given))
+        self._given.append(given)
+        self.record = (*turn.sent, given)
         self.last_used = time.monotonic()
         self.num_turns += 1
 
@@ -189,18 +208,29 @@ class Session:
             num_forks=self.num_forks, reward=reward, data=self.data,
         )
 
-    def _substituted(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _substituted(self, sent: Sequence[Recorded]) -> list[dict[str, Any]]:
         out = []
         seen: dict[str, int] = {}
-        for message in messages:
-            raw = None
+        last = -1
+        for item in sent:
+            message, given = item.message, None
             if message["role"] == "assistant":
-                key = message_key(message)
-                texts = self._replies.get(key, ())
-                index = seen[key] = seen.get(key, -1) + 1
-                raw = texts[index] if index < len(texts) else None
-            out.append(message if raw is None else {"role": "assistant", "content": raw})
+                indices = self._replies.get(item.key, ())
+                index = seen[item.key] = seen.get(item.key, -1) + 1
+                given = indices[index] if index < len(indices) else self._loose(item, last)
+            if given is None:
+                out.append(message)
+                continue
+            last = given
+            out.append({"role": "assistant", "content": self._given[given].raw})
         return out
+
+    def _loose(self, item: Recorded, last: int) -> int | None:
+        """The first reply after ``last`` that ``item`` matches loosely, if any."""
+        for index in range(last + 1, len(self._given)):
+            if matches(item.message, item.key, self._given[index]):
+                return index
+        return None
 
     def _split(self, token_ids: Sequence[int]) -> tuple[str, str]:
         """A turn's text without its end-of-turn token, and that token's text ("" if the turn

@@ -42,6 +42,11 @@ pytest_plugins = ("engine_fixtures",)
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# One OpenMP thread a process (this one, and every engine's worker and subprocess, which inherit
+# it): unbound, each vLLM CPU worker's pool would take every core and spin while it waits, and
+# two of them (a TP=2 engine, two engines at once, an engine beside a trainer) slow each step
+# by up to 25x on a two-core machine (a TP=2 engine's 96 greedy tokens: 11.8 s, 0.5 s so).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _SESSION_LOOP: list[asyncio.AbstractEventLoop] = []
 """The loop every async test and fixture runs on (``asyncio_default_test_loop_scope``)."""

@@ -1,10 +1,11 @@
 """The tiny models and the shared engines (a pytest plugin, loaded by ``conftest.py``).
 
 ``tiny_model_a`` and ``tiny_model_b`` are pure (a seeded random Qwen2 written once per session).
-``engine`` and ``engine_b`` are real vLLM CPU engines on them, started once per session on the
-first test that asks and shared by every test after it: a test that asks for either, directly or
-through a fixture of its own, is marked ``engine`` at collection. vLLM and the adapter are
-imported inside the fixtures, so a run of pure tests never loads them.
+``engine`` and ``engine_b`` are real vLLM CPU engines on them, started once per session (both at
+once, on the first test that asks for either, where the run's tests ask for both) and shared by
+every test after it: a test that asks for either, directly or through a fixture of its own, is
+marked ``engine`` at collection. vLLM is imported inside the fixtures: collecting and running
+pure tests never loads it from here.
 
 A test that leaves a shared engine paused, holding or asleep fails in its teardown, and the
 engine is put back for the tests after it.
@@ -13,7 +14,6 @@ engine is put back for the tests after it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,11 +25,14 @@ from asyncroll.testing import make_tiny_model
 if TYPE_CHECKING:
     from asyncroll import VLLMEngine
 
-SHARED_ENGINES = ("engine", "engine_b")
+SHARED_ENGINES = ("engine", "engine_b", "_shared_engines")
 """The session's shared engine fixtures; a test that needs one is marked ``engine``."""
 
 _ENGINE_LOOP: list[asyncio.AbstractEventLoop] = []
 """The loop the shared engines run on (the session's)."""
+
+_WANTED: set[str] = set()
+"""The shared engines the run's selected tests ask for (known once collection ends)."""
 
 
 @pytest.fixture(scope="session")
@@ -43,32 +46,71 @@ def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-async def engine(tiny_model_a: Path) -> AsyncIterator[VLLMEngine]:
+async def engine(_shared_engines: SharedEngines) -> VLLMEngine:
     """One real vLLM CPU engine on tiny model A, shared by every test that leaves it clean."""
-    async with _shared(tiny_model_a, name="shared", model="a") as started:
-        yield started
+    return await _shared_engines.get("engine")
 
 
 @pytest.fixture(scope="session")
-async def engine_b(tiny_model_b: Path) -> AsyncIterator[VLLMEngine]:
+async def engine_b(_shared_engines: SharedEngines) -> VLLMEngine:
     """A second real engine, started on tiny model B (same architecture, other seed)."""
-    async with _shared(tiny_model_b, name="second", model="b") as started:
-        yield started
+    return await _shared_engines.get("engine_b")
 
 
-@contextlib.asynccontextmanager
-async def _shared(path: Path, *, name: str, model: str) -> AsyncIterator[VLLMEngine]:
-    """An engine on ``path`` whose greedy outputs, fresh, are noted in ``FRESH_GREEDY``."""
-    from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy
+@pytest.fixture(scope="session")
+async def _shared_engines(
+    tiny_model_a: Path, tiny_model_b: Path
+) -> AsyncIterator[SharedEngines]:
+    shared = SharedEngines(
+        {"engine": ("shared", tiny_model_a, "a"), "engine_b": ("second", tiny_model_b, "b")}
+    )
+    try:
+        yield shared
+    finally:
+        await shared.aclose()
 
-    from asyncroll import VLLMEngine
-    from asyncroll.testing.faults import FAULTS_EXTENSION
 
-    assert ENGINE_ARGS["worker_extension_cls"] == FAULTS_EXTENSION  # named there, not imported
-    _ENGINE_LOOP[:] = [asyncio.get_running_loop()]
-    async with VLLMEngine.launch(path, name=name, **ENGINE_ARGS) as started:
-        FRESH_GREEDY[model] = await greedy(started, f"fresh-{model}")
-        yield started
+class SharedEngines:
+    """The session's shared engines, each started on the first test that asks for it, together
+    with every other one the run's tests ask for: two starts at once take about as long as one
+    on the two-core machine (28 s; an engine's start waits on its processes more than it
+    computes). Closed together at the end of the session."""
+
+    def __init__(self, specs: dict[str, tuple[str, Path, str]]) -> None:
+        """``specs``: for each fixture, the engine's name, its model, and the model's key in
+        ``FRESH_GREEDY``."""
+        self._specs = specs
+        self._started: dict[str, asyncio.Task[VLLMEngine]] = {}
+
+    async def get(self, fixture: str) -> VLLMEngine:
+        for name in (fixture, *sorted(_WANTED & set(self._specs) - {fixture})):
+            if name not in self._started:
+                self._started[name] = asyncio.create_task(self._start(name))
+        return await self._started[fixture]
+
+    async def _start(self, fixture: str) -> VLLMEngine:
+        """An engine whose greedy outputs, fresh, are noted in ``FRESH_GREEDY``."""
+        from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy
+
+        from asyncroll import VLLMEngine
+        from asyncroll.testing.faults import FAULTS_EXTENSION
+
+        assert ENGINE_ARGS["worker_extension_cls"] == FAULTS_EXTENSION  # named there only
+        _ENGINE_LOOP[:] = [asyncio.get_running_loop()]
+        name, path, model = self._specs[fixture]
+        started = await VLLMEngine.start(path, name=name, **ENGINE_ARGS)
+        try:
+            FRESH_GREEDY[model] = await greedy(started, f"fresh-{model}")
+        except BaseException:
+            await started.aclose()
+            raise
+        return started
+
+    async def aclose(self) -> None:
+        tasks = list(self._started.values())
+        await asyncio.gather(*tasks, return_exceptions=True)  # a start under way ends first
+        engines = [task.result() for task in tasks if not task.cancelled() and not task.exception()]
+        await asyncio.gather(*(engine.aclose() for engine in engines))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -77,6 +119,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if set(SHARED_ENGINES) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:
+        _WANTED.update(set(SHARED_ENGINES) & set(getattr(item, "fixturenames", ())))
 
 
 @pytest.hookimpl(trylast=True)

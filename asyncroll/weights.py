@@ -206,6 +206,9 @@ class VersionedUpdater:
                 raise WeightSyncError("no live engine to update")
             _check_versions(engines, global_steps)
             await self._channel.check(tensors)
+            # Kept for the next ``changed=True``: this update's fingerprints, or the channel's
+            # own (taken to verify the push) where ``changed`` was not asked for.
+            recorded = prints if changed else _channel_fingerprints(self._channel)
             started = time.perf_counter()
             marks = [started]
             pausable = [engine for engine in engines if not engine.is_asleep]
@@ -236,7 +239,7 @@ class VersionedUpdater:
             finally:
                 await asyncio.gather(*(e.resume() for e in pausable), return_exceptions=True)
             marks.append(time.perf_counter())
-            if prints is not None and prints == self._fingerprints:
+            if changed and prints is not None and prints == self._fingerprints:
                 message = (
                     f"the update to global_steps={global_steps} was said to change the weights,"
                     f" but all {len(prints)} tensors pushed equal the previous update's"
@@ -244,7 +247,7 @@ class VersionedUpdater:
                 )
                 logger.warning(message)
                 warnings.warn(UnchangedWeightsWarning(message), stacklevel=2)
-            self._fingerprints = prints
+            self._fingerprints = recorded
             deliveries = await self._deliveries(engines)
         steps = [b - a for a, b in itertools.pairwise(marks)]
         return UpdateReport(
@@ -414,6 +417,11 @@ class SenderChannel:
         if not isinstance(value, bool):
             raise InvalidRequestError(f"verify must be True or False, not {value!r}")
         self._verify = value
+
+    @property
+    def fingerprints(self) -> Mapping[str, bytes] | None:
+        """The fingerprints ``check`` took of the last update (None: it took none)."""
+        return self._fingerprints
 
     async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Names, shapes, dtypes and finite values, against every engine's checkpoint (in a
@@ -849,6 +857,12 @@ def _check_versions(engines: Sequence[UpdatableEngine], global_steps: int | None
             )
 
 
+def _channel_fingerprints(channel: WeightChannel) -> dict[str, bytes] | None:
+    """The fingerprints a channel took of the update it last checked, if it took them."""
+    found = getattr(channel, "fingerprints", None)
+    return dict(found) if isinstance(found, Mapping) else None
+
+
 def _materialize(
     named_tensors: Iterable[tuple[str, torch.Tensor | LazyTensor | Piece]]
     | Mapping[str, torch.Tensor | LazyTensor | Piece],
@@ -860,6 +874,14 @@ def _materialize(
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor | LazyTensor | Piece):
             raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+        if isinstance(tensor, torch.Tensor) and (
+            tensor.device.type not in ("cpu", "cuda") or tensor.layout != torch.strided
+        ):
+            raise InvalidRequestError(
+                f"{name!r} is a {tensor.layout} tensor on the {tensor.device.type} device: an "
+                "update takes dense tensors on the CPU or a CUDA device (a meta tensor has no "
+                "values to push)"
+            )
         if name in tensors:
             raise InvalidRequestError(f"tensor {name!r} is given twice")
         tensors[name] = (

@@ -7,21 +7,32 @@ trainer's own GPU by default (``--engine-gpu`` puts it on another: then the weig
 NCCL broadcast instead of CUDA IPC). Every argument is checked before any engine starts.
 """
 
+# ruff: noqa: E402 - the environment below must be set before anything imports vLLM
 from __future__ import annotations
 
 import os
+import sys
 
-# vLLM reads these when it is imported. Its INFO and WARNING lines (a page per engine, about
-# its build) bury the run's own; errors still show. The trainer holds CUDA in this process, so
-# vLLM's workers must be spawned, not forked.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+# vLLM reads these when it is imported, and its processes inherit them. Its INFO and WARNING
+# lines (a page per engine, about its build; `RotaryEmbedding: Failed to load weights` at every
+# CPU update is harmless: the rotary table is computed, not loaded) and the deprecation warnings
+# of its dependencies bury the run's own; errors still show. --verbose shows them all. The
+# trainer holds CUDA in this process, so vLLM's workers must be spawned, not forked.
+VERBOSE = "--verbose" in sys.argv
+if not VERBOSE:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the CPU workers' NUMA notice
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 import argparse
 import contextlib
 import importlib.metadata
 import json
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -58,6 +69,9 @@ SourceFactory = Callable[
     [AsyncServerManager, Path, contextlib.AsyncExitStack], Awaitable[RolloutSource]
 ]
 """Makes the rollout source once the manager serves: (manager, model folder, exit stack)."""
+
+STARTUP = "measured: 25-100 s on a 2-core CPU machine, 30-60 s on an H200"
+"""How long an engine takes to start, as measured (docs/performance.md)."""
 
 TINY_LR = 3e-3
 """The tiny model's learning rate (hidden size 128); other models get it scaled by 128 over
@@ -117,6 +131,8 @@ def parser(default_steps: int = 30) -> argparse.ArgumentParser:
                         help="tokens per response of the band task")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="let vLLM capture CUDA graphs (faster decoding, slower start)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's own log lines and warnings (hidden by default)")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="the engine's KV cache on a GPU (default: 2 for the tiny model; "
                              "0: vLLM sizes it from its share of the GPU)")
@@ -172,6 +188,7 @@ def engine_arguments(setup: Setup, args: argparse.Namespace, *, hybrid: bool = F
     extra: dict[str, Any] = {
         "max_model_len": max(128, -(-(prompt_len + args.response_len + 64) // 64) * 64),
         "skip_tokenizer_init": True,
+        "use_tqdm_on_load": VERBOSE,
     }
     if setup.engine_gpu is None:
         return extra
@@ -251,7 +268,8 @@ async def run_recipe(
         trainer = ReferenceTrainer(model, device=setup.trainer_device,
                                    lr=learning_rate(setup, args))
         launch = _ray_launch() if args.ray else VLLMEngine.launch
-        print(f"starting the engine ({setup.engine()})...", flush=True)
+        began = time.perf_counter()
+        print(f"starting the engine, {setup.engine()} ({STARTUP})...", flush=True)
         async with (
             engine_on(setup, model, launch=launch,
                       **engine_arguments(setup, args, hybrid=hybrid)) as engine,
@@ -259,6 +277,7 @@ async def run_recipe(
                                weights=weights_for(setup, [engine])) as manager,
             contextlib.AsyncExitStack() as stack,
         ):
+            print(f"engine ready in {time.perf_counter() - began:.0f} s", flush=True)
             if args.metrics_port is not None:
                 server = await stack.enter_async_context(
                     serve_metrics(manager, port=args.metrics_port))

@@ -4,7 +4,7 @@ conversation sent without a session id continues. Pure functions, no I/O.
 Agents send their whole conversation every turn. A message matches a recorded one:
 - strictly: equal ``message_key`` (role, content, tool calls with arguments compared as JSON);
 - loosely, for clients that rewrite history: the same role and the same text once whitespace is
-  normalised (runs of whitespace read as one space, the ends stripped). A reply the gateway gave
+  left out (clients strip, re-indent and join messages with newlines). A reply the gateway gave
   with tool calls also matches an assistant message whose text holds every call's id (each id
   is random, so only a copy of that reply holds them: smolagents re-sends calls as the text
   ``Calling tools: [{'id': 'call_...', ...}]``) and the reply's content; a reply without calls
@@ -57,7 +57,8 @@ class Candidate:
 
 
 def normalised(text: object) -> str:
-    return " ".join(text.split()) if isinstance(text, str) else ""
+    """``text`` without its whitespace (a non-string: empty)."""
+    return "".join(text.split()) if isinstance(text, str) else ""
 
 
 def opening(messages: Sequence[Mapping[str, Any]]) -> str:

@@ -3,9 +3,10 @@ whether the body is JSON it can take.
 
 Invariants:
 - Every check raises ``ChatRequestError`` (a 4xx); none lets a client's bytes raise anything
-  else: a body past ``max_bytes`` (413, read no further), one that is not
-  ``application/json`` (415), not UTF-8, not JSON, a number past a double, or nested past what
-  the decoder takes (400).
+  else: a body past ``max_bytes`` (413, read no further), one typed other than
+  ``application/json`` (415: any web page may post ``text/plain`` or a form to localhost; an
+  untyped body is taken as JSON), not UTF-8, not JSON, a number past a double, or nested past
+  what the decoder takes (400).
 - ``check_host`` serves a ``Host`` that is an IP address, ``localhost`` or an allowed name;
   DNS rebinding needs a name of the attacker's, which is none of these.
 - ``reward_value`` is a finite float or None.
@@ -78,7 +79,7 @@ async def read_json(stream: AsyncIterator[bytes], headers: Mapping[str, str], ru
             raise ChatRequestError("the request body is empty; send a JSON object")
         return empty
     media = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media != "application/json":
+    if media not in ("application/json", ""):  # untyped: no browser sends a body so
         raise ChatRequestError(
             f"the body must be application/json, not {media or 'untyped'!r}", status=415,
             code="unsupported_media_type")

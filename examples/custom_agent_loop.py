@@ -1,7 +1,8 @@
 """A custom agent loop: answer, read fixed feedback, answer again.
 
 The loop is the class below; ``run_agent_loops`` picks it by its registered name. Run the file
-to roll it out on a vLLM CPU engine serving a tiny random model (20-40 s to start):
+to roll it out on a vLLM engine (the GPU where there is one) serving a tiny random model
+(`--model PATH` for another):
 ``python examples/custom_agent_loop.py``.
 """
 

@@ -1,4 +1,4 @@
-"""`make demo`: a real fully-async training run on CPU, with rollouts and weight pushes.
+"""`make demo`: a real fully-async training run (CPU, or the GPU), rollouts and pushes.
 
 A tiny random Qwen2 learns a toy task (answer with tokens of a band of the vocabulary) while
 rollouts stream through the AsyncServerManager and every trainer step's weights are pushed into

@@ -1,4 +1,4 @@
-"""Fully-async training on CPU: rollouts never stop; staleness is bounded.
+"""Fully-async training (CPU, or GPUs): rollouts never stop; staleness is bounded.
 
     .venv/bin/python examples/fully_async.py [--steps 30] [--plot fully_async.png]
 """

@@ -1,4 +1,4 @@
-"""Train an agent written against the OpenAI API, unchanged, through asyncroll's gateway (CPU).
+"""Train an agent written against the OpenAI API, unchanged, through asyncroll's gateway.
 
 The agent below is plain ``openai`` client code: a two-turn chat. It knows nothing of tokens,
 versions or weight updates. The gateway renders each request with the model's chat template,
@@ -9,7 +9,8 @@ read from the session's recorded tokens, so a random policy scores about 0.06.
 
     .venv/bin/python examples/gateway_agent.py [--steps 40] [--plot gateway_agent.png]
 
-The reward rises from about 0.06 to above 0.5 in 40 steps (a few minutes on two cores).
+The reward rises from about 0.06 (last run on two cores: 0.07 to 0.97 in 40 steps, a few
+minutes; on one H200 0.05 to 0.17 in 10 steps).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One-step-off-policy training on CPU: the rollout of batch k+1 overlaps training on batch k.
+"""One-step-off-policy training: the rollout of batch k+1 overlaps training on batch k.
 
     .venv/bin/python examples/one_step_off.py [--steps 30] [--plot one_step_off.png]
 """

@@ -1,4 +1,4 @@
-"""Synchronous training on CPU (the baseline): rollout, train, push. ``--hybrid`` sleeps the
+"""Synchronous training (the baseline): rollout, train, push. ``--hybrid`` sleeps the
 engine while the trainer runs (on GPU that frees its memory for training).
 
     .venv/bin/python examples/synchronous.py [--steps 30] [--plot synchronous.png]

@@ -1,4 +1,4 @@
-"""Train a tool-using agent fully async on CPU: the built-in ``"tool"`` loop feeds the recipe.
+"""Train a tool-using agent fully async: the built-in ``"tool"`` loop feeds the recipe.
 
 One token of BandTask's band calls a tool (``TokenToolCallParser``, so no tokenizer is needed);
 the loop inserts the tool's answer into the conversation with loss mask 0, so the trainer learns

@@ -70,7 +70,7 @@ def opening(messages: Sequence[Mapping[str, Any]]) -> str:
 
 def matches(sent: Mapping[str, Any], sent_key: str, recorded: Recorded) -> bool:
     """Whether ``sent`` is ``recorded`` (see the module docstring)."""
-    if sent_key == recorded.key:
+    if sent_key and sent_key == recorded.key:
         return True
     message = recorded.message
     if sent.get("role") != message.get("role"):

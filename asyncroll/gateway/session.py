@@ -144,9 +144,11 @@ class Session:
                 keys: Sequence[str] | None = None) -> PreparedTurn:
         """The prompt for the next turn (see the module docstring); changes nothing.
 
-        ``keys``: the messages' ``message_key``s, where the caller has them already."""
+        ``keys``: the messages' ``message_key``s, where the caller has them already (without,
+        only assistant messages are keyed: the others are matched loosely, which for them is
+        their text without whitespace)."""
         if keys is None:
-            keys = [message_key(message) for message in messages]
+            keys = [message_key(m) if m["role"] == "assistant" else "" for m in messages]
         sent = tuple(Recorded(message, None, key) for message, key in zip(messages, keys,
                                                                           strict=True))
         rendered = self.renderer.render(self._substituted(sent), tools)

@@ -54,12 +54,15 @@ __all__ = [
     "ShmBackend",
     "StagingBuffer",
     "make_backend",
+    "sweep_stale_segments",
 ]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR: Final = Path("/dev/shm")
-_SHM_NAME: Final = re.compile(r"^asyncroll-[0-9a-f]+-\d+$")
+_SHM_NAME: Final = re.compile(r"^asyncroll-[0-9a-f]+-\d+(?:-p(?P<pid>\d+))?$")
+"""``asyncroll-<nonce>-<buffer>-p<owner's pid>``: the owner's pid lets a later process unlink
+the segments of an owner killed before its receivers mapped them (``sweep_stale_segments``)."""
 
 
 class StagingBuffer(Protocol):
@@ -183,6 +186,34 @@ class Backend(Protocol):
         ...
 
 
+def sweep_stale_segments(directory: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments whose owner is dead (killed before its receivers had mapped them,
+    after which names are unlinked at once); returns their names. Only this user's, only those
+    named with an owner's pid; an owner whose pid is alive again (reused) keeps its segments."""
+    swept = []
+    for path in directory.glob("asyncroll-*-p*"):
+        found = _SHM_NAME.match(path.name)
+        if found is None or found["pid"] is None or _alive(int(found["pid"])):
+            continue
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            if path.stat().st_uid == os.getuid():
+                path.unlink()
+                swept.append(path.name)
+    if swept:
+        log.info("unlinked %d shared-memory segments of dead owners", len(swept))
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
 class _ShmBuffer:
     def __init__(self, path: Path, nbytes: int, *, create: bool) -> None:
         self.path = path
@@ -248,7 +279,10 @@ class ShmBackend:
         return f"<ShmBackend directory={self.directory}>"
 
     def allocate(self, *, nonce: str, index: int, nbytes: int) -> StagingBuffer:
-        return _ShmBuffer(self.directory / f"asyncroll-{nonce}-{index}", nbytes, create=True)
+        if index == 0:
+            sweep_stale_segments(self.directory)
+        name = f"asyncroll-{nonce}-{index}-p{os.getpid()}"
+        return _ShmBuffer(self.directory / name, nbytes, create=True)
 
     def copy_context(self) -> AbstractContextManager[object]:
         return contextlib.nullcontext()

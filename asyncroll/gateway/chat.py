@@ -174,7 +174,8 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
         )
     if body.get("top_logprobs"):
         raise ChatRequestError(
-            "top_logprobs is not supported", code="unsupported_parameter", param="top_logprobs"
+            "top_logprobs is not supported (the engines return the sampled token's log prob: "
+            "ask for logprobs=true)", code="unsupported_parameter", param="top_logprobs"
         )
 
 

@@ -112,7 +112,8 @@ def _tools(raw: object) -> list[dict[str, Any]]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
             raise ChatRequestError(
-                f"tools[{index}]: only function tools are supported, not {kind!r}",
+                f"tools[{index}]: only function tools are supported, not {kind!r} (declare "
+                "what the agent runs itself as a function tool)",
                 code="unsupported_parameter", param=f"tools[{index}]")
         function = {key: tool[key] for key in ("name", "description", "parameters")
                     if key in tool}

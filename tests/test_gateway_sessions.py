@@ -228,3 +228,23 @@ async def test_features_engines_without_a_tokenizer_cannot_serve_are_refused_fir
             await gateway.chat(body)
         assert caught.value.param == param
         assert engine.statistics().num_requests == 0 and gateway.statistics().open_sessions == 0
+
+
+async def test_a_conversation_longer_than_the_context_is_refused_before_rendering(
+    model: Path
+) -> None:
+    class Counting(HFChatRenderer):
+        renders = 0
+
+        def render(self, messages: Any, tools: Any) -> str:
+            Counting.renders += 1
+            return super().render(messages, tools)
+
+    async with AsyncServerManager([FakeEngine(max_model_len=4096)]) as manager:
+        gateway = Gateway(manager, Counting(model), model="m")
+        long = "word " * 200_000  # 1 MB: about 6 s of the event loop to render and tokenize
+        with pytest.raises(ChatRequestError, match="at least") as caught:
+            await gateway.chat({**PARAMS, "messages": [{"role": "user", "content": long}]})
+        assert caught.value.code == "context_length_exceeded" and Counting.renders == 0
+        await gateway.chat({**PARAMS, "messages": [{"role": "user", "content": "short"}]})
+        assert Counting.renders == 1

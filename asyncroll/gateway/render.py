@@ -40,6 +40,11 @@ class HFChatRenderer:
         self._template = chat_template
         ids = eos_token_ids if eos_token_ids is not None else _eos_ids(tokenizer, folder)
         self._eos = frozenset(int(i) for i in ids if i is not None)
+        self.max_token_chars = max(
+            (len(piece) for piece in self._backend.get_vocab(with_added_tokens=True)), default=1)
+        """The longest token's text (byte-level: at least its characters), so a text of ``n``
+        characters is at least ``n / max_token_chars`` tokens: what the gateway checks against
+        the context before it renders or tokenizes a conversation."""
         if not self._pieces_round_trip():
             logger.warning(
                 "%r: text encoded piece by piece does not decode back to itself; sessions "

@@ -416,6 +416,7 @@ class Gateway:
 
     def _prepare(self, session: Session, request: ChatRequest, keys: list[str] | None
                  ) -> PreparedTurn:
+        self._check_length_bound(request)
         try:
             turn = session.prepare(request.messages, request.tools, keys=keys)
         except Exception as exc:  # jinja raises its own errors on conversations it rejects
@@ -429,6 +430,21 @@ class Gateway:
                 f"{limit}", code="context_length_exceeded", param="messages",
             )
         return turn
+
+    def _check_length_bound(self, request: ChatRequest) -> None:
+        """Refuse a conversation too long for the context before rendering and tokenizing it
+        (which take the event loop about 6 s a MB): its text is at least its characters over
+        the longest token's many tokens."""
+        widest = getattr(self.renderer, "max_token_chars", None)
+        if not isinstance(widest, int) or widest < 1:
+            return
+        chars = sum(len(m["content"] or "") for m in request.messages)
+        limit = min(engine.max_model_len for engine in self.manager.engines)
+        if chars > limit * widest:
+            raise ChatRequestError(
+                f"the conversation is at least {chars // widest} tokens ({chars} characters); "
+                f"the model's context is {limit}", code="context_length_exceeded",
+                param="messages")
 
     def _session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)

@@ -439,6 +439,8 @@ class Gateway:
         if not isinstance(widest, int) or widest < 1:
             return
         chars = sum(len(m["content"] or "") for m in request.messages)
+        if request.tools:
+            chars += len(msgspec.json.encode(request.tools))
         limit = min(engine.max_model_len for engine in self.manager.engines)
         if chars > limit * widest:
             raise ChatRequestError(

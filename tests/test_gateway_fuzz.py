@@ -196,3 +196,28 @@ async def test_a_host_that_could_be_rebound_is_refused_without_an_api_key(
                                   headers={"authorization": "Bearer k"}) as http):
         assert (await http.get("/v1/models", headers={"host": "attacker.example"})
                 ).status_code == 200  # a key guards: any host may serve
+
+
+async def test_replies_leave_at_once_on_plain_asyncio(served: tuple[Gateway, FakeEngine]) -> None:
+    """The server's side of a connection has TCP_NODELAY: without it (a listening socket made
+    with protocol 0, which asyncio does not take for TCP) each reply's second write waited for
+    the client's delayed ACK, 40 ms a request."""
+    import asyncio
+    import gc
+    import socket
+
+    gateway, _ = served
+    port = int(gateway.url.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await reader.readuntil(b"owned_by")
+        mine = writer.get_extra_info("sockname")
+        (server_side,) = [
+            transport.get_extra_info("socket") for transport in gc.get_objects()
+            if isinstance(transport, asyncio.Transport) and not transport.is_closing()
+            and transport.get_extra_info("peername") == mine]
+        assert server_side.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        writer.close()
+        await writer.wait_closed()

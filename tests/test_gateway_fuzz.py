@@ -21,7 +21,7 @@ from asyncroll.gateway import Gateway, open_gateway
 from asyncroll.testing import make_tiny_model
 from asyncroll.testing.fake_engine import FakeEngine
 
-CASES = 240
+CASES = 400
 OK: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                       "max_tokens": 4}
 RESPONSES_OK: dict[str, Any] = {"model": "m", "input": "hi", "max_output_tokens": 4}

@@ -115,7 +115,7 @@ def shard_print(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    from engine_helpers import ENGINE_ARGS, greedy
+    from engine_helpers import DOOMED_ARGS, ENGINE_ARGS, greedy
 
     from asyncroll import VLLMEngine
 
@@ -128,8 +128,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         return out
     async with contextlib.AsyncExitStack() as stack:
         if rank == 0:
+            # The engine that dies with rank 0 serves nothing compared: it need not compile.
+            engine_args = DOOMED_ARGS if args.die_rank == 0 else ENGINE_ARGS
             engine = await stack.enter_async_context(
-                VLLMEngine.launch(args.model_b, name="tp2", tensor_parallel_size=2, **ENGINE_ARGS)
+                VLLMEngine.launch(args.model_b, name="tp2", tensor_parallel_size=2, **engine_args)
             )
             out["fresh_b"] = await greedy(engine, "fresh-b")
         # Rank 1 waits here for rank 0's engine (two minutes or more to start on a busy CI

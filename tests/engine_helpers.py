@@ -8,11 +8,12 @@ alone stays free of vLLM.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -37,6 +38,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "skip_tokenizer_init": True,
     "worker_extension_cls": "asyncroll.testing.faults.FaultInjectingExtension",
+    "num_gpu_blocks_override": 1024,
 }
 """How every test engine starts (with the fault-injection extension of asyncroll.testing.faults,
 for the tests that inject failures). float32, not the adapter's bf16 default: tests compare greedy
@@ -44,8 +46,15 @@ outputs token for token across batches, resumes (a re-prefill computes the KV wi
 than decoding did) and engines, and a random tiny model's logits have near-ties that bf16 rounding
 flips; float32 keeps the comparisons about our code, not about rounding. No tokenizer: the tiny
 models carry one (for the gateway, which tokenizes in our process), the engines stay token-in,
-token-out. The extension is named, not imported (its module imports vLLM); the shared engines'
-fixture checks the name against ``asyncroll.testing.faults.FAULTS_EXTENSION``."""
+token-out. 1024 KV blocks of 128 tokens (131k tokens, 128 MiB, where VLLM_CPU_KVCACHE_SPACE's
+least, 1 GiB, makes 8192): far more than a test holds at once, and 0.9 GB less a worker, so that
+runs that start engines side by side fit in memory. The extension is named, not imported (its
+module imports vLLM); the shared engines' fixture checks the name against
+``asyncroll.testing.faults.FAULTS_EXTENSION``."""
+
+DOOMED_ARGS: dict[str, Any] = {**ENGINE_ARGS, "enforce_eager": True}
+"""How an engine that its test kills starts: nothing it serves is compared token for token, so
+vLLM's compile of the model (a third of a start, more on a busy machine) buys nothing."""
 
 FRESH_GREEDY: dict[str, list[tuple[int, ...]]] = {}
 """Greedy outputs of each model, recorded on its engine before any push reached it."""
@@ -66,6 +75,62 @@ async def greedy(engine: VLLMEngine, tag: str, max_tokens: int = 24) -> list[tup
 
 def load_weights(model: Path) -> dict[str, torch.Tensor]:
     return load_file(str(model / "model.safetensors"))
+
+
+def selected_tests(request: pytest.FixtureRequest) -> list[str]:
+    """The names of the run's selected tests in the module of ``request`` (a module fixture's),
+    in order: what a fixture that starts engines ahead of its tests will be asked for."""
+    module = request.node.nodeid
+    return [
+        getattr(item, "originalname", item.name)
+        for item in request.session.items
+        if item.nodeid.startswith(module + "::")
+    ]
+
+
+async def start_engines(*specs: tuple[Path, str, Mapping[str, Any]]) -> list[VLLMEngine]:
+    """Engines started together, each ``(model, name, engine arguments)``: two starts take about
+    as long as one on the two-core machine (a start waits on its processes' imports and on one
+    compile after another more than it computes). If one fails, the others are closed."""
+    started = await asyncio.gather(
+        *(VLLMEngine.start(model, name=name, **args) for model, name, args in specs),
+        return_exceptions=True,
+    )
+    engines = [engine for engine in started if isinstance(engine, VLLMEngine)]
+    if len(engines) < len(started):
+        await asyncio.gather(*(engine.aclose() for engine in engines))
+        raise next(error for error in started if isinstance(error, BaseException))
+    return engines
+
+
+class SpareEngines:
+    """Fresh engines on one model for the tests that kill theirs, all started together on the
+    first ``take``. A name taken again (its test run again after a ``LateAction``) gets an engine
+    started then. A test closes the engine it took; ``aclose`` closes those never taken."""
+
+    def __init__(self, model: Path, names: Sequence[str], args: Mapping[str, Any]) -> None:
+        self._model, self._names, self._args = model, list(names), dict(args)
+        self._starting: asyncio.Task[list[VLLMEngine]] | None = None
+        self._taken: set[str] = set()
+
+    async def take(self, name: str) -> VLLMEngine:
+        if self._starting is None:
+            specs = [(self._model, each, self._args) for each in self._names]
+            self._starting = asyncio.create_task(start_engines(*specs))
+        if name in self._taken or name not in self._names:
+            return await VLLMEngine.start(self._model, name=name, **self._args)
+        self._taken.add(name)
+        return (await self._starting)[self._names.index(name)]
+
+    async def aclose(self) -> None:
+        if self._starting is None:
+            return
+        try:
+            engines = await self._starting
+        except Exception:  # the tests that took them saw it
+            return
+        spare = [e for name, e in zip(self._names, engines, strict=True) if name not in self._taken]
+        await asyncio.gather(*(engine.aclose() for engine in spare))
 
 
 def inject_fault(

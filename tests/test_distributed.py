@@ -13,10 +13,12 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_helpers import selected_tests
 
 pytestmark = pytest.mark.engine  # the ranks start the engines
 
@@ -67,10 +69,97 @@ async def run_ranks(
     return codes, (folder / f"rank{survivor}.log").read_text()[-3000:]
 
 
+async def run_example(folder: Path) -> tuple[int | None, str]:
+    """``examples/fsdp_hybrid.py`` under torchrun for two steps; its exit code and output."""
+    example = Path(ROOT) / "examples" / "fsdp_hybrid.py"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), str(example), "--steps", "2",
+        "--plot", str(folder / "fsdp.png"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT},
+        start_new_session=True,
+    )
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            output, _ = await process.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # whatever a failed run left behind
+    return process.returncode, output.decode(errors="replace")
+
+
+RUN_OF_TEST = {
+    "test_every_parameter_is_sharded_and_gathers_exactly": "sharded",
+    "test_pushes_from_two_ranks_are_token_exact": "sharded",
+    "test_a_piece_a_worker_cannot_load_is_pushed_again_whole": "sharded",
+    "test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back": "sharded",
+    "test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank": "coordinator_dies",
+    "test_two_ranks_push_into_two_data_parallel_engines": "data_parallel",
+    "test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks": "fsdp_hybrid",
+}
+"""The run each test reads: the scenario's three (``distributed_scenario.py``), and the example."""
+
+AT_ONCE = 2
+"""Runs under way together. Their engines' starts wait on one process after another far more than
+they compute, so two runs take little longer than one on the two-core machine; each run holds a
+trainer's two ranks and a TP=2 engine (or two engines of one worker), so two fit in memory."""
+
+
+class Runs:
+    """The module's runs, started in the background (``AT_ONCE`` at a time, in the order the
+    tests read them) once the first test asks for one; each test awaits the one it reads. Only
+    the runs of the selected tests start."""
+
+    def __init__(self, folder: Path, model_a: Path, model_b: Path, wanted: list[str]) -> None:
+        self._folder, self._models = folder, (model_a, model_b)
+        self._wanted = wanted
+        self._slots = asyncio.Semaphore(AT_ONCE)
+        self._tasks: dict[str, asyncio.Task[tuple[list[int | None], str, Path]]] = {}
+
+    async def result(self, name: str) -> tuple[list[int | None], str, Path]:
+        """The exit codes of ``name``'s processes, the log of the one that survives, and the
+        folder of its files."""
+        for wanted in (*self._wanted, name):
+            if wanted not in self._tasks:
+                self._tasks[wanted] = asyncio.create_task(self._run(wanted))
+        return await self._tasks[name]
+
+    async def _run(self, name: str) -> tuple[list[int | None], str, Path]:
+        folder = self._folder / name
+        folder.mkdir()
+        async with self._slots:
+            if name == "fsdp_hybrid":
+                code, text = await run_example(folder)
+                return [code], text, folder
+            die_rank, engines = {"sharded": (1, 1), "coordinator_dies": (0, 1)}.get(name, (-1, 2))
+            codes, log = await run_ranks(folder, *self._models, die_rank=die_rank, engines=engines)
+            return codes, log, folder
+
+    async def aclose(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()  # a run cancelled ends its processes (run_ranks, run_example)
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+
 @pytest.fixture(scope="module")
-async def outcome(tiny_model_a: Path, tiny_model_b: Path, tmp_path_factory: Any) -> dict[str, Any]:
-    folder = tmp_path_factory.mktemp("distributed")
-    codes, log = await run_ranks(folder, tiny_model_a, tiny_model_b, die_rank=1)
+async def runs(
+    request: pytest.FixtureRequest, tiny_model_a: Path, tiny_model_b: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Runs]:
+    wanted = sorted(
+        {RUN_OF_TEST[test] for test in selected_tests(request)},
+        key=list(RUN_OF_TEST.values()).index,
+    )
+    runs = Runs(tmp_path_factory.mktemp("distributed"), tiny_model_a, tiny_model_b, wanted)
+    try:
+        yield runs
+    finally:
+        await runs.aclose()
+
+
+@pytest.fixture(scope="module")
+async def outcome(runs: Runs) -> dict[str, Any]:
+    codes, log, folder = await runs.result("sharded")
     assert codes == [0, 17], f"exit codes {codes} (rank 1 exits 17 where it dies); rank 0:\n{log}"
     result: dict[str, Any] = json.loads((folder / "rank0.json").read_text())
     return result
@@ -116,26 +205,24 @@ def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
 
 
 async def test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank(
-    tiny_model_a: Path, tiny_model_b: Path, tmp_path: Path
+    runs: Runs,
 ) -> None:
     """Rank 0 (the engine's process) exits inside a gather: rank 1 gets ``WeightSyncError``
     long before its 120 s deadline (its gathers fail, its worker is gone), and ends."""
-    codes, log = await run_ranks(tmp_path, tiny_model_a, tiny_model_b, die_rank=0)
+    codes, log, folder = await runs.result("coordinator_dies")
     assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
-    found = json.loads((tmp_path / "rank1.json").read_text())
+    found = json.loads((folder / "rank1.json").read_text())
     assert found["died"].startswith("WeightSyncError"), found["died"]
     assert found["died_after_s"] < 120
 
 
-async def test_two_ranks_push_into_two_data_parallel_engines(
-    tiny_model_a: Path, tiny_model_b: Path, tmp_path: Path
-) -> None:
+async def test_two_ranks_push_into_two_data_parallel_engines(runs: Runs) -> None:
     """Two engines of one worker each on rank 0: worker ``i`` is served by rank ``i % 2``, so
     each rank's sender feeds one worker; both engines take every tensor, label each update,
     and serve A, then B token for token as a fresh engine on B does."""
-    codes, log = await run_ranks(tmp_path, tiny_model_a, tiny_model_b, die_rank=-1, engines=2)
+    codes, log, folder = await runs.result("data_parallel")
     assert codes == [0, 0], f"exit codes {codes}; rank 0:\n{log}"
-    found = json.loads((tmp_path / "rank0.json").read_text())
+    found = json.loads((folder / "rank0.json").read_text())
     fresh_b = found["fresh_b"]
     assert fresh_b[0] == fresh_b[1]
     assert found["on_a"][0] == found["on_a"][1] != fresh_b[0]
@@ -144,31 +231,15 @@ async def test_two_ranks_push_into_two_data_parallel_engines(
         assert found[f"delivery_{tag}"] == [[1, 27], [1, 27]]
         assert found[f"steps_{tag}"] == [steps, steps]
         assert found[f"receivers_{tag}"] == 1  # rank 0 fed one of the two workers
-    other = json.loads((tmp_path / "rank1.json").read_text())
+    other = json.loads((folder / "rank1.json").read_text())
     assert other["receivers_a"] == other["receivers_b"] == 1  # and rank 1 the other
 
 
-async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(
-    tmp_path: Path,
-) -> None:
+async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(runs: Runs) -> None:
     """``examples/fsdp_hybrid.py`` under torchrun: two FSDP2 ranks train while the TP=2 engine
     sleeps, then push through the manager (rank 0) and the pusher (rank 1)."""
-    example = Path(ROOT) / "examples" / "fsdp_hybrid.py"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(free_port()), str(example), "--steps", "2",
-        "--plot", str(tmp_path / "fsdp.png"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT},
-        start_new_session=True,
-    )
-    try:
-        async with asyncio.timeout(HANG_GUARD_S):
-            output, _ = await process.communicate()
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # whatever a failed run left behind
-    text = output.decode(errors="replace")
-    assert process.returncode == 0, text[-3000:]
+    (code,), text, folder = await runs.result("fsdp_hybrid")
+    assert code == 0, text[-3000:]
     for step in (1, 2):
         assert f"step {step}: reward" in text and "from 2 ranks" in text, text[-3000:]
-    assert (tmp_path / "fsdp.png").stat().st_size > 0
+    assert (folder / "fsdp.png").stat().st_size > 0

@@ -107,7 +107,10 @@ async def test_pause_clears_vllm_caches_by_mode_unless_told(
 @pytest.mark.engine
 async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Path) -> None:
     others = {p.pid for p in psutil.Process().children(recursive=True)}  # shared engines
-    engine = await VLLMEngine.start(tiny_model_a, name="doomed", max_model_len=256)
+    # Eager: nothing it serves is compared, and compiling is a third of a start.
+    engine = await VLLMEngine.start(
+        tiny_model_a, name="doomed", max_model_len=256, enforce_eager=True
+    )
     # multiprocessing's resource tracker is per parent process, not per engine: it stays.
     children = [
         p

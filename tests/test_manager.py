@@ -6,13 +6,19 @@ import asyncio
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-from engine_helpers import ENGINE_ARGS, hold, load_weights, until_decoding
+from engine_helpers import (
+    DOOMED_ARGS,
+    ENGINE_ARGS,
+    hold,
+    load_weights,
+    start_engines,
+    until_decoding,
+)
 
 import asyncroll.transport.pipeline as pipeline_module
 from asyncroll import (
@@ -23,6 +29,7 @@ from asyncroll import (
     VLLMEngine,
 )
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
+from asyncroll.vllm import compat
 
 
 @pytest.fixture(scope="module")
@@ -283,24 +290,18 @@ async def _until_in_flight(manager: AsyncServerManager, name: str) -> None:
         await asyncio.sleep(0.005)
 
 
-def _engine_core_pid() -> Iterator[int]:
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(child.cmdline()):
-                yield child.pid
-        except psutil.Error:  # exited while we looked
-            continue
-
-
 @pytest.mark.timeout(1800)  # each run starts engines (a late run, then two more)
 @retry_if_late
 async def test_engine_killed_mid_run_requests_finish_on_survivor(
     engine: VLLMEngine, tiny_model_a: Path
 ) -> None:
-    before = set(_engine_core_pid())
-    doomed = await VLLMEngine.start(tiny_model_a, name="doomed-2", **ENGINE_ARGS)
+    # The replacement starts with the doomed engine (two starts take about as long as one),
+    # and joins only once the doomed one is dead.
+    doomed, replacement = await start_engines(
+        (tiny_model_a, "doomed-2", DOOMED_ARGS), (tiny_model_a, "replacement", ENGINE_ARGS)
+    )
     try:
-        (core,) = set(_engine_core_pid()) - before
+        (core,) = (process.pid for process in compat.engine_core_processes(doomed.llm))
         async with AsyncServerManager([engine, doomed]) as manager:
             # Budgets far longer than the clock below: the doomed engine's requests finish
             # before the kill only if this process stalls that long (then: LateAction).
@@ -326,25 +327,21 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
             assert stats.alive_engines == 1 and stats.num_engine_failovers > 0
             assert all(o.engines[-1] == "shared" for o in outputs)
             # A replacement joins: the next update reaches it, and it gets traffic.
-            replacement = await VLLMEngine.start(tiny_model_a, name="replacement", **ENGINE_ARGS)
-            try:
-                manager.add_engine(replacement)
-                steps = (manager.global_steps or 0) + 1
-                await manager.update_weights(load_weights(tiny_model_a), global_steps=steps)
-                assert replacement.global_steps == engine.global_steps == steps
-                short = {"max_tokens": 150, "ignore_eos": True}
-                later = await asyncio.gather(
-                    *(
-                        manager.generate(f"n{i}", prompt_ids=[5, i + 2], sampling_params=short)
-                        for i in range(8)
-                    )
+            manager.add_engine(replacement)
+            steps = (manager.global_steps or 0) + 1
+            await manager.update_weights(load_weights(tiny_model_a), global_steps=steps)
+            assert replacement.global_steps == engine.global_steps == steps
+            short = {"max_tokens": 150, "ignore_eos": True}
+            later = await asyncio.gather(
+                *(
+                    manager.generate(f"n{i}", prompt_ids=[5, i + 2], sampling_params=short)
+                    for i in range(8)
                 )
-                assert {o.engines[0] for o in later} == {"shared", "replacement"}
-                assert all(o.global_steps == (steps,) * 150 for o in later)
-            finally:
-                await replacement.aclose()
+            )
+            assert {o.engines[0] for o in later} == {"shared", "replacement"}
+            assert all(o.global_steps == (steps,) * 150 for o in later)
     finally:
-        await doomed.aclose()
+        await asyncio.gather(doomed.aclose(), replacement.aclose())
 
 
 @pytest.mark.engine

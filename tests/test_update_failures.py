@@ -13,7 +13,15 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from engine_helpers import ENGINE_ARGS, FRESH_GREEDY, greedy, inject_fault, load_weights
+from engine_helpers import (
+    DOOMED_ARGS,
+    FRESH_GREEDY,
+    SpareEngines,
+    greedy,
+    inject_fault,
+    load_weights,
+    selected_tests,
+)
 
 import asyncroll.weights as weights_module
 from asyncroll import (
@@ -285,26 +293,33 @@ def _workers_of(core_pid: int) -> list[int]:
     return [child.pid for child in psutil.Process(core_pid).children(recursive=True)]
 
 
-def _engine_cores() -> set[int]:
-    found = set()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(
-                child.cmdline()
-            ):
-                found.add(child.pid)
-        except psutil.Error:
-            continue
-    return found
+SPARES = {
+    "test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others": "doomed-push",
+    "test_calls_in_flight_when_the_engine_core_dies_fail_at_once": "core-dies",
+}
+"""The fresh engine each test kills."""
+
+
+@pytest.fixture(scope="module")
+async def spares(
+    request: pytest.FixtureRequest, tiny_model_a: Path
+) -> AsyncIterator[SpareEngines]:
+    """Fresh engines on model A for the tests that kill one, started together."""
+    names = [SPARES[test] for test in selected_tests(request) if test in SPARES]
+    started = SpareEngines(tiny_model_a, names, DOOMED_ARGS)
+    try:
+        yield started
+    finally:
+        await started.aclose()
 
 
 async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
-    serving_a: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, monkeypatch: pytest.MonkeyPatch
+    serving_a: VLLMEngine, spares: SpareEngines, tiny_model_b: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    before = _engine_cores()
-    doomed = await VLLMEngine.start(tiny_model_a, name="doomed-push", **ENGINE_ARGS)
+    doomed = await spares.take("doomed-push")
     try:
-        (core,) = _engine_cores() - before
+        (core,) = (process.pid for process in compat.engine_core_processes(doomed.llm))
         victims = _workers_of(core)
         assert victims, "the CPU build runs its worker in a process of its own"
         transfer = SenderChannel._transfer
@@ -330,12 +345,12 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
 @retry_if_late
 @pytest.mark.engine
 async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
-    tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+    spares: SpareEngines, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's client never fails a call it sent before its EngineCore exited: without the
     adapter's own watch, the resume below waits forever (CI saw it: an update whose engine's
     worker was killed hung in the resume after the failed push)."""
-    doomed = await VLLMEngine.start(tiny_model_a, name="core-dies", **ENGINE_ARGS)
+    doomed = await spares.take("core-dies")
     ended: Segment | None = None
     try:
         (core,) = compat.engine_core_processes(doomed.llm)

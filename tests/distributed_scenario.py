@@ -150,17 +150,20 @@ async def data_parallel(
 ) -> None:
     """Rank 0 holds ``args.engines`` engines of one worker each (worker ``i`` served by rank
     ``i % 2``); push A then B; what each engine serves after each, and what each took."""
-    from engine_helpers import ENGINE_ARGS, greedy
+    from engine_helpers import ENGINE_ARGS, greedy, start_engines
 
-    from asyncroll import DistributedWeightPusher, VLLMEngine
+    from asyncroll import DistributedWeightPusher
 
     async with contextlib.AsyncExitStack() as stack:
         engines = []
         if dist.get_rank() == 0:
-            for index in range(args.engines):
-                engines.append(await stack.enter_async_context(
-                    VLLMEngine.launch(args.model_b, name=f"dp{index}", **ENGINE_ARGS)
-                ))
+            specs = [(Path(args.model_b), f"dp{i}", ENGINE_ARGS) for i in range(args.engines)]
+            engines = await start_engines(*specs)  # together: about as long as one
+
+            async def close_all() -> None:
+                await asyncio.gather(*(engine.aclose() for engine in engines))
+
+            stack.push_async_callback(close_all)
             out["fresh_b"] = [await greedy(e, f"fresh-b-{e.name}") for e in engines]
         dist.barrier()
         pusher = DistributedWeightPusher(engines, timeout=args.timeout)

@@ -10,6 +10,7 @@ from typing import Any
 __all__ = [
     "engine_core_processes",
     "on_request_added",
+    "release_client",
     "seeded_split_prefill_kills",
     "labels_versions",
     "pause_generation",
@@ -42,6 +43,18 @@ def on_request_added(llm: Any, callback: Callable[[str], None]) -> None:
             callback(request_id)
 
     llm.add_request = add_request
+
+
+def release_client(llm: Any) -> None:
+    """After ``llm.shutdown()``: terminate the client's ZMQ context. vLLM closes the sockets
+    (on the loop, a turn later) but leaves the context, its I/O thread and its descriptors to
+    the garbage collector, which finds them only once nothing refers to the client."""
+    context = getattr(getattr(llm, "engine_core", None), "ctx", None)
+    # The client's asyncio context shadows a plain one, which owns the handle: end that one,
+    # or its own finaliser would end the handle a second time.
+    owner = getattr(context, "_shadow_obj", None) or context
+    if owner is not None and not getattr(owner, "closed", True):
+        owner.destroy(linger=0)
 
 
 def seeded_split_prefill_kills(llm: Any) -> bool:

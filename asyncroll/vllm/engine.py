@@ -474,9 +474,15 @@ class VLLMEngine:
         handler = getattr(self._llm, "output_handler", None)
         if handler is not None:
             handler.cancel()
+        processes = compat.engine_core_processes(self._llm)
         await asyncio.to_thread(self._llm.shutdown)
         # AsyncLLM.__del__ shuts down again, which fails at interpreter exit; once is enough.
         self._llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+        # vLLM stops its EngineCore but leaves the exited process unreaped (a zombie until
+        # the next process starts): reap it.
+        await asyncio.to_thread(_reap, processes)
+        await asyncio.sleep(0)  # vLLM's socket closes, queued on this loop, run first
+        compat.release_client(self._llm)
         logger.info("closed %s", self.name)
 
     @property
@@ -947,6 +953,14 @@ def _check_model_path(model_path: str | os.PathLike[str]) -> Path:
     if not path.exists() and (path.is_absolute() or str(model_path).startswith(".")):
         raise EngineStartError(f"model folder {str(model_path)!r} does not exist")
     return path
+
+
+def _reap(processes: Sequence[Any], timeout: float = 5.0) -> None:
+    """Join vLLM's exited EngineCore processes and release their sentinel pipes."""
+    for process in processes:
+        with contextlib.suppress(Exception):
+            process.join(timeout)
+            process.close()  # ValueError if it still runs: then it keeps its pipe
 
 
 def _engine_args_with_defaults(model_path: Path, engine_args: Mapping[str, Any]) -> dict[str, Any]:

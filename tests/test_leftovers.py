@@ -1,0 +1,51 @@
+"""Nothing is left behind: engine, manager and push set up and torn down again and again leave
+the process's descriptors, threads and children where the first round left them (vLLM's and
+torch's one-time singletons), no zombie, and no shared-memory segment."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+from engine_helpers import load_weights
+
+from asyncroll import AsyncServerManager, VLLMEngine
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def census() -> dict[str, object]:
+    me = psutil.Process()
+    children = me.children(recursive=True)
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        # (the loop's default executor grows its pool of worker threads as it needs them)
+        "threads": sorted(t.name for t in threading.enumerate()
+                          if not t.name.startswith("asyncio_")),
+        "children": sorted(c.pid for c in children if c.status() != psutil.STATUS_ZOMBIE),
+        "zombies": [c.pid for c in children if c.status() == psutil.STATUS_ZOMBIE],
+        "segments": sorted(glob.glob(f"/dev/shm/asyncroll-*-p{os.getpid()}")),
+    }
+
+
+async def test_rounds_of_engine_manager_and_push_leave_nothing_behind(
+    engine: VLLMEngine, tiny_model_a: Path
+) -> None:
+    """(The shared engine stays up throughout: its processes are in every census alike.)"""
+    rounds = []
+    for i in range(3):
+        async with (
+            VLLMEngine.launch(tiny_model_a, name=f"round-{i}", max_model_len=256,
+                              skip_tokenizer_init=True) as started,
+            AsyncServerManager([started]) as manager,
+        ):
+            await manager.update_weights(load_weights(tiny_model_a), global_steps=1)
+            await manager.generate(f"r{i}", prompt_ids=[5, 6], sampling_params={"max_tokens": 2})
+        rounds.append(census())
+    first, *later = rounds
+    assert first["zombies"] == [] and first["segments"] == []
+    assert all(r == first for r in later), rounds

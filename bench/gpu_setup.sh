@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what the lent GPU machines lack (vLLM 0.24 and its imports, our small wheels, and
-# optionally Ray), from chunk folders already copied to /root/ws (docs/gpu.md, docs/benchmarks.md).
+# optionally Ray), from chunk folders already copied to /root/ws (docs/gpu.md).
 #   bench/gpu_setup.sh            then run with:
 #   PYTHONPATH=/root/site2:/root/site:/root/site3:$PWD:$PWD/bench \
 #   VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 python ...

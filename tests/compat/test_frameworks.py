@@ -94,7 +94,8 @@ async def test_pydantic_ai(gateway: Gateway, scripted: ScriptedManager,
     monkeypatch.setenv("OPENAI_API_KEY", "-")
     scripted.script.extend([CLOCK_CALL, ANSWER])
     agent = Agent(f"openai:{MODEL}", instructions="Use tools.", tools=[clock])
-    result = await agent.run(QUESTION)
+    async with agent:  # closes its HTTP client at the end
+        result = await agent.run(QUESTION)
     assert result.output == ANSWER
     await _one_session(gateway, scripted)
 
@@ -140,14 +141,17 @@ async def test_litellm(gateway: Gateway, scripted: ScriptedManager) -> None:
                                                "parameters": {"type": "object",
                                                               "properties": {}}}}]
     messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
-    first = await litellm.acompletion(model=f"openai/{MODEL}", messages=messages, tools=tools,
-                                      **where)
-    message = first.choices[0].message
-    (call,) = message.tool_calls
-    messages += [message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": clock()}]
-    second = await litellm.acompletion(model=f"openai/{MODEL}", messages=messages, tools=tools,
-                                       **where)
+    try:
+        first = await litellm.acompletion(model=f"openai/{MODEL}", messages=messages,
+                                          tools=tools, **where)
+        message = first.choices[0].message
+        (call,) = message.tool_calls
+        messages += [message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": clock()}]
+        second = await litellm.acompletion(model=f"openai/{MODEL}", messages=messages,
+                                           tools=tools, **where)
+    finally:  # litellm caches its HTTP clients; its own exit hook cannot close them
+        await litellm.close_litellm_async_clients()
     assert second.choices[0].message.content == ANSWER
     await _one_session(gateway, scripted)
 
@@ -157,7 +161,10 @@ async def test_litellm_responses(gateway: Gateway, scripted: ScriptedManager) ->
     import litellm
 
     scripted.script.extend([ANSWER])
-    reply = await litellm.aresponses(model=f"openai/{MODEL}", input=QUESTION,
-                                     api_base=f"{gateway.url}/v1", api_key="-")
+    try:
+        reply = await litellm.aresponses(model=f"openai/{MODEL}", input=QUESTION,
+                                         api_base=f"{gateway.url}/v1", api_key="-")
+    finally:
+        await litellm.close_litellm_async_clients()
     assert reply.output[0].content[0].text == ANSWER
     await _one_session(gateway, scripted)

@@ -743,7 +743,7 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a ``DTensor``. Sharded on dim 0 over a 1-D mesh (FSDP2's layout):
     one ``all_gather_into_tensor`` into a new tensor, whose first rows are the full tensor
     (``DTensor.full_tensor()`` costs about 0.2 ms of Python a call, as long as the gather of a
-    7B model's 339 tensors over NVLink takes; docs/benchmarks.md); any other layout:
+    7B model's 339 tensors over NVLink takes; docs/performance.md); any other layout:
     ``full_tensor()``."""
     if not _gathers_in_one_call(tensor):
         return tensor.full_tensor()  # type: ignore[attr-defined,no-any-return]

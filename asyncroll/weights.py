@@ -95,18 +95,18 @@ DEFAULT_BUCKET_BYTES = {
 }
 """Staging-buffer size by backend: 64 MiB saturates a CPU memcpy (and gloo); on a GPU a bucket
 has a fixed cost of about half a millisecond (a round trip with Python on both ends), so
-buckets are larger (docs/benchmarks.md: 512 MiB reaches 1.5-3x the rate of 128 MiB on an H100;
-over NCCL between two GPUs 1 GiB buckets moved a 7B update 1-3 ms faster than 512 MiB ones,
-the size vLLM's own NCCL path packs by default)."""
+buckets are larger (docs/performance.md, "The transport alone": 512 MiB reaches 1.5-3x the
+rate of 128 MiB on an H100; over NCCL between two GPUs 1 GiB buckets moved a 7B update 1-3 ms
+faster than 512 MiB ones, the size vLLM's own NCCL path packs by default)."""
 
 DEFAULT_BUFFERS = {"shm": 2, "cuda_ipc": 3, "broadcast": 2, "broadcast_cpu": 2}
 """Staging buffers of a staged push, by backend. With CUDA IPC a third buffer keeps the device
 copying while a bucket's signal and ack cross between the processes: a 7B update took 10-23%
 less time with 3 x 512 MiB than with 2 on an H200 (six runs, one median each), between 8% less
 and 8% more on an H100, and the transport alone moved 4-6 points more of the copy limit (H100
-78-79% against 74%, H200 74% against 68%), for 512 MiB more GPU memory (docs/benchmarks.md,
-sessions 13-15). Shared memory packs in a thread, where a third buffer did not help (1 MiB
-buckets on the CPU machine: 0.72 GB/s against 0.86). See ``default_buffers``."""
+78-79% against 74%, H200 74% against 68%), for 512 MiB more GPU memory (sessions 13-15; the
+history in docs/benchmarks.md). Shared memory packs in a thread, where a third buffer did not
+help (1 MiB buckets on the CPU machine: 0.72 GB/s against 0.86). See ``default_buffers``."""
 
 
 def default_buffers(backend: str, *, one_copy: bool = False) -> int:

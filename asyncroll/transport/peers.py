@@ -11,7 +11,7 @@ An ack is on the push's critical path once per bucket, so the reader is lean: no
 drains what is queued and wakes the waiters, which run on the next turn of the loop. (A
 bucket's signal and its ack took 231 us through a ``zmq.asyncio`` poller task and an
 ``asyncio.Condition``, 163 us this way, and 93 us between two blocking sockets, on an H100's
-host: ``bench/control_latency.py``, docs/benchmarks.md.)
+host: ``bench/control_latency.py``, docs/performance.md.)
 
 Invariants:
 

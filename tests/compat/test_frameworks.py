@@ -108,7 +108,10 @@ async def test_langgraph(gateway: Gateway, scripted: ScriptedManager) -> None:
     scripted.script.extend([CLOCK_CALL, ANSWER])
     llm = ChatOpenAI(model=MODEL, base_url=f"{gateway.url}/v1", api_key="-")  # type: ignore[arg-type]
     graph = create_react_agent(llm, [tool(clock)])
-    state = await graph.ainvoke({"messages": [("user", QUESTION)]})
+    try:
+        state = await graph.ainvoke({"messages": [("user", QUESTION)]})
+    finally:  # langchain-openai keeps one HTTP client for the process; close it with the loop
+        await llm.root_async_client.close()  # type: ignore[union-attr]
     assert state["messages"][-1].content == ANSWER
     await _one_session(gateway, scripted)
 

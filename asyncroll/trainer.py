@@ -100,7 +100,7 @@ class ReferenceTrainer:
     A batch is cut into micro-batches of at most ``micro_batch_tokens`` tokens (whole samples,
     padded), each run forward and backward before the next, so the logits of a 150k-token
     vocabulary never exist for the whole batch at once; the loss is the mean over the batch's
-    trained tokens whatever the cut.
+    trained tokens whatever the cut, and for a sharded model over every rank's trained tokens.
     """
 
     def __init__(
@@ -183,14 +183,22 @@ class ReferenceTrainer:
             return self._step(samples)
 
     def _step(self, samples: Sequence[TrainSample]) -> TrainMetrics:
-        batch = _Batch.of(samples, self.device)
+        ranks = self._ranks()
+        # A rank of a sharded model may have nothing to train on (more ranks than groups):
+        # it still joins every collective, with empty micro-batches.
+        batch = _Batch.of(samples, self.device, allow_empty=ranks > 1)
         chunks = batch.micro_batches(self.micro_batch_tokens)
-        rounds = self._agreed_rounds(len(chunks))
+        rounds, tokens = self._agreed(len(chunks), batch.num_tokens)
+        if tokens == 0:
+            raise InvalidRequestError("the batch has no token to train on (every mask is 0)")
+        # The loss is the mean over every rank's trained tokens: each rank's sum, times the
+        # ranks over the whole count, since FSDP averages the ranks' gradients.
+        scale = ranks / tokens
         self.optimizer.zero_grad(set_to_none=True)
         parts = []
         for i in range(rounds):
             if i < len(chunks):
-                loss, part = self._chunk_loss(batch, chunks[i])
+                loss, part = self._chunk_loss(batch, chunks[i], scale=scale)
                 parts.append(part)
             else:
                 loss = self._empty_loss()
@@ -210,10 +218,12 @@ class ReferenceTrainer:
         """
         with self._on_device():
             batch = _Batch.of(samples, self.device)
-            loss, part = self._chunk_loss(batch, range(len(samples)))
+            loss, part = self._chunk_loss(batch, range(len(samples)), scale=1 / batch.num_tokens)
             return loss, batch.metrics([part])
 
-    def _chunk_loss(self, batch: _Batch, rows: range) -> tuple[torch.Tensor, _Part]:
+    def _chunk_loss(
+        self, batch: _Batch, rows: range, *, scale: float
+    ) -> tuple[torch.Tensor, _Part]:
         tokens, positions, targets, old, adv = batch.tensors(rows)
         with self._autocast():
             logits = self.model(input_ids=tokens).logits
@@ -222,7 +232,7 @@ class ReferenceTrainer:
         new = picked.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)
         ratio = torch.exp(new - old)
         clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
-        loss = -torch.minimum(ratio * adv, clipped * adv).sum() / batch.num_tokens
+        loss = -torch.minimum(ratio * adv, clipped * adv).sum() * scale
         return loss, _Part(loss.detach(), new.detach(), ratio.detach(), clipped.detach())
 
     def _empty_loss(self) -> torch.Tensor:
@@ -233,13 +243,23 @@ class ReferenceTrainer:
         zero: torch.Tensor = logits.float().sum() * 0.0
         return zero
 
-    def _agreed_rounds(self, mine: int) -> int:
-        if not (self._sharded and torch.distributed.is_available()
-                and torch.distributed.is_initialized()):
-            return mine
-        count = torch.tensor([mine], device=self.device)
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-        return int(count.item())
+    def _ranks(self) -> int:
+        """Ranks sharing the step: those of the process group of a wrapped model, else 1."""
+        if self._sharded and torch.distributed.is_available() and (
+            torch.distributed.is_initialized()
+        ):
+            return torch.distributed.get_world_size()
+        return 1
+
+    def _agreed(self, rounds: int, tokens: int) -> tuple[int, int]:
+        """Over every rank: the most micro-batches any has, and the trained tokens of all."""
+        if self._ranks() == 1:
+            return rounds, tokens
+        most = torch.tensor([rounds], device=self.device)
+        total = torch.tensor([tokens], device=self.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
+        return int(most.item()), int(total.item())
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         """CUDA's current device is per thread, and recipes step in a worker thread: FSDP2's
@@ -358,9 +378,11 @@ class _Batch:
     num_tokens: int
 
     @classmethod
-    def of(cls, samples: Sequence[TrainSample], device: torch.device) -> _Batch:
+    def of(
+        cls, samples: Sequence[TrainSample], device: torch.device, *, allow_empty: bool = False
+    ) -> _Batch:
         num_tokens = sum(sum(s.loss_mask) for s in samples)
-        if num_tokens == 0:
+        if num_tokens == 0 and not allow_empty:
             raise InvalidRequestError("the batch has no token to train on (every mask is 0)")
         return cls(samples, _group_advantages(samples), device, num_tokens)
 
@@ -383,7 +405,9 @@ class _Batch:
 
     def metrics(self, parts: Sequence[_Part]) -> TrainMetrics:
         if not parts:  # a rank with no samples of its own (sharded training)
-            return TrainMetrics(loss=0.0, reward=float("nan"), mean_ratio=float("nan"),
+            reward = sum(s.reward for s in self.samples) / len(self.samples) if self.samples \
+                else float("nan")
+            return TrainMetrics(loss=0.0, reward=reward, mean_ratio=float("nan"),
                                 clipped_fraction=float("nan"))
         ratio = torch.cat([p.ratio for p in parts])
         clipped = torch.cat([p.clipped for p in parts])

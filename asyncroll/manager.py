@@ -354,6 +354,7 @@ class AsyncServerManager:
             if self._weights is None:  # an engine that dies later is skipped by the pusher
                 self._weights = WeightPusher(_receiving(self._engines))
             self._gate.clear()
+            labels = {e.name: getattr(e, "global_steps", None) for e in self._engines}
             try:
                 report = await self._weights.update(
                     named_tensors,
@@ -364,8 +365,8 @@ class AsyncServerManager:
             except WeightSyncError:
                 self._num_failed_updates += 1
                 raise
-            except BaseException:  # cancelled: perhaps after the engines took the new label
-                self._adopt_committed(global_steps)
+            except asyncio.CancelledError:  # perhaps after the engines took the new label
+                self._adopt_committed(global_steps, labels)
                 raise
             finally:
                 self._gate.set()
@@ -376,14 +377,20 @@ class AsyncServerManager:
             self._update_metrics.observe(report)
             return report
 
-    def _adopt_committed(self, global_steps: int | None) -> None:
+    def _adopt_committed(
+        self, global_steps: int | None, before: Mapping[str, int | None]
+    ) -> None:
         """An update cancelled once every live engine had labelled its weights ``global_steps``
         (the label is applied shielded, so a cancellation there lets it finish) is published
-        all the same: the manager's version never disagrees with what its engines serve."""
+        all the same: the manager's version never disagrees with what its engines serve.
+        ``before``: each engine's label before the update (one that did not move took
+        nothing)."""
         live = [e for e in self._engines if not e.is_dead]
         if global_steps is None or not live:
             return
-        if all(getattr(e, "global_steps", None) == global_steps for e in live):
+        labels = [getattr(e, "global_steps", None) for e in live]
+        moved = any(before.get(e.name) != label for e, label in zip(live, labels, strict=True))
+        if moved and all(label == global_steps for label in labels):
             self._global_steps = global_steps
             self._num_updates += 1
 

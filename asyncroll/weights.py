@@ -237,7 +237,10 @@ class VersionedUpdater:
                 # is cancelled meanwhile (new weights under the old label would be a lie).
                 await _shielded(_commit(engines, global_steps, marks))
             finally:
-                await asyncio.gather(*(e.resume() for e in pausable), return_exceptions=True)
+                # Shielded: a caller cancelled in the resume must not leave an engine paused.
+                await _shielded(
+                    asyncio.gather(*(e.resume() for e in pausable), return_exceptions=True)
+                )
             marks.append(time.perf_counter())
             if changed and prints is not None and prints == self._fingerprints:
                 message = (

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
-from asyncroll import AsyncServerManager
+from asyncroll import AsyncServerManager, InvalidRequestError
 from asyncroll.testing import FakeEngine
 from asyncroll.testing.fake_engine import FakeWeightUpdater
 
@@ -36,6 +37,7 @@ async def test_an_update_cancelled_after_the_label_publishes_it(where: str) -> N
         with pytest.raises(asyncio.CancelledError):
             await update
         assert [e.global_steps for e in engines] == [2, 2]
+        assert not any(e.statistics().paused for e in engines)  # resumed, cancelled or not
         assert manager.global_steps == 2
         assert manager.statistics().num_updates == 2
         out = await manager.generate("after", prompt_ids=[5, 6], sampling_params={"max_tokens": 3})
@@ -61,3 +63,13 @@ async def test_an_update_cancelled_before_the_label_keeps_the_old_version() -> N
             await update
         assert manager.global_steps == engines[0].global_steps == 0
         assert manager.statistics().num_updates == 0
+
+
+async def test_a_refused_update_is_not_counted_even_at_the_published_version() -> None:
+    engines = [FakeEngine(name="a")]
+    async with AsyncServerManager(engines, weights=FakeWeightUpdater(engines)) as manager:
+        await manager.update_weights([], global_steps=1)
+        for bad in ([("w", "not a tensor")], [("w", torch.empty(2, device="meta"))]):
+            with pytest.raises(InvalidRequestError):
+                await manager.update_weights(bad, global_steps=1)  # type: ignore[arg-type]
+        assert manager.statistics().num_updates == 1 and manager.global_steps == 1

@@ -234,7 +234,11 @@ class FakeEngine:
         await self._stop(mode)
 
     async def resume(self) -> None:
-        """Resume after ``pause()``: frozen requests continue, waiters are admitted."""
+        """Resume after ``pause()``: frozen requests continue, waiters are admitted. Like a
+        real engine's, the call crosses a process boundary first (a loop turn): a caller can
+        be cancelled inside it."""
+        self._check_alive()
+        await asyncio.sleep(0)
         self._check_alive()
         self._paused = False
         self._thaw_if_ready()

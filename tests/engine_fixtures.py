@@ -25,8 +25,9 @@ from asyncroll.testing import make_tiny_model
 if TYPE_CHECKING:
     from asyncroll import VLLMEngine
 
-SHARED_ENGINES = ("engine", "engine_b", "_shared_engines")
-"""The session's shared engine fixtures; a test that needs one is marked ``engine``."""
+SHARED_ENGINES = ("engine", "engine_b")
+"""The session's shared engine fixtures; a test that needs one (or ``_shared_engines``, which
+starts them) is marked ``engine``."""
 
 _ENGINE_LOOP: list[asyncio.AbstractEventLoop] = []
 """The loop the shared engines run on (the session's)."""
@@ -117,7 +118,7 @@ class SharedEngines:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark ``engine`` every test that asks for a shared engine (before ``-m`` selects)."""
     for item in items:
-        if set(SHARED_ENGINES) & set(getattr(item, "fixturenames", ())):
+        if {*SHARED_ENGINES, "_shared_engines"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
 
 

@@ -215,7 +215,8 @@ class VersionedUpdater:
             # ``recompute`` is vLLM's ``keep`` with its caches cleared: the kept requests are
             # preempted, so their KV is computed again, by the new weights, when they resume.
             # ``abort`` and ``keep`` leave vLLM's cache alone: its clear walks the whole block
-            # pool (0.6-1.2 s for a tiny model on an H200's 15M blocks, 40 ms for a 0.5B), and
+            # pool (0.6-1.1 s a pause for the tiny model at vLLM's default share of an H200,
+            # tens of milliseconds for a 0.5B; docs/performance.md), and
             # the new cache epoch (``_commit``) already puts the old KV out of reach of every
             # request admitted after the update. An abort pause ends every request that came
             # before it: the engine lets requests admitted before the gate closed reach vLLM

@@ -35,8 +35,9 @@ EOF
 
 DEADLINE=$((SECONDS + ${BUDGET:-550}))  # a run call ends at 600 s: leave time to pack up
 
-pack() {
-  tar czf "$OUT/session.tar.gz" -C "$W" logs results 2>/dev/null
+pack() {  # lanes pack side by side: each writes its own file, then renames it into place
+  local tmp="$W/session.$BASHPID.tar.gz"
+  tar czf "$tmp" -C "$W" logs results 2>/dev/null && mv -f "$tmp" "$OUT/session.tar.gz"
   cp "$W/logs/summary.txt" "$OUT/summary.txt" 2>/dev/null
 }
 

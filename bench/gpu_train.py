@@ -288,15 +288,20 @@ async def lead(args: argparse.Namespace, model: Path, manager: AsyncServerManage
             options["hybrid"] = True
         if name == "fully_async":
             options["max_staleness"] = args.max_staleness
-        busy: list[float] = []
+        busy: list[tuple[float, float]] = []
+        """(when, the engine's busy seconds), read together at each step's end."""
 
-        def on_step(record: StepRecord, busy: list[float] = busy, name: str = name) -> None:
-            busy.append(sum(manager.statistics().busy_seconds.values()))
+        def sample() -> tuple[float, float]:
+            return time.perf_counter(), sum(manager.statistics().busy_seconds.values())
+
+        def on_step(record: StepRecord, busy: list[tuple[float, float]] = busy,
+                    name: str = name) -> None:
+            busy.append(sample())
             log(f"{name} step {record.step}: reward {record.reward:.3f}, "
                 f"{record.wall_seconds:.2f} s, update {record.update_seconds * 1e3:.1f} ms")
 
         log(f"{name}: {args.steps} steps")
-        busy.append(sum(manager.statistics().busy_seconds.values()))
+        busy.append(sample())
         records = await RECIPES[name](manager, trainer, source, on_step=on_step, **options)
         result["recipes"][name] = summarize(records, busy, args)
         print(format_table(records), flush=True)
@@ -324,12 +329,14 @@ def empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def summarize(records: list[StepRecord], busy: list[float], args: argparse.Namespace
-              ) -> dict[str, Any]:
+def summarize(records: list[StepRecord], busy: list[tuple[float, float]],
+              args: argparse.Namespace) -> dict[str, Any]:
     timed = records[1:]  # the first step fills the pipeline and warms up
     wall = sum(r.wall_seconds for r in timed)
     tokens = sum(r.tokens for r in timed)
-    engine_busy = (busy[-1] - busy[1]) / wall if len(busy) > 2 and wall > 0 else float("nan")
+    # The busy share over the span its own readings bound (the steps' clock is read apart).
+    (t0, b0), (t1, b1) = (busy[1], busy[-1]) if len(busy) > 2 else ((0.0, 0.0), (0.0, 0.0))
+    engine_busy = (b1 - b0) / (t1 - t0) if t1 > t0 else float("nan")
     updates = [r.update_seconds for r in timed]
     return {
         "steps_per_hour": 3600 * len(timed) / wall,

@@ -70,8 +70,9 @@ SourceFactory = Callable[
 ]
 """Makes the rollout source once the manager serves: (manager, model folder, exit stack)."""
 
-STARTUP = "measured: 25-100 s on a 2-core CPU machine, 30-60 s on an H200"
-"""How long an engine takes to start, as measured (docs/performance.md)."""
+STARTUP = "25-100 s on a 2-core CPU machine, as measured; about a minute on one GPU"
+"""How long an engine takes to start: the CPU range measured by this session's runs (the line
+"engine ready in" says each time); on an H200 the whole demo took 65-91 s."""
 
 TINY_LR = 3e-3
 """The tiny model's learning rate (hidden size 128); other models get it scaled by 128 over

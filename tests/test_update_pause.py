@@ -18,6 +18,9 @@ pytestmark = pytest.mark.engine
 
 PROMPT = [30 + i % 400 for i in range(300)]  # more than two of the CPU build's 128-token blocks
 PARAMS = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0.0}
+"""The request in transit: 200 tokens (300 + 200 fit the context of 512), so it is still
+running when the update's pause reaches the engine, however slow the machine."""
 
 
 class _WaitSpy(asyncio.Event):
@@ -62,7 +65,7 @@ async def test_a_request_admitted_before_an_abort_update_never_reuses_the_old_ca
     monkeypatch.setattr(core, "pause_scheduler_async", spied_pause)
     monkeypatch.setattr(engine, "_landed", _WaitSpy(under_way))
     in_transit = asyncio.create_task(
-        engine.generate("transit-x", prompt_ids=PROMPT, sampling_params=PARAMS)
+        engine.generate("transit-x", prompt_ids=PROMPT, sampling_params=LONG)
     )
     await arrived.wait()
     monkeypatch.setattr(core, "add_request_async", real_add)

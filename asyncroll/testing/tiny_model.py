@@ -135,8 +135,9 @@ def make_model(
     max_position_embeddings: int = 4096,
 ) -> Path:
     """Write random weights at a real model's shape (``SHAPES``, or a dict of config fields
-    with ``family``), without a tokenizer: fast for billions of parameters (each tensor drawn
-    directly in bf16, norms at 1, biases at 0; no module is built).
+    with ``family``), without a tokenizer: fast for billions of parameters (no module is
+    built: each tensor is drawn in fp32 and cast to bf16, one at a time; norms at 1, biases
+    at 0).
 
     Raises:
         InvalidRequestError: an unknown shape name or family.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import functools
 import logging
 import mmap
@@ -54,6 +55,7 @@ __all__ = [
     "ShmBackend",
     "StagingBuffer",
     "make_backend",
+    "on_local_device",
     "sweep_stale_segments",
 ]
 
@@ -61,8 +63,8 @@ log = logging.getLogger(__name__)
 
 SHM_DIR: Final = Path("/dev/shm")
 _SHM_NAME: Final = re.compile(r"^asyncroll-[0-9a-f]+-\d+(?:-p(?P<pid>\d+))?$")
-"""``asyncroll-<nonce>-<buffer>-p<owner's pid>``: the owner's pid lets a later process unlink
-the segments of an owner killed before its receivers mapped them (``sweep_stale_segments``)."""
+"""``asyncroll-<nonce>-<buffer>-p<owner's pid>`` (the pid says whose it is, to a person; the
+owner's lock says whether it lives, to ``sweep_stale_segments``)."""
 
 
 class StagingBuffer(Protocol):
@@ -187,31 +189,35 @@ class Backend(Protocol):
 
 
 def sweep_stale_segments(directory: Path = SHM_DIR) -> list[str]:
-    """Unlink the segments whose owner is dead (killed before its receivers had mapped them,
-    after which names are unlinked at once); returns their names. Only this user's, only those
-    named with an owner's pid; an owner whose pid is alive again (reused) keeps its segments."""
+    """Unlink the segments whose owner is gone (killed before its receivers had mapped them,
+    after which names are unlinked at once); returns their names. An owner holds an exclusive
+    ``flock`` on each of its segments for as long as it lives, and the kernel drops it with
+    the process: a segment we can lock has no owner. (A pid would not do: another PID
+    namespace sharing /dev/shm has pids this one cannot see.) Only this user's segments, only
+    those named the way lock-holding owners name them."""
     swept = []
     for path in directory.glob("asyncroll-*-p*"):
-        found = _SHM_NAME.match(path.name)
-        if found is None or found["pid"] is None or _alive(int(found["pid"])):
+        if _SHM_NAME.match(path.name) is None:
             continue
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            if path.stat().st_uid == os.getuid():
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner lives
+            with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 swept.append(path.name)
+        finally:
+            os.close(fd)
     if swept:
         log.info("unlinked %d shared-memory segments of dead owners", len(swept))
     return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: alive
-    return True
 
 
 class _ShmBuffer:
@@ -219,14 +225,23 @@ class _ShmBuffer:
         self.path = path
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
+        self._lock: int | None = None
+        """The owner's descriptor, holding an exclusive lock while the segment lives
+        (``sweep_stale_segments``)."""
         try:
             if create:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.fchmod(fd, 0o600)
                 os.ftruncate(fd, nbytes)
             else:
                 _check_private(fd, path, nbytes)
             self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if create:
+            self._lock = fd
+        else:
             os.close(fd)
         self._tensor: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._linked = create
@@ -250,6 +265,9 @@ class _ShmBuffer:
     def close(self) -> None:
         self.unlink()
         self._tensor = None
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)
         if self._mmap is not None:
             mapping, self._mmap = self._mmap, None
             try:
@@ -505,7 +523,7 @@ class CudaIpcBackend:
         if not isinstance(args, tuple):
             raise ValueError("CUDA IPC descriptor is not an argument tuple")
         rebuild: Callable[..., torch.Tensor] = rebuild_cuda_tensor
-        tensor = rebuild(*args)
+        tensor = rebuild(*on_local_device(args, torch.cuda.device_count()))
         if tensor.dtype != torch.uint8 or tensor.numel() < nbytes:
             raise ValueError("CUDA IPC buffer has the wrong type or size")
         self.device = tensor.device
@@ -547,6 +565,19 @@ def _driver_memcpy() -> Callable[[int, int, int, int], int] | None:
     memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
     memcpy.restype = ctypes.c_int
     return memcpy
+
+
+def on_local_device(args: tuple[object, ...], devices: int) -> tuple[object, ...]:
+    """torch's CUDA IPC arguments, opened on a device this process has.
+
+    ``rebuild_cuda_tensor`` opens the handle on the sender's device index (argument 6). A
+    receiver started on one GPU of several (``CUDA_VISIBLE_DEVICES``, as the examples start an
+    engine beside a trainer on ``cuda:N``) sees that GPU as its device 0: an index it does not
+    have means its current device."""
+    index = args[6] if len(args) > 6 else None
+    if isinstance(index, int) and not 0 <= index < devices:
+        return (*args[:6], torch.cuda.current_device(), *args[7:])
+    return args
 
 
 def _export(tensor: torch.Tensor) -> bytes:

@@ -51,10 +51,16 @@ def release_client(llm: Any) -> None:
     the garbage collector, which finds them only once nothing refers to the client."""
     context = getattr(getattr(llm, "engine_core", None), "ctx", None)
     # The client's asyncio context shadows a plain one, which owns the handle: end that one,
-    # or its own finaliser would end the handle a second time.
+    # or its own finaliser would end the handle a second time. Each context knows only the
+    # sockets made through it, and ending a context waits for every socket of the handle: close
+    # both contexts' sockets first (vLLM has closed its own by now; this covers any it has not).
     owner = getattr(context, "_shadow_obj", None) or context
-    if owner is not None and not getattr(owner, "closed", True):
-        owner.destroy(linger=0)
+    if owner is None or getattr(owner, "closed", True):
+        return
+    for made_by in {id(context): context, id(owner): owner}.values():
+        for socket in list(getattr(made_by, "_sockets", None) or ()):
+            socket.close(linger=0)
+    owner.destroy(linger=0)
 
 
 def seeded_split_prefill_kills(llm: Any) -> bool:

@@ -358,6 +358,8 @@ class VLLMEngine:
         live = [request_id for request_id in ids if request_id in self._live]
         if not live or self.is_dead:
             return
+        if any(request_id in self._in_transit for request_id in live):
+            await self._all_landed()  # vLLM ignores an abort of a request it does not know yet
         await self._call(self._llm.abort(live))
 
     async def pause(
@@ -379,8 +381,7 @@ class VLLMEngine:
         # Requests admitted before the gate closed reach the EngineCore before the pause does:
         # an abort or wait pause then ends every request that holds the old cache epoch's salt
         # (``reset_prefix_cache`` relies on it), and none can arrive after it.
-        while not self._landed.is_set():
-            await self._landed.wait()
+        await self._all_landed()
         await self._call(
             compat.pause_generation(self._llm, mode=mode, clear_cache=clear_cache)
         )
@@ -402,6 +403,7 @@ class VLLMEngine:
         self._check_alive()
         self._gate.clear()
         self._sleeping_tags = {"weights", "kv_cache", "scheduling"}
+        await self._all_landed()  # as for a pause: the sleep's abort must reach them all
         await self._call(self._llm.sleep(level, mode))
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -474,6 +476,17 @@ class VLLMEngine:
         handler = getattr(self._llm, "output_handler", None)
         if handler is not None:
             handler.cancel()
+        # Shielded: a caller cancelled here would leave the processes, pipes and ZMQ context
+        # behind for good (the engine is marked closed already).
+        shutdown = asyncio.ensure_future(self._shut_down())
+        try:
+            await asyncio.shield(shutdown)
+        except asyncio.CancelledError:
+            await asyncio.gather(shutdown, return_exceptions=True)
+            raise
+        logger.info("closed %s", self.name)
+
+    async def _shut_down(self) -> None:
         processes = compat.engine_core_processes(self._llm)
         await asyncio.to_thread(self._llm.shutdown)
         # AsyncLLM.__del__ shuts down again, which fails at interpreter exit; once is enough.
@@ -483,7 +496,6 @@ class VLLMEngine:
         await asyncio.to_thread(_reap, processes)
         await asyncio.sleep(0)  # vLLM's socket closes, queued on this loop, run first
         compat.release_client(self._llm)
-        logger.info("closed %s", self.name)
 
     @property
     def llm(self) -> AsyncLLM:
@@ -625,6 +637,9 @@ class VLLMEngine:
         update with the receive (``finish_in_receive``), only the label is left to set."""
         finished, self._finished = self._finished, False
         label = version_label(global_steps)
+        # The new weights are in: a new cache epoch first, whatever the label calls below do
+        # (an abort update clears no cache: the epoch is all that keeps old KV out of reach).
+        self._cache_epoch += 1
         if self.native_versions:
             if not finished:
                 await self.call_vllm(self._llm.finish_weight_update(weight_version=label))
@@ -634,7 +649,6 @@ class VLLMEngine:
             await self.call_vllm(self._llm.finish_weight_update())
         if global_steps is not None:
             self._global_steps = global_steps
-        self._cache_epoch += 1  # the label and the cache epoch always move together
         await self._mark_version_boundary(self._global_steps)
 
     async def reset_prefix_cache(self) -> None:
@@ -684,6 +698,11 @@ class VLLMEngine:
             )
             if marks[-1][0] != global_steps:
                 marks.append((global_steps, produced))
+
+    async def _all_landed(self) -> None:
+        """Return once every request admitted so far has reached vLLM (or never will)."""
+        while not self._landed.is_set():
+            await self._landed.wait()
 
     def _request_added(self, request_id: str) -> None:
         self._in_transit.discard(request_id)

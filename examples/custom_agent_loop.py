@@ -9,7 +9,6 @@ to roll it out on a vLLM engine (the GPU where there is one) serving a tiny rand
 from __future__ import annotations
 
 import uvloop
-from _common import engine_arguments, engine_on, parser, policy_folder, prepare
 
 from asyncroll import AsyncServerManager
 from asyncroll.agent_loop import (
@@ -48,6 +47,9 @@ class ReviseLoop(AgentLoop[Sample]):
 
 
 async def main() -> None:
+    # The examples' set-up (it quietens vLLM for this process): the loop above needs none of it.
+    from _common import engine_arguments, engine_on, parser, policy_folder, prepare
+
     args = parser(default_steps=1).parse_args()
     setup = prepare(args)
     print(f"custom agent loop: {setup.describe()}", flush=True)

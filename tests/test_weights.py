@@ -630,8 +630,9 @@ async def test_bad_tensors_are_rejected_before_any_push(engine: VLLMEngine) -> N
 async def test_an_update_said_to_change_the_weights_warns_when_it_does_not(
     engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
 ) -> None:
-    """``changed=True`` fingerprints the tensors: the same tensors twice in a row warn (and
-    still go through, labelled), different ones do not; without the flag nothing is compared."""
+    """``changed=True`` fingerprints the tensors: the same tensors as the previous update's warn
+    (and still go through, labelled), different ones do not. An update without the flag is not
+    compared, but the next one with it compares with it (its verification's fingerprints)."""
     import warnings
 
     from asyncroll import AsyncServerManager, UnchangedWeightsWarning
@@ -644,11 +645,12 @@ async def test_an_update_said_to_change_the_weights_warns_when_it_does_not(
             await manager.update_weights(b, global_steps=steps, changed=True)
             await manager.update_weights(a, global_steps=steps + 1, changed=True)
             await manager.update_weights(a, global_steps=steps + 2)  # not compared
-            await manager.update_weights(a, global_steps=steps + 3, changed=True)
         # pytest.warns records every warning in its block and re-raises the others: collect
         # garbage earlier tests left first, so an unclosed resource's ResourceWarning from a
         # finaliser cannot land inside it.
         gc.collect()
+        with pytest.warns(UnchangedWeightsWarning, match=r"all \d+ tensors pushed equal"):
+            await manager.update_weights(a, global_steps=steps + 3, changed=True)
         with pytest.warns(UnchangedWeightsWarning, match=r"all \d+ tensors pushed equal"):
             await manager.update_weights(
                 {name: t.clone() for name, t in a.items()}, global_steps=steps + 4, changed=True

@@ -44,6 +44,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -74,7 +75,27 @@ from asyncroll.weights import (
     check_resume_mode,
 )
 
-__all__ = ["DistributedWeightPusher"]
+__all__ = ["TORCHRUN_VARIABLES", "DistributedWeightPusher", "torchrun_hidden"]
+
+TORCHRUN_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+"""torchrun's variables: a vLLM engine started under torchrun must not see them."""
+
+
+@contextlib.contextmanager
+def torchrun_hidden() -> Iterator[None]:
+    """While vLLM starts an engine under torchrun: its worker processes inherit the
+    environment, and torchrun's rank variables would make them join the trainer's process group
+    instead of their own."""
+    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 logger = logging.getLogger(__name__)
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import transformers
 
 from asyncroll import AsyncServerManager, DistributedWeightPusher, VLLMEngine, WeightPusher
+from asyncroll.distributed import torchrun_hidden
 from asyncroll.recipes import (
     BandTask,
     BandTaskSource,
@@ -65,14 +66,6 @@ transformers.utils.logging.disable_progress_bar()
 
 RECIPES = {"sync": run_synchronous, "one_step_off": run_one_step_off,
            "fully_async": run_fully_async}
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-                      "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-
-
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -92,15 +85,14 @@ def world() -> int:
 def engine_environment(gpu: int | None) -> Iterator[None]:
     """While vLLM starts its processes: only GPU ``gpu`` visible (None: all), and torchrun's
     variables hidden (vLLM's workers would join the trainer's process group)."""
-    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpu is not None:  # our GPU ``gpu`` is the gpu-th of those we see
         ours = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = ours[gpu]
     try:
-        yield
+        with torchrun_hidden():
+            yield
     finally:
-        os.environ.update(saved)
         if gpu is not None:
             if visible is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)

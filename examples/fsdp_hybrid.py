@@ -25,7 +25,6 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +37,11 @@ from asyncroll import (
     InvalidRequestError,
     VLLMEngine,
 )
+from asyncroll.distributed import torchrun_hidden
 from asyncroll.recipes import BandTask, BandTaskSource
 from asyncroll.recipes.rollout import generate_batch
 from asyncroll.testing import make_tiny_model
 from asyncroll.trainer import ReferenceTrainer, check_checkpoint
-
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
-                      "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
-                      "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-"""torchrun's variables, hidden from vLLM while it launches (``bench/gpu_multi.py`` hides the
-same ones, and its TP=2 engines start on GPUs under torchrun)."""
-
-
-@contextlib.contextmanager
-def engine_environment() -> Iterator[None]:
-    """vLLM's worker processes inherit our environment: torchrun's rank variables would make
-    them join the trainer's process group instead of their own."""
-    saved = {name: os.environ.pop(name) for name in TORCHRUN_VARIABLES if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 def shard(model: torch.nn.Module) -> None:
@@ -108,7 +88,7 @@ async def main(args: argparse.Namespace) -> None:
             where = f"{world} GPUs" if cuda else "the CPU"
             print(f"{config['architectures'][0]} on {where}: trainer {trainer!r}; starting a vLLM "
                   f"engine with tensor_parallel_size={world}...", flush=True)
-            with engine_environment():
+            with torchrun_hidden():
                 engine = await stack.enter_async_context(VLLMEngine.launch(
                     model, tensor_parallel_size=world, skip_tokenizer_init=True,
                     max_model_len=max(128, args.response_len + 64), **gpu_arguments(args, cuda)))

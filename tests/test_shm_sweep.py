@@ -9,6 +9,9 @@ import fcntl
 import os
 from pathlib import Path
 
+import pytest
+
+from asyncroll.transport import backends
 from asyncroll.transport.backends import ShmBackend, sweep_stale_segments
 
 
@@ -42,4 +45,30 @@ def test_a_sender_locks_its_segments_and_sweeps_first(tmp_path: Path) -> None:
     finally:
         first.close()
         second.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_sweep_at_the_worst_moment_never_unlinks_a_segment_being_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another sender sweeps right as ours takes the lock on a segment it just created (a
+    suite beside another job lost a live segment so, and its engine could not attach)."""
+    flock = fcntl.flock
+    swept: list[list[str]] = []
+
+    def flock_after_a_sweep(fd: int, operation: int) -> None:
+        if not swept:
+            swept.append(sweep_stale_segments(tmp_path))  # (its own flock calls come here too)
+        flock(fd, operation)
+
+    monkeypatch.setattr(backends.fcntl, "flock", flock_after_a_sweep)
+    buffer = ShmBackend(tmp_path).allocate(nonce="cafe", index=1, nbytes=64)
+    try:
+        assert swept == [[]]
+        path = Path(buffer.descriptor.decode())
+        assert path.exists() and [p.name for p in tmp_path.iterdir()] == [path.name]
+        monkeypatch.setattr(backends.fcntl, "flock", flock)
+        assert sweep_stale_segments(tmp_path) == []  # locked by its owner
+    finally:
+        buffer.close()
     assert not list(tmp_path.iterdir())

@@ -220,24 +220,42 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[str]:
     return swept
 
 
+def _create_locked(path: Path, nbytes: int) -> int:
+    """Create segment ``path`` (``nbytes``, this user's only) already locked by us, and return
+    the descriptor that holds the lock. The segment is made and locked under a hidden name and
+    only then linked to ``path``: a sweeper on another process never sees it unlocked (created
+    and locked in place, a sweep between the two unlinked a live sender's segment under it)."""
+    hidden = path.with_name(f".{path.name}.{os.urandom(4).hex()}")
+    fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)
+        os.link(hidden, path)  # FileExistsError where the name is taken, as O_EXCL did
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.unlink(hidden)
+    return fd
+
+
 class _ShmBuffer:
     def __init__(self, path: Path, nbytes: int, *, create: bool) -> None:
         self.path = path
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        fd = _create_locked(path, nbytes) if create else os.open(path, os.O_RDWR)
         self._lock: int | None = None
         """The owner's descriptor, holding an exclusive lock while the segment lives
         (``sweep_stale_segments``)."""
         try:
-            if create:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.fchmod(fd, 0o600)
-                os.ftruncate(fd, nbytes)
-            else:
+            if not create:
                 _check_private(fd, path, nbytes)
             self._mmap: mmap.mmap | None = mmap.mmap(fd, nbytes)
         except BaseException:
             os.close(fd)
+            if create:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             raise
         if create:
             self._lock = fd

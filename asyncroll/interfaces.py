@@ -35,7 +35,7 @@ __all__ = [
     "WeightUpdater",
 ]
 
-ResumeMode = Literal["abort", "keep", "recompute"]
+ResumeMode = Literal["abort", "keep", "recompute", "inflight"]
 """How an update treats requests in flight:
 
 - ``abort`` ends them with their partial output; the manager resubmits prompt + output, so
@@ -48,10 +48,15 @@ ResumeMode = Literal["abort", "keep", "recompute"]
 - ``recompute`` freezes them in their engine too, but drops their KV: it is computed again by
   the new weights before they go on (vLLM preempts them). Same tokens as ``abort``, with no
   round trip through the manager.
+- ``inflight`` pauses nothing: the engine keeps serving while the bytes come, and commits them
+  between two of its steps, in one call that no forward pass interleaves; requests keep their
+  KV, as in ``keep``. The engine must commit in its step loop (``VLLMEngine.commits_in_step``)
+  and keep a backup of its weights, so that a push that fails midway is undone before its
+  next step; anything else refuses the mode before the push.
 
 Each token is labelled with the weights that sampled it in every mode."""
 
-RESUME_MODES: tuple[ResumeMode, ...] = ("abort", "keep", "recompute")
+RESUME_MODES: tuple[ResumeMode, ...] = ("abort", "keep", "recompute", "inflight")
 
 
 class Engine(Protocol):
@@ -184,7 +189,9 @@ class WeightChannel(Protocol):
     async def push(
         self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
     ) -> PushReport | None:
-        """Move ``tensors`` into the paused ``engines``."""
+        """Move ``tensors`` into the paused ``engines``. A channel that can commit into
+        running engines (``ResumeMode`` ``inflight``) takes ``inflight=True`` too and says
+        why it cannot where it cannot (``inflight_refusal``)."""
 
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         """End a failed push; the names of engines left without whole weights."""

@@ -112,7 +112,10 @@ class AsyncServerManager:
                 them and resubmits prompt + partial output (the new weights compute their KV
                 again), ``keep`` freezes them in their engine and goes on from the KV the old
                 weights computed (the cheapest), ``recompute`` freezes them and has the new
-                weights compute their KV again in the engine (``ResumeMode``).
+                weights compute their KV again in the engine, ``inflight`` pauses nothing: each
+                engine commits the update between two of its steps and new calls go on
+                meanwhile (``ResumeMode``; the default pusher then keeps a backup of the
+                weights on the engines' devices, to undo a push that fails midway).
             partial_rollout: If False, interrupted requests come back with
                 ``finish_reason="abort"`` instead of being resumed.
             sticky_margin: How much busier than the least-loaded engine a session's engine may
@@ -352,8 +355,10 @@ class AsyncServerManager:
             while self._retired:
                 await self._retired.pop().aclose()
             if self._weights is None:  # an engine that dies later is skipped by the pusher
-                self._weights = WeightPusher(_receiving(self._engines))
-            self._gate.clear()
+                backup = True if self.resume_mode == "inflight" else None
+                self._weights = WeightPusher(_receiving(self._engines), backup=backup)
+            if self.resume_mode != "inflight":  # new calls wait for the new weights
+                self._gate.clear()
             labels = {e.name: getattr(e, "global_steps", None) for e in self._engines}
             try:
                 report = await self._weights.update(

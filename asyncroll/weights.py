@@ -205,6 +205,8 @@ class VersionedUpdater:
             if not engines:
                 raise WeightSyncError("no live engine to update")
             _check_versions(engines, global_steps)
+            if mode == "inflight":
+                _check_inflight(engines, self._channel)
             await self._channel.check(tensors)
             # Kept for the next ``changed=True``: this update's fingerprints, or the channel's
             # own (taken to verify the push) where ``changed`` was not asked for.
@@ -222,7 +224,9 @@ class VersionedUpdater:
             # before it: the engine lets requests admitted before the gate closed reach vLLM
             # first (``VLLMEngine.pause``). ``keep`` keeps the old weights' KV for the requests
             # that came before the update (see ``ResumeMode``).
-            pause_mode: PauseMode = "keep" if mode == "recompute" else mode
+            pause_mode: PauseMode = "abort" if mode == "abort" else "keep"
+            if mode == "inflight":
+                pausable = []  # the engines commit between two steps (``ResumeMode``)
             try:
                 paused = await asyncio.gather(
                     *(e.pause(pause_mode, clear_cache=mode == "recompute") for e in pausable),
@@ -232,7 +236,7 @@ class VersionedUpdater:
                     if isinstance(outcome, BaseException):
                         raise outcome
                 marks.append(time.perf_counter())
-                push = await self._push(engines, tensors, global_steps)
+                push = await self._push(engines, tensors, global_steps, mode == "inflight")
                 marks.append(time.perf_counter())
                 # The new weights are in: label them and start a new cache epoch even if our caller
                 # is cancelled meanwhile (new weights under the old label would be a lie).
@@ -288,10 +292,15 @@ class VersionedUpdater:
         engines: Sequence[UpdatableEngine],
         tensors: dict[str, torch.Tensor],
         global_steps: int | None,
+        inflight: bool = False,
     ) -> PushReport | None:
         version = global_steps if global_steps is not None else -1
         before = {engine.name: engine.global_steps for engine in engines}
         try:
+            if inflight:
+                return await self._channel.push(  # type: ignore[call-arg]
+                    engines, tensors, version, inflight=True
+                )
             return await self._channel.push(engines, tensors, version)
         except BaseException as exc:
             held = await _shielded(self._channel.abort(engines))
@@ -484,11 +493,18 @@ class SenderChannel:
             self._fingerprints = self._fingerprinter(plain) | known
 
     async def push(
-        self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
+        self,
+        engines: Sequence[Any],
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        inflight: bool = False,
     ) -> PushReport:
+        """Push ``tensors`` into every engine's workers. ``inflight``: the engines are not
+        paused; each commits the push between two of its steps (``VLLMEngine.receive``)."""
         sender = await self._connected(engines, tensors)
         try:
-            return await self._transfer(engines, sender, tensors, version)
+            return await self._transfer(engines, sender, tensors, version, inflight=inflight)
         except BaseException:
             if isinstance(sender, BroadcastSender):
                 # A collective some rank never joined cannot be called off: close the group
@@ -538,6 +554,8 @@ class SenderChannel:
         sender: WeightSender | BroadcastSender,
         tensors: Mapping[str, torch.Tensor],
         version: int,
+        *,
+        inflight: bool = False,
     ) -> PushReport:
         """Every engine's begin and receive, then the push, failing as soon as any of them
         fails (a dead worker's engine fails its call long before the sender's ack deadline).
@@ -586,8 +604,10 @@ class SenderChannel:
         try:
             async with asyncio.timeout(self._timeout * 2):
                 await _until(begun, tasks)
+                receive_options = {"inflight": True} if inflight else {}
                 receives = [
-                    asyncio.ensure_future(e.receive(version, push=push_id)) for e in engines
+                    asyncio.ensure_future(e.receive(version, push=push_id, **receive_options))
+                    for e in engines
                 ]
                 tasks += receives
                 if push is None:  # its first steps let the receive RPCs leave first
@@ -654,6 +674,15 @@ class SenderChannel:
         sharded trainer's ranks sample their shards: ``asyncroll.distributed``); the push then
         fingerprints nothing as it goes."""
         self._known_prints = dict(fingerprints)
+
+    def inflight_refusal(self) -> str | None:
+        """Why this channel cannot commit into running engines, or None (``ResumeMode``)."""
+        if not self.worker_config()["backup"]:
+            return (
+                "an inflight update needs backup=True (the default on CPU): the engines keep"
+                " stepping, and a push that fails midway must be undone before their next step"
+            )
+        return None
 
     def worker_config(self) -> dict[str, Any]:
         """What the workers are told at attach, beside where the sender is."""
@@ -859,6 +888,21 @@ def _check_versions(engines: Sequence[UpdatableEngine], global_steps: int | None
                 f"global_steps {global_steps} is lower than {engine.name}'s {current}: "
                 "versions never go backwards"
             )
+
+
+def _check_inflight(engines: Sequence[UpdatableEngine], channel: WeightChannel) -> None:
+    """Refuse ``mode="inflight"`` before anything moves where an engine cannot commit between
+    two of its steps or the channel cannot undo a failed push in time (``ResumeMode``)."""
+    unable = [e.name for e in engines if not getattr(e, "commits_in_step", False)]
+    if unable:
+        raise InvalidRequestError(
+            f"mode='inflight': {', '.join(unable)} cannot commit an update between two engine"
+            " steps (a vLLM engine counting its samples can; use keep, abort or recompute)"
+        )
+    refusal = getattr(channel, "inflight_refusal", None)
+    why = "this channel cannot push into running engines" if refusal is None else refusal()
+    if why is not None:
+        raise InvalidRequestError(f"mode='inflight': {why}")
 
 
 def _channel_fingerprints(channel: WeightChannel) -> dict[str, bytes] | None:

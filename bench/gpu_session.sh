@@ -10,6 +10,8 @@
 #   bash bench/gpu_session.sh second    # 4 GPUs: gpu_train fsdp2, fsdp_hybrid on 2 and 4 GPUs,
 #                                       # the split example and examples (lane B)
 #   bash bench/gpu_session.sh tests     # the CUDA tests of the trainer and the update's pause
+#   bash bench/gpu_session.sh third     # 4 GPUs: inflight updates on the rollout benchmark, the
+#                                       # CUDA tests (inflight's too), fsdp_hybrid and the demo
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -105,6 +107,28 @@ phase_second() {  # 4 GPUs: gpu_train fsdp2 (0-1); fsdp_hybrid 2 and examples la
 phase_tests() {
   run pytest-cuda 0 python3 -m pytest -q -p no:cacheprovider tests/test_trainer_device.py \
     tests/test_update_pause.py -x
+}
+
+phase_third() {  # 4 GPUs: issue 42's rollout benchmark, inflight beside the pausing policies (0),
+  # alone on its GPU; fsdp_hybrid on 2 and the split example (1-2); the demo and the CUDA
+  # tests, inflight's among them (3)
+  models
+  run rollout-inflight 0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,abort,keep,inflight --rounds 3 --out "$W/results" &
+  (
+    run fsdp_hybrid-2 1,2 torchrun --nproc-per-node 2 --master-port 29512 \
+      examples/fsdp_hybrid.py --steps 12 --plot "$W/results/fsdp_hybrid-2.png"
+    run fully_async-split 1,2 python3 examples/fully_async.py --engine-gpu 1 --steps 10
+  ) &
+  (
+    run demo 3 python3 examples/demo.py --steps 15 --plot "$W/results/demo.png"
+    run pytest-inflight-async 3 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": true}' \
+      timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py
+    run pytest-cuda 3 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py \
+      tests/test_trainer_device.py tests/test_update_pause.py
+  ) &
+  wait
 }
 
 for phase in "$@"; do

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import collections
 import gc
+import itertools
 import random
 import statistics
 import sys
@@ -197,7 +198,9 @@ async def run_policy(
     engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
     interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = False,
 ) -> dict[str, Any]:
-    mode: ResumeMode = check_resume_mode(policy) if policy in ("keep", "recompute") else "abort"
+    mode: ResumeMode = (
+        check_resume_mode(policy) if policy in ("keep", "recompute", "inflight") else "abort"
+    )
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
     for i, (prompt, n) in enumerate(jobs):
@@ -238,6 +241,7 @@ async def run_policy(
             k: [] for k in ("pause", "push", "finish", "cache_reset", "resume", "")
         }
         inside: dict[str, list[float]] = collections.defaultdict(list)  # the push, split
+        windows: list[float] = []  # each update's start and end
         with LoopLag() as lag, SlowTurns(enabled=slow_turns) as slow:
             while pending:
                 _, pending = await asyncio.wait(pending, timeout=interval)
@@ -246,7 +250,9 @@ async def run_policy(
                         admission.open.clear()
                         await admission.idle.wait()
                     step = (manager.global_steps or 0) + 1
+                    windows.append(time.perf_counter())
                     report = await manager.update_weights(weights, global_steps=step)
+                    windows.append(time.perf_counter())
                     update_seconds += report.seconds
                     for stage in stages:
                         stages[stage].append(getattr(report, f"{stage}_seconds" if stage
@@ -259,6 +265,7 @@ async def run_policy(
                     updates += 1
         elapsed = time.perf_counter() - started
         stats = manager.statistics()
+        stalls = await engine_stalls(engine, started, windows)
     reprefill = stats.num_reprefill_tokens - stats_before.num_reprefill_tokens
     return {
         "seconds": elapsed,
@@ -277,7 +284,36 @@ async def run_policy(
                                   for k, v in stages.items()} if updates else {},
         "push_report_ms": {k: round(statistics.median(v) * 1e3, 1) for k, v in inside.items()}
         if updates else {},
+        **stalls,
     }
+
+
+async def engine_stalls(engine: VLLMEngine, since: float, windows: list[float]) -> dict[str, Any]:
+    """The engine's own view: the gaps between its steps (the workers stamp each step's start,
+    ``asyncroll_step_times``). Per update, the longest gap between two steps that overlaps the
+    update; beside it the median gap of the whole run (a step's own time)."""
+    try:
+        times = (await engine.call_vllm(
+            engine.llm.collective_rpc("asyncroll_step_times", kwargs={"since": since})))[0]
+    except Exception as exc:  # an older worker: no stamps
+        return {"step_gaps": f"unavailable: {exc}"}
+    gaps = [(a, b) for a, b in itertools.pairwise(times)]
+    if not gaps:
+        return {}
+    per_update = []
+    for start, end in zip(windows[::2], windows[1::2], strict=True):
+        inside = [b - a for a, b in gaps if b > start and a < end]
+        if inside:
+            per_update.append(max(inside))
+    return {
+        "step_gap_median_ms": round(statistics.median(b - a for a, b in gaps) * 1e3, 2),
+        "update_stall_ms": round(statistics.median(per_update) * 1e3, 2) if per_update else None,
+        "update_stall_worst_ms": round(max(per_update) * 1e3, 2) if per_update else None,
+    }
+
+
+def _ratio(value: float, base: float | None) -> str:
+    return f"{value / base:.2f}x" if base else "-"
 
 
 def vars_of(report: Any) -> dict[str, Any]:
@@ -289,6 +325,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--policies", default="none,abort,keep,recompute,inflight,drain")
     args = parser.parse_args()
     jobs = workload(args.requests)
     total = sum(n for _, n in jobs)
@@ -302,20 +339,24 @@ async def main() -> None:
             await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
             gc.collect()
             gc.freeze()  # start-up's objects live forever: keep full collections off the loop
-            for policy in ("none", "abort", "keep", "recompute", "drain"):
+            for policy in args.policies.split(","):
                 print(f"running {policy}...", flush=True)
                 results[policy] = await run_policy(engine, weights, policy, jobs, args.interval)
                 print(f"  {results[policy]['tokens_per_s']:.0f} tokens/s", flush=True)
     print("\n| policy | wall s | tokens/s | vs none | vs drain | updates | update s total "
+          "| engine stall ms (median / worst; a step: median gap) "
           "| requests resumed | re-prefill tokens / update | loop turn p99 / worst ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    none = results.get("none", {}).get("tokens_per_s")
+    drain = results.get("drain", {}).get("tokens_per_s")
     for policy, r in results.items():
         print(
             f"| {policy} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f}"
-            f" | {r['tokens_per_s'] / results['none']['tokens_per_s']:.2f}x"
-            f" | {r['tokens_per_s'] / results['drain']['tokens_per_s']:.2f}x"
-            f" | {r['updates']:.0f} | {r['update_seconds']:.2f} | {r['resumed']:.0f}"
-            f" | {r['reprefill_per_update']:.0f}"
+            f" | {_ratio(r['tokens_per_s'], none)} | {_ratio(r['tokens_per_s'], drain)}"
+            f" | {r['updates']:.0f} | {r['update_seconds']:.2f}"
+            f" | {r.get('update_stall_ms')} / {r.get('update_stall_worst_ms')}"
+            f" ({r.get('step_gap_median_ms')})"
+            f" | {r['resumed']:.0f} | {r['reprefill_per_update']:.0f}"
             f" | {r['loop_p99_ms']:.2f} / {r['loop_worst_ms']:.1f} |"
         )
     for policy, r in results.items():

@@ -8,6 +8,8 @@ alone stays free of vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -51,6 +53,9 @@ least, 1 GiB, makes 8192): far more than a test holds at once, and 0.9 GB less a
 runs that start engines side by side fit in memory. The extension is named, not imported (its
 module imports vLLM); the shared engines' fixture checks the name against
 ``asyncroll.testing.faults.FAULTS_EXTENSION``."""
+
+ENGINE_ARGS.update(json.loads(os.environ.get("ASYNCROLL_TEST_ENGINE_ARGS", "{}")))
+"""More engine arguments from the environment (a GPU run sets ``async_scheduling``)."""
 
 DOOMED_ARGS: dict[str, Any] = {**ENGINE_ARGS, "enforce_eager": True}
 """How an engine that its test kills starts: nothing it serves is compared token for token, so

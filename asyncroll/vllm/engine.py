@@ -160,6 +160,23 @@ class VLLMEngine:
         self.native_versions = compat.labels_versions(llm)
         """vLLM labels weight versions itself (0.32+); else this adapter does (see module doc)."""
         self._version_marks: dict[str, list[tuple[int | None, int]]] = {}
+        """Per live request: (global_steps, index of its first token under them), in order;
+        the first is the label at dispatch. Kept where vLLM labels no versions, and for
+        requests an inflight update crossed (vLLM's labels would place its boundary late)."""
+        self.commits_in_step = False
+        """The workers count each request's samples (``asyncroll_count_samples``): an update
+        can commit between two engine steps with no pause (``mode="inflight"``)."""
+        self._commit_recorded = asyncio.Event()
+        """Clear while an inflight update's RPC is out: a request that ends meanwhile waits
+        for the boundary it may have crossed before it reports its tokens' labels."""
+        self._commit_recorded.set()
+        self._inflight_marked = False
+        """The last receive was inflight and marked its boundary (``_commit_inflight``)."""
+        self._labelled_here: set[str] = set()
+        """Live requests whose tokens this adapter labels though vLLM labels versions: an
+        inflight update crossed them, or they started while vLLM's label lagged the weights."""
+        self._label_lags = False
+        """An inflight update is in force and vLLM's label is not yet (``commit_version``)."""
         self._cache_epoch = 0
         """Salts every request's prefix-cache key (vLLM's ``cache_salt``); a new epoch makes
         the KV cached before it unreachable (``reset_prefix_cache``, ``commit_version``)."""
@@ -239,6 +256,8 @@ class VLLMEngine:
             label = version_label(global_steps)
             if label is not None and engine.native_versions:
                 await engine.call_vllm(llm.update_weight_version(label))
+            counting = await engine.call_vllm(llm.collective_rpc("asyncroll_count_samples"))
+            engine.commits_in_step = all(counting)
         except EngineDeadError as exc:
             await engine.aclose()
             raise EngineStartError(f"vLLM died as it started on {str(path)!r}: {exc}") from exc
@@ -574,7 +593,11 @@ class VLLMEngine:
         (``asyncroll_take_update``), one engine round trip less before they take bytes."""
         self._begun = load
 
-    async def receive(self, version: int, *, push: int = 0) -> None:
+    async def receive(self, version: int, *, push: int = 0, inflight: bool = False) -> None:
+        """Take a push (``begin_update`` first). ``inflight``: the engine is not paused; the
+        workers load, check and finish the update in one RPC, which vLLM's EngineCore runs
+        between two steps, and the new weights are labelled ``version`` (-1: no label) from
+        the first token they sample (``commits_in_step``)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         load, self._begun = self._begun, None
@@ -582,18 +605,35 @@ class VLLMEngine:
         self._finished = False
         info = {"version": version, "push": push}
         if load is None:
+            if inflight:
+                raise InvalidRequestError("an inflight update needs begin_update first")
             await self.call_vllm(
                 self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             )
             return
         finish = self.finish_in_receive
-        answers = await self.call_vllm(
-            self._llm.collective_rpc(
-                "asyncroll_take_update",
-                kwargs={"update_info": info, "layerwise": load == "layerwise", "finish": finish},
+        kwargs = {"update_info": info, "layerwise": load == "layerwise", "finish": finish}
+        if inflight:
+            if not self.commits_in_step:
+                raise InvalidRequestError(
+                    f"{self.name} cannot commit an update between two steps (its workers count"
+                    " no samples: speculative decoding?): no inflight update"
+                )
+            kwargs["inflight"] = True
+            self._commit_recorded.clear()
+        try:
+            answers = await self.call_vllm(
+                self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs)
             )
-        )
-        self.answered = time.perf_counter()
+            self.answered = time.perf_counter()
+            if inflight and not any(isinstance(answer, str) for answer in answers):
+                # No await from the RPC's answer to here: no request ends in between.
+                label = version if version >= 0 else None
+                self._commit_inflight(label, answers[0].pop("sampled", {}))
+                for answer in answers[1:]:
+                    answer.pop("sampled", None)
+        finally:
+            self._commit_recorded.set()
         failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
         if failed:
             rank, why = failed[0]
@@ -602,7 +642,7 @@ class VLLMEngine:
                 f" rank {rank}: {why}"
             )
         self._delivery = _summed(answers)
-        self._finished = finish and all(
+        self._finished = (finish or inflight) and all(
             isinstance(answer, dict) and answer.get("finished") for answer in answers
         )
 
@@ -631,11 +671,31 @@ class VLLMEngine:
             await self.call_vllm(self._llm.collective_rpc("asyncroll_last_receive_report"))
         )
 
+    def _commit_inflight(self, global_steps: int | None, sampled: Mapping[str, int]) -> None:
+        """The new weights are in force since the workers' RPC ran: label them at once (a
+        request dispatched from here on starts under them), move to a new cache epoch, and
+        mark where each live request's tokens switch: after the ``sampled`` count its
+        workers saw (keyed by vLLM's internal ids: ours plus ``-`` and 8 characters)."""
+        self._cache_epoch += 1
+        if global_steps is not None:
+            self._global_steps = global_steps
+        seen: dict[str, int] = {}
+        for internal, count in sampled.items():
+            external = internal if internal in self._live else internal[:-9]
+            seen[external] = max(seen.get(external, 0), int(count))
+        for request_id, marks in self._version_marks.items():
+            if marks[-1][0] != self._global_steps:
+                marks.append((self._global_steps, seen.get(request_id, 0)))
+        self._labelled_here.update(self._version_marks)
+        self._inflight_marked = True
+        self._label_lags = self.native_versions
+
     async def commit_version(self, global_steps: int | None) -> None:
         """End the update in vLLM and label the weights ``global_steps`` (None keeps the
         label). Call while paused, after a successful push. Where the workers finished the
         update with the receive (``finish_in_receive``), only the label is left to set."""
         finished, self._finished = self._finished, False
+        marked, self._inflight_marked = self._inflight_marked, False
         label = version_label(global_steps)
         # The new weights are in: a new cache epoch first, whatever the label calls below do
         # (an abort update clears no cache: the epoch is all that keeps old KV out of reach).
@@ -645,11 +705,13 @@ class VLLMEngine:
                 await self.call_vllm(self._llm.finish_weight_update(weight_version=label))
             elif label is not None:
                 await self.call_vllm(self._llm.update_weight_version(label))
+            self._label_lags = False
         elif not finished:  # vLLM 0.24 labels nothing; this adapter does (see the module doc)
             await self.call_vllm(self._llm.finish_weight_update())
         if global_steps is not None:
             self._global_steps = global_steps
-        await self._mark_version_boundary(self._global_steps)
+        if not marked:  # an inflight update marked its boundary as its RPC returned
+            await self._mark_version_boundary(self._global_steps)
 
     async def reset_prefix_cache(self) -> None:
         """From now on no request reuses KV cached before this call.
@@ -671,7 +733,13 @@ class VLLMEngine:
     async def _mark_version_boundary(self, global_steps: int | None) -> None:
         """Record where each live request's tokens switch to ``global_steps`` (vLLM without
         version spans). Call while paused, after the push and before resuming."""
-        if self.native_versions or not self._version_marks:
+        # vLLM 0.32+ labels tokens itself; a request an inflight update crossed is labelled
+        # here throughout (``_commit_inflight``).
+        crossed = {
+            request_id: marks for request_id, marks in self._version_marks.items()
+            if not self.native_versions or request_id in self._labelled_here
+        }
+        if not crossed:
             return
         # Outputs produced before the pause are in the client's queue once pause returned;
         # let vLLM's output handler take them all before counting. The queue has no event to
@@ -687,7 +755,7 @@ class VLLMEngine:
         for _ in range(3):  # the handler processes its last item in chunks, a turn each
             await asyncio.sleep(0)
         states = self._llm.output_processor
-        for request_id, marks in self._version_marks.items():
+        for request_id, marks in crossed.items():
             detokenizers = [
                 states.request_states[internal].detokenizer
                 for internal in states.external_req_ids.get(request_id, ())
@@ -766,8 +834,9 @@ class VLLMEngine:
 
         last: RequestOutput | None = None
         marks = [(dispatched_at, 0)]
-        if not self.native_versions:
-            self._version_marks[request_id] = marks
+        self._version_marks[request_id] = marks
+        if self._label_lags:
+            self._labelled_here.add(request_id)
         salt = f"{self._cache_salt}-{self._cache_epoch}"
         self._in_transit.add(request_id)  # until vLLM's add_request returns (_request_added)
         self._landed.clear()
@@ -778,6 +847,9 @@ class VLLMEngine:
             async with contextlib.aclosing(stream):
                 async for output in stream:
                     last = output
+            # An inflight update's RPC may be out: its answer places this request's boundary.
+            while not self._commit_recorded.is_set():
+                await self._commit_recorded.wait()
         except Exception as exc:
             error = self._map_error(exc, request_id)
             if not isinstance(error, EngineDeadError):  # leave nothing behind inside vLLM
@@ -786,8 +858,11 @@ class VLLMEngine:
             raise error from exc
         finally:
             self._version_marks.pop(request_id, None)
+            labelled_here = request_id in self._labelled_here
+            self._labelled_here.discard(request_id)
             self._request_added(request_id)  # a stream closed before it added anything
-        segment = _segment(request_id, last, len(prompt), marks, self.native_versions)
+        use_spans = self.native_versions and not labelled_here
+        segment = _segment(request_id, last, len(prompt), marks, use_spans)
         if segment.finish_reason == "abort":
             self._num_aborted += 1
         return segment

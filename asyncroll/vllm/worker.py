@@ -28,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -768,8 +769,29 @@ class AsyncrollWorkerExtension:
             engine.model_config = self.model_config  # type: ignore[attr-defined]
             engine.device = self.device  # type: ignore[attr-defined]
 
+    def asyncroll_count_samples(self) -> bool:
+        """Count, from now on, the tokens each request has had sampled (``SampleCounter``):
+        an update committed between two steps (``inflight``) reports where each request's
+        tokens switch weights. Idempotent. False where the count would be wrong: a
+        speculative decoder samples several tokens a step."""
+        worker: Any = self
+        if getattr(worker, "_asyncroll_samples", None) is not None:
+            return True
+        if getattr(worker.vllm_config, "speculative_config", None) is not None:
+            return False
+        runner = worker.model_runner
+        batch = getattr(runner, "input_batch", None)
+        if not hasattr(runner, "discard_request_mask") or not hasattr(batch, "req_id_to_index"):
+            return False  # another model runner than the one counted here (vLLM's v2)
+        worker._asyncroll_samples = SampleCounter(runner)
+        return True
+
     def asyncroll_take_update(
-        self, update_info: dict[str, Any], layerwise: bool, finish: bool = False
+        self,
+        update_info: dict[str, Any],
+        layerwise: bool,
+        finish: bool = False,
+        inflight: bool = False,
     ) -> str | dict[str, Any] | None:
         """vLLM's ``start_weight_update`` then ``update_weights``, in one RPC (the engine's
         ``begin_update`` and ``receive``): the workers join a push one round trip sooner.
@@ -781,9 +803,19 @@ class AsyncrollWorkerExtension:
         engine's report of the update needs no RPC of its own, which a busy engine would
         answer only between two steps. It does not raise: when one worker of several raises
         in an RPC, vLLM's executor raises at the first error and leaves the other workers'
-        answers queued, where the next RPC (the rollback) reads them."""
+        answers queued, where the next RPC (the rollback) reads them.
+
+        ``inflight``: the engine was not paused; this RPC runs between two of its steps (vLLM's
+        EngineCore answers RPCs there), so no forward pass sees part of the push. It finishes
+        the update itself, rolls a failed push back before returning (the next step must not
+        run on a torn model), and its delivery says, under ``sampled``, how many tokens each
+        running request had sampled by forward passes queued before it (``SampleCounter``):
+        those came from the old weights, every later one from the new."""
         called = time.perf_counter()
         worker: Any = self
+        counter: SampleCounter | None = getattr(worker, "_asyncroll_samples", None)
+        if inflight and (counter is None or counter.broken):
+            return "the engine counts no samples (asyncroll_count_samples): no inflight update"
         try:
             if worker_runs_the_session():  # vLLM 0.24
                 worker.start_weight_update(is_checkpoint_format=layerwise)
@@ -796,14 +828,19 @@ class AsyncrollWorkerExtension:
             delivered = _delivery(engine)
             if delivered is None:
                 return None  # (likewise)
-            if finish:
+            if finish or inflight:
                 worker.finish_weight_update()
-            delivered["finished"] = finish  # the adapter finishes where any worker did not
+            delivered["finished"] = finish or inflight  # else the adapter finishes
+            if counter is not None and inflight:
+                delivered["sampled"] = dict(counter.sampled)
             engine.called, engine.returned = called, time.perf_counter()
             return delivered
         except Exception as exc:
             logger.warning("rank %s failed the push: %r", getattr(worker, "rank", "?"), exc)
-            return f"{type(exc).__name__}: {exc}"
+            why = f"{type(exc).__name__}: {exc}"
+            if inflight and not self.asyncroll_abort_weight_update():
+                why += " (and no backup to restore: the weights are torn)"
+            return why
 
     def asyncroll_abort_weight_update(self) -> bool:
         """End a weight update that did not finish (the trainer failed or was cancelled after
@@ -883,6 +920,12 @@ class AsyncrollWorkerExtension:
         if isinstance(engine, AsyncrollWeightTransferEngine):
             engine.drop_plan()
 
+    def asyncroll_step_times(self, since: float = 0.0) -> list[float]:
+        """When the model's recent steps began, from ``since`` on (``SampleCounter.started``;
+        benchmarks: the longest gap around an update is the engine's stall)."""
+        counter: SampleCounter | None = getattr(self, "_asyncroll_samples", None)
+        return [] if counter is None else [t for t in counter.started if t >= since]
+
     def asyncroll_ping(self) -> None:
         """Nothing: one round trip through vLLM's RPC (benchmarks measure the floor that the
         update's two RPCs, the receive and the finish, set under its time)."""
@@ -902,6 +945,54 @@ class AsyncrollWorkerExtension:
             digest.update(name.encode())
             digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
         return digest.hexdigest()
+
+
+class SampleCounter:
+    """How many tokens each request of a model runner has had sampled by the forward passes
+    queued so far (not those whose outputs came back: with async scheduling one step is still
+    on the device when the EngineCore answers an RPC).
+
+    It wraps the runner's ``execute_model``: after each step that ran the model, every
+    scheduled request whose sample the runner keeps (``discard_request_mask`` is clear: its
+    prompt is not cut mid-way) counts one token; requests finished since the last step are
+    forgotten. One token a step a request: no speculative decoding (``asyncroll_count_samples``
+    refuses it)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.sampled: dict[str, int] = {}
+        self.started: collections.deque[float] = collections.deque(maxlen=65536)
+        """When each recent step began (``time.perf_counter``: the host's monotonic clock,
+        the same in every process; benchmarks read the engine's stalls off it)."""
+        self.broken = False
+        """Counting failed once (a runner unlike the one this reads): inflight updates are
+        refused from then on; the engine's steps go on."""
+        self._runner = runner
+        self._execute = runner.execute_model
+        runner.execute_model = self._counted
+
+    def _counted(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self.started.append(time.perf_counter())
+        result = self._execute(scheduler_output, *args, **kwargs)
+        if not self.broken:
+            try:
+                self.count(scheduler_output)
+            except Exception:
+                self.broken = True
+                logger.exception("counting samples failed: no inflight update from now on")
+        return result
+
+    def count(self, scheduler_output: Any) -> None:
+        for request_id in scheduler_output.finished_req_ids:
+            self.sampled.pop(request_id, None)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return  # the runner returned before preparing a batch: its batch is the last one
+        index = self._runner.input_batch.req_id_to_index
+        discard = self._runner.discard_request_mask.np
+        sampled = self.sampled
+        for request_id in scheduler_output.num_scheduled_tokens:
+            row = index.get(request_id)
+            if row is not None and not discard[row]:
+                sampled[request_id] = sampled.get(request_id, 0) + 1
 
 
 def _register() -> None:

@@ -1,0 +1,189 @@
+"""Updates committed between two engine steps (``mode="inflight"``), on a real vLLM engine.
+
+The weights here make every forward pass say which weights it ran on. Attention and MLP add
+nothing to the residual stream (``o_proj`` and ``down_proj`` are zero), so the last hidden
+state is the embedding of the last token, the same row for every token: ``e0`` under weights
+``old``, ``e1`` under ``new``. The head maps ``e0`` to token 1 and ``e1`` to token 3 in
+``old``, ``e1`` to token 2 and ``e0`` to token 3 in ``new``. A greedy step samples 1 on the old
+weights, 2 on the new ones, and 3 on any mix of the embedding of one and the head of the other
+(they travel in different buckets). So each token says which weights sampled it, whatever KV
+it attended to, and its label must say the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import load_weights, until_decoding
+
+from asyncroll import InvalidRequestError, VLLMEngine
+from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
+from asyncroll.types import Segment
+from asyncroll.weights import WeightPusher
+
+OLD, NEW, MIXED = 1, 2, 3
+BUDGET = 500
+GREEDY = {"max_tokens": BUDGET, "temperature": 0.0, "ignore_eos": True}
+SMALL_BUCKETS = 64 * 1024
+"""Smaller than the embedding (128 KiB): the embedding and the head travel apart."""
+
+
+def telling(model: Path, which: int) -> dict[str, torch.Tensor]:
+    """Model ``model``'s tensors, changed so that a greedy step samples ``which`` (``OLD`` or
+    ``NEW``), and ``MIXED`` on a mix of the two sets (see the module doc)."""
+    tensors = load_weights(model)
+    for name, tensor in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = torch.zeros_like(tensor)
+    embed = tensors["model.embed_tokens.weight"]
+    head = tensors["lm_head.weight"]
+    row, other = (0, 1) if which == OLD else (1, 0)
+    embed = torch.zeros_like(embed)
+    embed[:, row] = 1.0
+    head = torch.zeros_like(head)
+    head[which, row] = 1.0
+    head[MIXED, other] = 1.0
+    tensors["model.embed_tokens.weight"] = embed
+    tensors["lm_head.weight"] = head
+    tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"])
+    return tensors
+
+
+def weights_of(token: int) -> int:
+    assert token in (OLD, NEW), f"a forward pass sampled {token}: it ran on a mix of weights"
+    return token
+
+
+@pytest.fixture
+async def pusher(engine: VLLMEngine, tiny_model_a: Path):  # type: ignore[no-untyped-def]
+    """A pusher with small buckets into the shared engine, which gets model A back after."""
+    pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS)
+    try:
+        yield pusher
+    finally:
+        steps = (engine.global_steps or 0) + 1
+        await pusher.update(load_weights(tiny_model_a), global_steps=steps)
+        await pusher.aclose()
+
+
+@retry_if_late
+async def test_inflight_updates_split_every_output_exactly_where_the_weights_changed(
+    engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher
+) -> None:
+    """Many requests decode through two inflight updates (old, new, old again): nothing is
+    aborted or paused, no forward pass runs on a mix, and every token's label is the label of
+    the weights that sampled it (the token says which), so each output switches at exactly
+    one point per update it crossed."""
+    old, new = telling(tiny_model_a, OLD), telling(tiny_model_a, NEW)
+    steps = (engine.global_steps or 0) + 1
+    await pusher.update(old, global_steps=steps)
+    aborted = engine.statistics().num_aborted
+    tasks = [
+        asyncio.create_task(
+            engine.generate(f"inflight-{steps}-{i}", prompt_ids=[5, 6, i + 7],
+                            sampling_params=GREEDY)
+        )
+        for i in range(12)
+    ]
+    await until_decoding(engine, tasks)
+    await pusher.update(new, global_steps=steps + 1, mode="inflight")
+    assert not engine.is_paused
+    await pusher.update(old, global_steps=steps + 2, mode="inflight")
+    segments: list[Segment] = await asyncio.gather(*tasks)
+    if any(ran_to_budget(s, BUDGET, update=steps + 2) for s in segments):
+        raise LateAction("a request ran out its tokens before the second update")
+    assert engine.statistics().num_aborted == aborted
+    for segment in segments:
+        assert segment.finish_reason == "length" and len(segment.token_ids) == BUDGET
+        sampled_by = [weights_of(t) for t in segment.token_ids]
+        # Old weights labelled steps, then steps + 2; new ones steps + 1.
+        expected = []
+        crossed = 0
+        for by in sampled_by:
+            if by == NEW:
+                crossed = 1
+            elif crossed:
+                crossed = 2
+            expected.append(steps + crossed)
+        assert list(segment.global_steps) == expected, segment.request_id
+        switches = sum(a != b for a, b in itertools.pairwise(segment.global_steps))
+        assert switches == 2
+    # After the updates, a new request samples from the weights its label names.
+    after = await engine.generate("inflight-after", prompt_ids=[3], sampling_params={
+        "max_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+    assert after.token_ids == (OLD,) * 4 and after.global_steps == (steps + 2,) * 4
+
+
+async def test_a_caller_cancelled_anywhere_leaves_the_engine_whole_and_labelled_as_it_serves(
+    engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher
+) -> None:
+    """An inflight update cancelled after 0, 1, 2... loop turns, each time while requests
+    decode: the engine serves wholly old or wholly new weights (never a mix), labelled as
+    they are, and the decoding requests finish, none aborted."""
+    sets = {OLD: telling(tiny_model_a, OLD), NEW: telling(tiny_model_a, NEW)}
+    steps = (engine.global_steps or 0) + 1
+    await pusher.update(sets[OLD], global_steps=steps)
+    serving = {steps: OLD}
+    outcomes = set()
+    for turns in range(0, 40, 3):
+        label = engine.global_steps
+        assert label is not None
+        target = NEW if serving[label] == OLD else OLD
+        running = asyncio.create_task(engine.generate(
+            f"cancelled-{steps}-{turns}", prompt_ids=[4],
+            sampling_params={"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}))
+        update = asyncio.create_task(
+            pusher.update(sets[target], global_steps=label + 1, mode="inflight")
+        )
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        update.cancel()
+        try:
+            await update
+            outcomes.add("done")
+        except asyncio.CancelledError:
+            outcomes.add("cancelled")
+        except Exception as exc:  # a cancelled push fails as a WeightSyncError: old weights
+            outcomes.add(type(exc).__name__)
+        label = engine.global_steps
+        assert label is not None
+        serving.setdefault(label, target)
+        probe = await engine.generate(
+            f"probe-{steps}-{turns}", prompt_ids=[2],
+            sampling_params={"max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+        assert probe.token_ids == (serving[label],) * 2, (turns, label)
+        assert probe.global_steps == (label,) * 2
+        segment = await running
+        assert segment.finish_reason == "length"
+        for token, steps_of_token in zip(segment.token_ids, segment.global_steps, strict=True):
+            assert weights_of(token) == serving[steps_of_token]
+    assert not engine.is_paused
+
+
+async def test_inflight_is_refused_before_anything_moves_where_it_cannot_be_atomic(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No backup to undo a failed push before the next step, or an engine that cannot commit
+    between steps: refused at the call, nothing paused, label and weights unchanged."""
+    weights = load_weights(tiny_model_a)
+    label = engine.global_steps
+    assert label is not None
+    no_backup = WeightPusher([engine], backup=False)
+    try:
+        with pytest.raises(InvalidRequestError, match="backup"):
+            await no_backup.update(weights, global_steps=label + 1, mode="inflight")
+    finally:
+        await no_backup.aclose()
+    monkeypatch.setattr(engine, "commits_in_step", False)
+    unable = WeightPusher([engine])
+    try:
+        with pytest.raises(InvalidRequestError, match="between two engine steps"):
+            await unable.update(weights, global_steps=label + 1, mode="inflight")
+    finally:
+        await unable.aclose()
+    assert engine.global_steps == label and not engine.is_paused
+    assert engine.statistics().global_steps == label

@@ -864,6 +864,9 @@ def _rounds_summary(rounds_run: list[dict[str, dict[str, Any]]],
                 (run[policy].get("update_stage_ms") or {}).get("total") for run in rounds_run
             ],
         }
+        for key in ("update_stall_ms", "update_stall_worst_ms", "step_gap_median_ms",
+                    "loop_worst_ms", "receive_ms"):
+            row[f"{key}, each round"] = [run[policy].get(key) for run in rounds_run]
         if "none" in policies:
             ratios = [run[policy]["tokens_per_s"] / run["none"]["tokens_per_s"]
                       for run in rounds_run]

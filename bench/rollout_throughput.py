@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, ResumeMode, VLLMEngine
 from asyncroll.testing import make_tiny_model
-from asyncroll.weights import check_resume_mode
+from asyncroll.weights import WeightPusher, check_resume_mode
 
 CONCURRENCY = 32
 
@@ -198,16 +198,22 @@ async def run_policy(
     engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
     interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = False,
 ) -> dict[str, Any]:
+    # ``-1copy``: the same policy, pushed in one copy from the trainer's own storages
+    base, _, variant = policy.partition("-")
     mode: ResumeMode = (
-        check_resume_mode(policy) if policy in ("keep", "recompute", "inflight") else "abort"
+        check_resume_mode(base) if base in ("keep", "recompute", "inflight") else "abort"
     )
+    pusher = None
+    if variant == "1copy":
+        pusher = WeightPusher([engine], one_copy=True, backup=True if mode == "inflight" else None)
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
     for i, (prompt, n) in enumerate(jobs):
         queue.put_nowait((i, prompt, n))
     tokens = 0
     resumed = 0
-    async with AsyncServerManager([engine], resume_mode=mode) as manager:
+    receives: dict[str, list[float]] = collections.defaultdict(list)  # the workers' view
+    async with AsyncServerManager([engine], resume_mode=mode, weights=pusher) as manager:
         if policy != "none":  # the first update attaches the pusher and learns the load plan
             await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
         stats_before = manager.statistics()
@@ -261,11 +267,21 @@ async def run_policy(
                         for key, value in vars_of(report.push).items():
                             if isinstance(value, float):
                                 inside[key].append(value)
+                    if mode == "inflight":  # what the receive RPC did between two steps
+                        worker = (await engine.call_vllm(engine.llm.collective_rpc(
+                            "asyncroll_last_receive_report")))[0] or {}
+                        for key in ("seconds", "load_seconds", "wait_seconds", "sync_seconds",
+                                    "verify_seconds"):
+                            receives[key].append(float(worker.get(key, 0.0)))
+                        receives["rpc"].append(worker.get("returned", 0.0)
+                                               - worker.get("called", 0.0))
                     admission.open.set()
                     updates += 1
         elapsed = time.perf_counter() - started
         stats = manager.statistics()
         stalls = await engine_stalls(engine, started, windows)
+    if pusher is not None:
+        await pusher.aclose()
     reprefill = stats.num_reprefill_tokens - stats_before.num_reprefill_tokens
     return {
         "seconds": elapsed,
@@ -285,6 +301,7 @@ async def run_policy(
         "push_report_ms": {k: round(statistics.median(v) * 1e3, 1) for k, v in inside.items()}
         if updates else {},
         **stalls,
+        "receive_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in receives.items()},
     }
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from engine_helpers import load_weights, until_decoding
 
-from asyncroll import InvalidRequestError, VLLMEngine
+from asyncroll import InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 from asyncroll.types import Segment
 from asyncroll.weights import WeightPusher
@@ -61,7 +61,7 @@ def weights_of(token: int) -> int:
 @pytest.fixture
 async def pusher(engine: VLLMEngine, tiny_model_a: Path):  # type: ignore[no-untyped-def]
     """A pusher with small buckets into the shared engine, which gets model A back after."""
-    pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS)
+    pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS, backup=True)
     try:
         yield pusher
     finally:
@@ -147,8 +147,8 @@ async def test_a_caller_cancelled_anywhere_leaves_the_engine_whole_and_labelled_
             outcomes.add("done")
         except asyncio.CancelledError:
             outcomes.add("cancelled")
-        except Exception as exc:  # a cancelled push fails as a WeightSyncError: old weights
-            outcomes.add(type(exc).__name__)
+        except WeightSyncError:  # a push cancelled midway fails: the old weights, restored
+            outcomes.add("failed")
         label = engine.global_steps
         assert label is not None
         serving.setdefault(label, target)
@@ -161,7 +161,14 @@ async def test_a_caller_cancelled_anywhere_leaves_the_engine_whole_and_labelled_
         assert segment.finish_reason == "length"
         for token, steps_of_token in zip(segment.token_ids, segment.global_steps, strict=True):
             assert weights_of(token) == serving[steps_of_token]
-    assert not engine.is_paused
+    assert "cancelled" in outcomes and not engine.is_paused
+    label = engine.global_steps
+    assert label is not None
+    target = NEW if serving[label] == OLD else OLD
+    await pusher.update(sets[target], global_steps=label + 1, mode="inflight")  # not cancelled
+    probe = await engine.generate(f"probe-{steps}-last", prompt_ids=[2], sampling_params={
+        "max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    assert probe.token_ids == (target,) * 2 and probe.global_steps == (label + 1,) * 2
 
 
 async def test_inflight_is_refused_before_anything_moves_where_it_cannot_be_atomic(

@@ -20,7 +20,7 @@ import pytest
 import torch
 from engine_helpers import load_weights, until_decoding
 
-from asyncroll import InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 from asyncroll.types import Segment
 from asyncroll.weights import WeightPusher
@@ -194,3 +194,47 @@ async def test_inflight_is_refused_before_anything_moves_where_it_cannot_be_atom
         await unable.aclose()
     assert engine.global_steps == label and not engine.is_paused
     assert engine.statistics().global_steps == label
+
+
+async def test_a_bad_tensor_is_refused_before_anything_is_committed(
+    engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher
+) -> None:
+    weights = telling(tiny_model_a, NEW)
+    weights["lm_head.weight"] = weights["lm_head.weight"][:-1]  # one row short
+    label = engine.global_steps
+    assert label is not None
+    with pytest.raises(InvalidRequestError, match="lm_head"):
+        await pusher.update(weights, global_steps=label + 1, mode="inflight")
+    assert engine.global_steps == label and not engine.is_paused
+
+
+@retry_if_late
+async def test_the_manager_takes_new_calls_through_an_inflight_update(
+    engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher
+) -> None:
+    """Through the manager (its own pusher, with the backup this mode needs): requests in
+    flight and one made during the update run on the weights in force when each token is
+    sampled, labelled so, and none is resubmitted. (That the call is not held at the gate:
+    ``test_update_races``, where the update can be held open.)"""
+    old, new = telling(tiny_model_a, OLD), telling(tiny_model_a, NEW)
+    steps = (engine.global_steps or 0) + 1
+    await pusher.update(old, global_steps=steps)
+    params = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    async with AsyncServerManager([engine], resume_mode="inflight") as manager:
+        before = [asyncio.create_task(manager.generate(f"m-before-{steps}-{i}", prompt_ids=[5, i],
+                                                       sampling_params=params))
+                  for i in range(4)]
+        await until_decoding(manager, before)
+        update = asyncio.create_task(manager.update_weights(new, global_steps=steps + 1))
+        during = asyncio.create_task(manager.generate(f"m-during-{steps}", prompt_ids=[6],
+                                                      sampling_params=params))
+        await update
+        outputs = await asyncio.gather(*before, during)
+        assert manager.global_steps == steps + 1
+        assert manager.statistics().num_preempted == 0
+    if any(ran_to_budget(o, 300, update=steps + 1) for o in outputs[:4]):
+        raise LateAction("a request ran out its tokens before the update")
+    for output in outputs:
+        assert len(output.token_ids) == 300
+        for token, label in zip(output.token_ids, output.global_steps, strict=True):
+            assert label == (steps if weights_of(token) == OLD else steps + 1)

@@ -73,3 +73,30 @@ async def test_a_refused_update_is_not_counted_even_at_the_published_version() -
             with pytest.raises(InvalidRequestError):
                 await manager.update_weights(bad, global_steps=1)  # type: ignore[arg-type]
         assert manager.statistics().num_updates == 1 and manager.global_steps == 1
+
+
+@pytest.mark.parametrize("mode", ["inflight", "keep"])
+async def test_calls_wait_for_a_pausing_update_and_not_for_an_inflight_one(mode: str) -> None:
+    """A call made while an update is out waits at the manager's gate for the new weights,
+    except in ``inflight`` mode, where the engines never stop and the call runs at once."""
+    engines = [FakeEngine(name="a")]
+    hold = asyncio.Event()
+    updater = FakeWeightUpdater(engines, hold=hold)
+    async with AsyncServerManager(engines, weights=updater, resume_mode=mode) as manager:  # type: ignore[arg-type]
+        update = asyncio.create_task(manager.update_weights({}, global_steps=1))
+        for _ in range(20):  # loop turns, not time: the update reaches its push
+            await asyncio.sleep(0)
+        assert updater.is_holding
+        call = asyncio.create_task(
+            manager.generate("during", prompt_ids=[1], sampling_params={"max_tokens": 3}))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert call.done() is (mode == "inflight")
+        assert engines[0].is_paused is (mode != "inflight")
+        hold.set()
+        await update
+        output = await call
+        if mode == "inflight":
+            assert output.global_steps == (0, 0, 0)  # sampled before the commit
+        else:
+            assert output.global_steps == (1, 1, 1)

@@ -110,6 +110,9 @@ class FakeEngine:
         if token_delay < 0:
             raise InvalidRequestError(f"token_delay must be >= 0, got {token_delay!r}")
         self.name = name or f"fake-{next(_names)}"
+        self.commits_in_step = True
+        """Each token is made under the label in force as it is made: an update's commit falls
+        between two tokens (``ResumeMode`` ``inflight``)."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._global_steps = global_steps
@@ -498,8 +501,16 @@ class FakeChannel:
         if self.closed:
             raise WeightSyncError("the FakeWeightUpdater is closed")
 
+    def inflight_refusal(self) -> str | None:
+        return None  # nothing is moved: nothing can be torn
+
     async def push(
-        self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
+        self,
+        engines: Sequence[Any],
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        inflight: bool = False,
     ) -> None:
         if self.hold is not None:
             self.is_holding = True

@@ -215,6 +215,11 @@ class DistributedWeightPusher:
         """
         steps = check_global_steps(global_steps)
         check_resume_mode(mode)  # only the coordinator pauses, but every rank says it is wrong
+        if mode == "inflight":  # every rank raises alike: none has begun a collective
+            raise InvalidRequestError(
+                "mode='inflight' is not yet offered for a sharded push (several senders into"
+                " one RPC between two engine steps is untested); use keep, abort or recompute"
+            )
         if changed:
             raise InvalidRequestError("changed=True needs whole tensors: not with a sharded push")
         made: set[str] = set()

@@ -53,6 +53,7 @@ async def test_bad_updates_are_refused_before_anything_runs() -> None:
         ([("w", weight)], {"changed": True}, "changed=True"),
         ([("w", weight)], {"global_steps": -1}, "global_steps"),
         ([("w", weight)], {"mode": "stale"}, "mode must be one of abort, keep, recompute"),
+        ([("w", weight)], {"mode": "inflight"}, "not yet offered for a sharded push"),
     ]
     for tensors, options, message in cases:
         with pytest.raises(InvalidRequestError, match=message):

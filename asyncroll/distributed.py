@@ -65,11 +65,12 @@ from asyncroll.transport import (
     WeightSender,
     plan_buckets,
 )
+from asyncroll.transport.aio import shielded
+from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.lazy import Makes
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.update_check import check_update
 from asyncroll.weights import (
-    DEFAULT_BUCKET_BYTES,
     WeightPusher,
     check_global_steps,
     check_resume_mode,
@@ -517,7 +518,7 @@ class DistributedWeightPusher:
             outcome = (type(exc).__name__, str(exc))
             raise
         finally:
-            await _shielded(self._broadcast(outcome))
+            await shielded(self._broadcast(outcome))
 
     async def _follow(
         self, pushed: dict[str, torch.Tensor | LazyTensor | Piece], version: int
@@ -801,12 +802,3 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _layout(pushed: Mapping[str, torch.Tensor | LazyTensor]) -> str:
     text = ";".join(f"{n}:{t.dtype}:{tuple(t.shape)}" for n, t in pushed.items())
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-async def _shielded(awaitable: Any) -> Any:
-    task = asyncio.ensure_future(awaitable)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.gather(task, return_exceptions=True)
-        raise

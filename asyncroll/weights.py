@@ -33,7 +33,7 @@ import itertools
 import logging
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -62,11 +62,13 @@ from asyncroll.transport import (
     ShmBackend,
     WeightSender,
 )
+from asyncroll.transport.aio import shielded
 from asyncroll.transport.broadcast import (
     FAILED_ELSEWHERE,
     BroadcastSender,
     open_broadcast_sender,
 )
+from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.plan import ALIGN
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.types import PauseMode
@@ -87,17 +89,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-DEFAULT_BUCKET_BYTES = {
-    "shm": 64 << 20,
-    "cuda_ipc": 512 << 20,
-    "broadcast": 1 << 30,
-    "broadcast_cpu": 64 << 20,
-}
-"""Staging-buffer size by backend: 64 MiB saturates a CPU memcpy (and gloo); on a GPU a bucket
-has a fixed cost of about half a millisecond (a round trip with Python on both ends), so
-buckets are larger (docs/performance.md, "The transport alone": 512 MiB reaches 1.5-3x the
-rate of 128 MiB on an H100; over NCCL between two GPUs 1 GiB buckets moved a 7B update 1-3 ms
-faster than 512 MiB ones, the size vLLM's own NCCL path packs by default)."""
 
 DEFAULT_BUFFERS = {"shm": 2, "cuda_ipc": 3, "broadcast": 2, "broadcast_cpu": 2}
 """Staging buffers of a staged push, by backend. With CUDA IPC a third buffer keeps the device
@@ -240,10 +231,10 @@ class VersionedUpdater:
                 marks.append(time.perf_counter())
                 # The new weights are in: label them and start a new cache epoch even if our caller
                 # is cancelled meanwhile (new weights under the old label would be a lie).
-                await _shielded(_commit(engines, global_steps, marks))
+                await shielded(_commit(engines, global_steps, marks))
             finally:
                 # Shielded: a caller cancelled in the resume must not leave an engine paused.
-                await _shielded(
+                await shielded(
                     asyncio.gather(*(e.resume() for e in pausable), return_exceptions=True)
                 )
             marks.append(time.perf_counter())
@@ -303,7 +294,7 @@ class VersionedUpdater:
                 )
             return await self._channel.push(engines, tensors, version)
         except BaseException as exc:
-            held = await _shielded(self._channel.abort(engines))
+            held = await shielded(self._channel.abort(engines))
             # An engine that labelled the push as it landed (a Ray engine, once the push's
             # verdict said every rank took it) keeps it: its weights and label agree.
             took = [
@@ -967,17 +958,6 @@ async def _until(goal: asyncio.Future[Any] | None, tasks: Sequence[asyncio.Futur
                 goal.result()  # cancelled: raise it
             return
         _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-
-
-async def _shielded(awaitable: Awaitable[_T]) -> _T:
-    """Run ``awaitable`` to completion even if our caller is cancelled meanwhile; then let the
-    cancellation propagate."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await asyncio.gather(task, return_exceptions=True)
-        raise
 
 
 def _describe(failures: Sequence[BaseException]) -> str:

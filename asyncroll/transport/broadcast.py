@@ -54,6 +54,7 @@ from asyncroll.errors import (
     TransportTimeoutError,
     WeightSyncError,
 )
+from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.packing import as_bytes, dtype_by_name, dtype_name, slot_view
 from asyncroll.transport.plan import align
 from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport
@@ -70,7 +71,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES: Final = 512 << 20
 _MAGIC: Final = 0x41524243  # "ARBC"
 _OK: Final = 0
 CONTROL_BYTES: Final = 256 << 10
@@ -707,7 +707,7 @@ async def open_broadcast_sender(
     receivers: int,
     device: torch.device,
     join: Callable[[dict[str, Any]], Any],
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES["cuda_ipc"],
     buffers: int = 2,
     peer_timeout: float = 120.0,
     host: str | None = None,

@@ -42,12 +42,13 @@ import torch
 
 from asyncroll.errors import TransportTimeoutError
 from asyncroll.transport import wire
+from asyncroll.transport.aio import shielded
 from asyncroll.transport.backends import Backend, CudaIpcBackend
 from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.packing import bucket_spans, dtype_name, pack_bucket
 from asyncroll.transport.peers import ControlPlane, Peer
 from asyncroll.transport.plan import Bucket
-from asyncroll.transport.pushes import Fingerprint, Pushes, PushState, shielded
+from asyncroll.transport.pushes import Fingerprint, Pushes, PushState
 from asyncroll.transport.reports import PushReport, SenderBucketTimes
 from asyncroll.transport.shared import SharedStorages
 from asyncroll.transport.staging import Staging

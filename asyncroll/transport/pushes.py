@@ -20,18 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from asyncroll.errors import TransportBrokenError, TransportClosedError, WeightSyncError
 from asyncroll.transport import wire
+from asyncroll.transport.aio import shielded
 from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.peers import ControlPlane, Peer
 from asyncroll.transport.reports import PushReport, SenderBucketTimes
 
-__all__ = ["Fingerprint", "PushState", "Pushes", "shielded"]
+__all__ = ["Fingerprint", "PushState", "Pushes"]
 
 Fingerprint = Callable[[dict[str, torch.Tensor], dict[str, torch.dtype]], dict[str, bytes]]
 """Fingerprints the lazy tensors made for a bucket, as the dtypes pushed."""
@@ -179,16 +180,6 @@ class Pushes:
                             buckets=buckets, error=error,
                         ),
                     )
-
-
-async def shielded(awaitable: Awaitable[None]) -> None:
-    """Run cleanup I/O to completion even if our caller is being cancelled."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await task  # finish the cleanup, then let the cancellation propagate
-        raise
 
 
 def _describe_exc(exc: BaseException) -> str:

@@ -31,7 +31,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, TypeVar, cast
+from typing import TypeVar, cast
 
 import torch
 
@@ -43,14 +43,16 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.transport import wire
+from asyncroll.transport.aio import shielded
 from asyncroll.transport.backends import Backend, ShmBackend
+from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.peers import MAX_FRAME_BYTES as MAX_FRAME_BYTES
 from asyncroll.transport.peers import ControlPlane, Peer, PeerHooks
 from asyncroll.transport.piece import Piece, split_pieces
 from asyncroll.transport.pipeline import PushPipeline
 from asyncroll.transport.plan import GroupOf, TensorMeta, default_group
-from asyncroll.transport.pushes import Fingerprint, Pushes, shielded
+from asyncroll.transport.pushes import Fingerprint, Pushes
 from asyncroll.transport.reports import PushReport, SenderBucketTimes
 from asyncroll.transport.security import JobIdentity
 from asyncroll.transport.shared import SharedStorages, check_shareable
@@ -66,8 +68,6 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-DEFAULT_BUCKET_BYTES: Final = 512 << 20
-"""Size of one staging buffer: large enough to amortise a round trip, small enough to double."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +96,7 @@ class WeightSender:
         self,
         *,
         backend: Backend | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES["cuda_ipc"],
         buffers: int = 2,
         receivers: int | None = None,
         group_of: GroupOf = default_group,
@@ -432,7 +432,7 @@ class WeightSender:
 async def open_weight_sender(
     *,
     backend: Backend | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES["cuda_ipc"],
     buffers: int = 2,
     receivers: int | None = None,
     group_of: GroupOf = default_group,

@@ -238,3 +238,69 @@ async def test_the_manager_takes_new_calls_through_an_inflight_update(
         assert len(output.token_ids) == 300
         for token, label in zip(output.token_ids, output.global_steps, strict=True):
             assert label == (steps if weights_of(token) == OLD else steps + 1)
+
+
+async def test_a_caller_cancelled_while_the_commit_answers_still_gets_its_label(
+    engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker committed; the caller is cancelled while the RPC's answer is on its way
+    back. The engine serves the new weights, so it must carry their label (it kept the old
+    one: the answer, which places the boundary, was dropped with the cancelled wait)."""
+    old, new = telling(tiny_model_a, OLD), telling(tiny_model_a, NEW)
+    steps = (engine.global_steps or 0) + 1
+    await pusher.update(old, global_steps=steps)
+    update: asyncio.Task[object] | None = None
+    real = engine.llm.collective_rpc
+
+    async def answering_late(method: str, *args: object, **kwargs: object) -> object:
+        answer = await real(method, *args, **kwargs)
+        if method == "asyncroll_take_update" and update is not None:
+            update.cancel()
+            for _ in range(20):  # loop turns: the cancellation reaches the receive first
+                await asyncio.sleep(0)
+        return answer
+
+    monkeypatch.setattr(engine.llm, "collective_rpc", answering_late)
+    running = asyncio.create_task(engine.generate(
+        f"answered-late-{steps}", prompt_ids=[4],
+        sampling_params={"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}))
+    update = asyncio.create_task(pusher.update(new, global_steps=steps + 1, mode="inflight"))
+    with pytest.raises(asyncio.CancelledError):
+        await update
+    monkeypatch.undo()
+    assert engine.global_steps == steps + 1 and not engine.is_paused
+    probe = await engine.generate(f"answered-late-probe-{steps}", prompt_ids=[2], sampling_params={
+        "max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    assert probe.token_ids == (NEW,) * 2 and probe.global_steps == (steps + 1,) * 2
+    segment = await running
+    for token, label in zip(segment.token_ids, segment.global_steps, strict=True):
+        assert label == (steps if weights_of(token) == OLD else steps + 1)
+
+
+@pytest.mark.engine  # imports vLLM (the worker's module)
+def test_the_count_of_a_request_that_just_ended_reaches_the_next_commit() -> None:
+    """A request can end in the step before a commit while its last output still waits in the
+    client for the commit's answer: its count must be in that answer, then forgotten."""
+    import types
+
+    import numpy as np
+
+    from asyncroll.vllm.worker import SampleCounter
+
+    runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(req_id_to_index={"a-12345678": 0, "b-12345678": 1}),
+        discard_request_mask=types.SimpleNamespace(np=np.array([False, True])),
+        execute_model=lambda step, *args: None,
+    )
+    counter = SampleCounter(runner)
+
+    def step(scheduled: list[str], finished: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        runner.execute_model(types.SimpleNamespace(
+            finished_req_ids=set(finished), total_num_scheduled_tokens=len(scheduled),
+            num_scheduled_tokens=dict.fromkeys(scheduled, 1)))
+
+    step(["a-12345678", "b-12345678"])  # b's prompt is cut mid-way: nothing sampled
+    step(["a-12345678"])
+    step([], {"a-12345678"})  # a ended; no batch ran
+    assert counter.sampled == {} and counter.report() == {"a-12345678": 2}
+    assert counter.report() == {}

@@ -257,7 +257,9 @@ class VLLMEngine:
             if label is not None and engine.native_versions:
                 await engine.call_vllm(llm.update_weight_version(label))
             counting = await engine.call_vllm(llm.collective_rpc("asyncroll_count_samples"))
-            engine.commits_in_step = all(counting)
+            # One worker: several (tensor parallel) would each decide their load's fate alone
+            # in the commit's RPC, and one could roll back while another finishes.
+            engine.commits_in_step = len(counting) == 1 and all(counting)
         except EngineDeadError as exc:
             await engine.aclose()
             raise EngineStartError(f"vLLM died as it started on {str(path)!r}: {exc}") from exc
@@ -603,6 +605,7 @@ class VLLMEngine:
         load, self._begun = self._begun, None
         self._delivery = None
         self._finished = False
+        self._inflight_marked = False
         info = {"version": version, "push": push}
         if load is None:
             if inflight:
@@ -621,17 +624,24 @@ class VLLMEngine:
                 )
             kwargs["inflight"] = True
             self._commit_recorded.clear()
+        rpc = asyncio.ensure_future(
+            self.call_vllm(self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs))
+        )
         try:
-            answers = await self.call_vllm(
-                self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs)
-            )
+            if not inflight:
+                answers = await rpc
+            else:
+                try:
+                    answers = await asyncio.shield(rpc)
+                except asyncio.CancelledError:
+                    # The RPC runs on in the engine and may commit: its answer still labels
+                    # what the engine serves, then the cancellation goes on.
+                    (outcome,) = await asyncio.gather(rpc, return_exceptions=True)
+                    if isinstance(outcome, list):
+                        self._take_inflight(outcome, version)
+                    raise
+                self._take_inflight(answers, version)
             self.answered = time.perf_counter()
-            if inflight and not any(isinstance(answer, str) for answer in answers):
-                # No await from the RPC's answer to here: no request ends in between.
-                label = version if version >= 0 else None
-                self._commit_inflight(label, answers[0].pop("sampled", {}))
-                for answer in answers[1:]:
-                    answer.pop("sampled", None)
         finally:
             self._commit_recorded.set()
         failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
@@ -651,6 +661,7 @@ class VLLMEngine:
         self._begun = None
         self._delivery = None
         self._finished = False
+        self._inflight_marked = False
         whole = await self.call_vllm(self._llm.collective_rpc("asyncroll_abort_weight_update"))
         return all(whole)
 
@@ -671,6 +682,15 @@ class VLLMEngine:
             await self.call_vllm(self._llm.collective_rpc("asyncroll_last_receive_report"))
         )
 
+    def _take_inflight(self, answers: list[Any], version: int) -> None:
+        """Record an inflight RPC's answers: where each request switched, if it committed.
+        Called with no await since the answer came: no request ends in between."""
+        if any(isinstance(answer, str) for answer in answers):
+            return  # failed: rolled back in the RPC
+        self._commit_inflight(version if version >= 0 else None, answers[0].pop("sampled", {}))
+        for answer in answers[1:]:
+            answer.pop("sampled", None)
+
     def _commit_inflight(self, global_steps: int | None, sampled: Mapping[str, int]) -> None:
         """The new weights are in force since the workers' RPC ran: label them at once (a
         request dispatched from here on starts under them), move to a new cache epoch, and
@@ -679,13 +699,17 @@ class VLLMEngine:
         self._cache_epoch += 1
         if global_steps is not None:
             self._global_steps = global_steps
-        seen: dict[str, int] = {}
+        by_suffix: dict[str, int] = {}  # for requests vLLM's front end has let go of already
         for internal, count in sampled.items():
             external = internal if internal in self._live else internal[:-9]
-            seen[external] = max(seen.get(external, 0), int(count))
+            by_suffix[external] = max(by_suffix.get(external, 0), int(count))
+        internals = getattr(self._llm.output_processor, "external_req_ids", {})
         for request_id, marks in self._version_marks.items():
-            if marks[-1][0] != self._global_steps:
-                marks.append((self._global_steps, seen.get(request_id, 0)))
+            if marks[-1][0] == self._global_steps:
+                continue
+            known = [sampled[i] for i in internals.get(request_id, ()) if i in sampled]
+            count = max(known) if known else by_suffix.get(request_id, 0)
+            marks.append((self._global_steps, int(count)))
         self._labelled_here.update(self._version_marks)
         self._inflight_marked = True
         self._label_lags = self.native_versions
@@ -733,12 +757,9 @@ class VLLMEngine:
     async def _mark_version_boundary(self, global_steps: int | None) -> None:
         """Record where each live request's tokens switch to ``global_steps`` (vLLM without
         version spans). Call while paused, after the push and before resuming."""
-        # vLLM 0.32+ labels tokens itself; a request an inflight update crossed is labelled
-        # here throughout (``_commit_inflight``).
-        crossed = {
-            request_id: marks for request_id, marks in self._version_marks.items()
-            if not self.native_versions or request_id in self._labelled_here
-        }
+        # Recorded for every live request, on vLLM 0.32+ too (which labels tokens itself): an
+        # inflight update that crosses the request later labels it here throughout.
+        crossed = self._version_marks
         if not crossed:
             return
         # Outputs produced before the pause are in the client's queue once pause returned;

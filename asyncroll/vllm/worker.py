@@ -560,6 +560,14 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         elif self._shadow is None and not self._unknown:
             self._shadow = _read_checkpoint(self.model_config)
 
+    def can_roll_back(self) -> bool:
+        """Whether a push that fails now can be undone: a backup is kept (direct loads), or a
+        copy of the served weights is known (layerwise: read from the checkpoint, or kept
+        from earlier pushes, unless one without a backup left the weights unknown)."""
+        if self._info is None or not self._info.backup:
+            return False
+        return self.direct or self._shadow is not None or not self._unknown
+
     def _keeps_copies(self) -> bool:
         return self._info is not None and self._info.backup and not self.direct
 
@@ -816,6 +824,11 @@ class AsyncrollWorkerExtension:
         counter: SampleCounter | None = getattr(worker, "_asyncroll_samples", None)
         if inflight and (counter is None or counter.broken):
             return "the engine counts no samples (asyncroll_count_samples): no inflight update"
+        engine = getattr(worker, "weight_transfer_engine", None)
+        if inflight and isinstance(engine, AsyncrollWeightTransferEngine):
+            if not engine.can_roll_back():
+                return ("no inflight update: this worker could not undo a failed push before the"
+                        " next step (no backup, or an earlier push without one left no copy)")
         try:
             if worker_runs_the_session():  # vLLM 0.24
                 worker.start_weight_update(is_checkpoint_format=layerwise)
@@ -832,7 +845,7 @@ class AsyncrollWorkerExtension:
                 worker.finish_weight_update()
             delivered["finished"] = finish or inflight  # else the adapter finishes
             if counter is not None and inflight:
-                delivered["sampled"] = dict(counter.sampled)
+                delivered["sampled"] = counter.report()
             engine.called, engine.returned = called, time.perf_counter()
             return delivered
         except Exception as exc:
@@ -958,8 +971,14 @@ class SampleCounter:
     forgotten. One token a step a request: no speculative decoding (``asyncroll_count_samples``
     refuses it)."""
 
+    ENDED_KEPT = 65536
+    """How many finished requests' counts are kept for the next inflight update's report."""
+
     def __init__(self, runner: Any) -> None:
         self.sampled: dict[str, int] = {}
+        self.ended: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Counts of requests finished since the last report (``report``): one that ended
+        just before a commit may still be waiting in the client for the commit's answer."""
         self.started: collections.deque[float] = collections.deque(maxlen=65536)
         """When each recent step began (``time.perf_counter``: the host's monotonic clock,
         the same in every process; benchmarks read the engine's stalls off it)."""
@@ -981,9 +1000,19 @@ class SampleCounter:
                 logger.exception("counting samples failed: no inflight update from now on")
         return result
 
+    def report(self) -> dict[str, int]:
+        """Every request's count, live or ended since the last report."""
+        counts = {**self.ended, **self.sampled}
+        self.ended.clear()
+        return counts
+
     def count(self, scheduler_output: Any) -> None:
+        ended = self.ended
         for request_id in scheduler_output.finished_req_ids:
-            self.sampled.pop(request_id, None)
+            if (count := self.sampled.pop(request_id, None)) is not None:
+                ended[request_id] = count
+        while len(ended) > self.ENDED_KEPT:
+            ended.popitem(last=False)
         if not scheduler_output.total_num_scheduled_tokens:
             return  # the runner returned before preparing a batch: its batch is the last one
         index = self._runner.input_batch.req_id_to_index

@@ -636,7 +636,7 @@ class VLLMEngine:
                 except asyncio.CancelledError:
                     # The RPC runs on in the engine and may commit: its answer still labels
                     # what the engine serves, then the cancellation goes on.
-                    (outcome,) = await asyncio.gather(rpc, return_exceptions=True)
+                    outcome: Any = (await asyncio.gather(rpc, return_exceptions=True))[0]
                     if isinstance(outcome, list):
                         self._take_inflight(outcome, version)
                     raise

@@ -624,13 +624,17 @@ class VLLMEngine:
                 )
             kwargs["inflight"] = True
             self._commit_recorded.clear()
-        rpc = asyncio.ensure_future(
-            self.call_vllm(self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs))
+        # The RPC's task is made here, in this step, as the sender expects (``_rpcs_sent``: it
+        # leaves within two loop turns); a push called off before then tells a receiver that
+        # is already waiting for it, and one that comes later would wait for it in vain.
+        call = asyncio.ensure_future(
+            self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs)
         )
         try:
             if not inflight:
-                answers = await rpc
+                answers = await self.call_vllm(call)
             else:
+                rpc = asyncio.ensure_future(self.call_vllm(call))
                 try:
                     answers = await asyncio.shield(rpc)
                 except asyncio.CancelledError:

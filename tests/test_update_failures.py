@@ -262,9 +262,9 @@ async def test_a_cancelled_update_leaves_the_engine_whole(
     entered = asyncio.Event()
     transfer = SenderChannel._transfer
 
-    async def signalling(self: SenderChannel, *args: Any) -> Any:
+    async def signalling(self: SenderChannel, *args: Any, **kwargs: Any) -> Any:
         entered.set()
-        return await transfer(self, *args)
+        return await transfer(self, *args, **kwargs)
 
     monkeypatch.setattr(SenderChannel, "_transfer", signalling)
     pusher = WeightPusher([serving_a], bucket_bytes=64 << 10)
@@ -324,10 +324,10 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
         assert victims, "the CPU build runs its worker in a process of its own"
         transfer = SenderChannel._transfer
 
-        async def kill_then_transfer(self: SenderChannel, *args: Any) -> Any:
+        async def kill_then_transfer(self: SenderChannel, *args: Any, **kwargs: Any) -> Any:
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
-            return await transfer(self, *args)
+            return await transfer(self, *args, **kwargs)
 
         monkeypatch.setattr(SenderChannel, "_transfer", kill_then_transfer)
         pusher = WeightPusher([serving_a, doomed], timeout=20.0)

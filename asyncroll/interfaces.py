@@ -163,11 +163,14 @@ class ReceivingEngine(UpdatableEngine, Protocol):
 
     async def begin_update(self, *, load: str) -> None: ...
 
-    async def receive(self, version: int, *, push: int = 0) -> None:
+    async def receive(self, version: int, *, push: int = 0, inflight: bool = False) -> None:
         """Take one whole push (returns when every worker loaded its last bucket).
         ``version``: the update's ``global_steps``, or -1 for an update that keeps the
         label. ``push``: the sender's id of that push (``WeightSender.next_push``): messages
-        of earlier pushes still queued for the workers are skipped (0: the next push)."""
+        of earlier pushes still queued for the workers are skipped (0: the next push).
+        ``inflight``: the engine is not paused; it commits the push between two of its steps
+        and labels the new weights ``version`` at once (``ResumeMode``); an engine that cannot
+        (``commits_in_step`` false) raises ``InvalidRequestError``."""
 
     async def end_failed_update(self) -> bool:
         """End a failed push in every worker; True if the previous weights are whole again."""
@@ -187,11 +190,18 @@ class WeightChannel(Protocol):
         """Refuse a bad update before anything pauses (``InvalidRequestError``)."""
 
     async def push(
-        self, engines: Sequence[Any], tensors: Mapping[str, torch.Tensor], version: int
+        self,
+        engines: Sequence[Any],
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        inflight: bool = False,
     ) -> PushReport | None:
-        """Move ``tensors`` into the paused ``engines``. A channel that can commit into
-        running engines (``ResumeMode`` ``inflight``) takes ``inflight=True`` too and says
-        why it cannot where it cannot (``inflight_refusal``)."""
+        """Move ``tensors`` into the paused ``engines`` (``inflight``: into running ones, each
+        committing between two of its steps; see ``ResumeMode``)."""
+
+    def inflight_refusal(self) -> str | None:
+        """Why this channel cannot push into running engines (``inflight``), or None."""
 
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         """End a failed push; the names of engines left without whole weights."""

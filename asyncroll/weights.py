@@ -288,11 +288,7 @@ class VersionedUpdater:
         version = global_steps if global_steps is not None else -1
         before = {engine.name: engine.global_steps for engine in engines}
         try:
-            if inflight:
-                return await self._channel.push(  # type: ignore[call-arg]
-                    engines, tensors, version, inflight=True
-                )
-            return await self._channel.push(engines, tensors, version)
+            return await self._channel.push(engines, tensors, version, inflight=inflight)
         except BaseException as exc:
             held = await shielded(self._channel.abort(engines))
             # An engine that labelled the push as it landed (a Ray engine, once the push's
@@ -595,9 +591,8 @@ class SenderChannel:
         try:
             async with asyncio.timeout(self._timeout * 2):
                 await _until(begun, tasks)
-                receive_options = {"inflight": True} if inflight else {}
                 receives = [
-                    asyncio.ensure_future(e.receive(version, push=push_id, **receive_options))
+                    asyncio.ensure_future(e.receive(version, push=push_id, inflight=inflight))
                     for e in engines
                 ]
                 tasks += receives
@@ -890,8 +885,7 @@ def _check_inflight(engines: Sequence[UpdatableEngine], channel: WeightChannel) 
             f"mode='inflight': {', '.join(unable)} cannot commit an update between two engine"
             " steps (a vLLM engine counting its samples can; use keep, abort or recompute)"
         )
-    refusal = getattr(channel, "inflight_refusal", None)
-    why = "this channel cannot push into running engines" if refusal is None else refusal()
+    why = channel.inflight_refusal()
     if why is not None:
         raise InvalidRequestError(f"mode='inflight': {why}")
 

@@ -161,8 +161,8 @@ class VLLMEngine:
         """vLLM labels weight versions itself (0.32+); else this adapter does (see module doc)."""
         self._version_marks: dict[str, list[tuple[int | None, int]]] = {}
         """Per live request: (global_steps, index of its first token under them), in order;
-        the first is the label at dispatch. Kept where vLLM labels no versions, and for
-        requests an inflight update crossed (vLLM's labels would place its boundary late)."""
+        the first is the label at dispatch. They label its tokens where vLLM labels no
+        versions (0.24) and, on vLLM 0.32+, for requests in ``_labelled_here``."""
         self.commits_in_step = False
         """The workers count each request's samples (``asyncroll_count_samples``): an update
         can commit between two engine steps with no pause (``mode="inflight"``)."""
@@ -619,8 +619,8 @@ class VLLMEngine:
         if inflight:
             if not self.commits_in_step:
                 raise InvalidRequestError(
-                    f"{self.name} cannot commit an update between two steps (its workers count"
-                    " no samples: speculative decoding?): no inflight update"
+                    f"{self.name} cannot commit an update between two steps (several workers,"
+                    " speculative decoding or another model runner): no inflight update"
                 )
             kwargs["inflight"] = True
             self._commit_recorded.clear()
@@ -759,12 +759,11 @@ class VLLMEngine:
     # -- internals -------------------------------------------------------------------------
 
     async def _mark_version_boundary(self, global_steps: int | None) -> None:
-        """Record where each live request's tokens switch to ``global_steps`` (vLLM without
-        version spans). Call while paused, after the push and before resuming."""
-        # Recorded for every live request, on vLLM 0.32+ too (which labels tokens itself): an
-        # inflight update that crosses the request later labels it here throughout.
-        crossed = self._version_marks
-        if not crossed:
+        """Record where each live request's tokens switch to ``global_steps``. Call while
+        paused, after the push and before resuming. On vLLM 0.32+ too, which labels tokens
+        itself: an inflight update that crosses the request later labels it here throughout
+        (``_labelled_here``), this boundary included."""
+        if not self._version_marks:
             return
         # Outputs produced before the pause are in the client's queue once pause returned;
         # let vLLM's output handler take them all before counting. The queue has no event to
@@ -780,7 +779,7 @@ class VLLMEngine:
         for _ in range(3):  # the handler processes its last item in chunks, a turn each
             await asyncio.sleep(0)
         states = self._llm.output_processor
-        for request_id, marks in crossed.items():
+        for request_id, marks in self._version_marks.items():
             detokenizers = [
                 states.request_states[internal].detokenizer
                 for internal in states.external_req_ids.get(request_id, ())

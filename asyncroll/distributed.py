@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from asyncroll.errors import InvalidRequestError, PieceNotPlannedError, WeightSyncError
 from asyncroll.fingerprints import SAMPLES, Fingerprinter
-from asyncroll.interfaces import ReceivingEngine, ResumeMode, UpdateReport
+from asyncroll.interfaces import INFLIGHT_MODES, ReceivingEngine, ResumeMode, UpdateReport
 from asyncroll.transport import (
     CudaIpcBackend,
     LazyTensor,
@@ -216,9 +216,9 @@ class DistributedWeightPusher:
         """
         steps = check_global_steps(global_steps)
         check_resume_mode(mode)  # only the coordinator pauses, but every rank says it is wrong
-        if mode == "inflight":  # every rank raises alike: none has begun a collective
+        if mode in INFLIGHT_MODES:  # every rank raises alike: none has begun a collective
             raise InvalidRequestError(
-                "mode='inflight' is not yet offered for a sharded push (several senders into"
+                f"mode={mode!r} is not yet offered for a sharded push (several senders into"
                 " one RPC between two engine steps is untested); use keep, abort or recompute"
             )
         if changed:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Delivery",
     "Engine",
+    "INFLIGHT_MODES",
     "RESUME_MODES",
     "ReceivingEngine",
     "ResumeMode",
@@ -35,7 +36,7 @@ __all__ = [
     "WeightUpdater",
 ]
 
-ResumeMode = Literal["abort", "keep", "recompute", "inflight"]
+ResumeMode = Literal["abort", "keep", "recompute", "inflight", "inflight-recompute"]
 """How an update treats requests in flight:
 
 - ``abort`` ends them with their partial output; the manager resubmits prompt + output, so
@@ -53,10 +54,18 @@ ResumeMode = Literal["abort", "keep", "recompute", "inflight"]
   KV, as in ``keep``. The engine must commit in its step loop (``VLLMEngine.commits_in_step``)
   and keep a backup of its weights, so that a push that fails midway is undone before its
   next step; anything else refuses the mode before the push.
+- ``inflight-recompute`` is ``inflight`` whose running requests then drop their KV, between
+  the same two steps: vLLM preempts them and clears its prefix cache, and the new weights
+  compute their KV again before their next token (``recompute`` with no pause). Nothing is
+  aborted. The engine must also find its scheduler (``VLLMEngine.recomputes_in_step``).
 
 Each token is labelled with the weights that sampled it in every mode."""
 
-RESUME_MODES: tuple[ResumeMode, ...] = ("abort", "keep", "recompute", "inflight")
+RESUME_MODES: tuple[ResumeMode, ...] = (
+    "abort", "keep", "recompute", "inflight", "inflight-recompute"
+)
+INFLIGHT_MODES: tuple[ResumeMode, ...] = ("inflight", "inflight-recompute")
+"""The modes that pause nothing."""
 
 
 class Engine(Protocol):
@@ -163,14 +172,19 @@ class ReceivingEngine(UpdatableEngine, Protocol):
 
     async def begin_update(self, *, load: str) -> None: ...
 
-    async def receive(self, version: int, *, push: int = 0, inflight: bool = False) -> None:
+    async def receive(
+        self, version: int, *, push: int = 0, inflight: bool = False, recompute: bool = False
+    ) -> None:
         """Take one whole push (returns when every worker loaded its last bucket).
         ``version``: the update's ``global_steps``, or -1 for an update that keeps the
         label. ``push``: the sender's id of that push (``WeightSender.next_push``): messages
         of earlier pushes still queued for the workers are skipped (0: the next push).
         ``inflight``: the engine is not paused; it commits the push between two of its steps
         and labels the new weights ``version`` at once (``ResumeMode``); an engine that cannot
-        (``commits_in_step`` false) raises ``InvalidRequestError``."""
+        (``commits_in_step`` false) raises ``InvalidRequestError``. ``recompute`` (with
+        ``inflight``): it then preempts its running requests between the same two steps, so
+        the new weights compute their KV again (``recomputes_in_step``, else the same
+        error)."""
 
     async def end_failed_update(self) -> bool:
         """End a failed push in every worker; True if the previous weights are whole again."""
@@ -196,9 +210,11 @@ class WeightChannel(Protocol):
         version: int,
         *,
         inflight: bool = False,
+        recompute: bool = False,
     ) -> PushReport | None:
         """Move ``tensors`` into the paused ``engines`` (``inflight``: into running ones, each
-        committing between two of its steps; see ``ResumeMode``)."""
+        committing between two of its steps, and with ``recompute`` preempting its running
+        requests there; see ``ResumeMode``)."""
 
     def inflight_refusal(self) -> str | None:
         """Why this channel cannot push into running engines (``inflight``), or None."""

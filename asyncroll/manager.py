@@ -31,6 +31,7 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.interfaces import (
+    INFLIGHT_MODES,
     Engine,
     ReceivingEngine,
     ResumeMode,
@@ -114,8 +115,10 @@ class AsyncServerManager:
                 weights computed (the cheapest), ``recompute`` freezes them and has the new
                 weights compute their KV again in the engine, ``inflight`` pauses nothing: each
                 engine commits the update between two of its steps and new calls go on
-                meanwhile (``ResumeMode``; the default pusher then keeps a backup of the
-                weights on the engines' devices, to undo a push that fails midway).
+                meanwhile, ``inflight-recompute`` likewise, then has the new weights compute
+                the running requests' KV again (``ResumeMode``; in both the default pusher
+                keeps a backup of the weights on the engines' devices, to undo a push that
+                fails midway).
             partial_rollout: If False, interrupted requests come back with
                 ``finish_reason="abort"`` instead of being resumed.
             sticky_margin: How much busier than the least-loaded engine a session's engine may
@@ -355,9 +358,9 @@ class AsyncServerManager:
             while self._retired:
                 await self._retired.pop().aclose()
             if self._weights is None:  # an engine that dies later is skipped by the pusher
-                backup = True if self.resume_mode == "inflight" else None
+                backup = True if self.resume_mode in INFLIGHT_MODES else None
                 self._weights = WeightPusher(_receiving(self._engines), backup=backup)
-            if self.resume_mode != "inflight":  # new calls wait for the new weights
+            if self.resume_mode not in INFLIGHT_MODES:  # new calls wait for the new weights
                 self._gate.clear()
             labels = {e.name: getattr(e, "global_steps", None) for e in self._engines}
             try:

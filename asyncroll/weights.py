@@ -46,6 +46,7 @@ from asyncroll.errors import (
 )
 from asyncroll.fingerprints import Fingerprinter, fingerprints
 from asyncroll.interfaces import (
+    INFLIGHT_MODES,
     RESUME_MODES,
     Delivery,
     ReceivingEngine,
@@ -196,8 +197,8 @@ class VersionedUpdater:
             if not engines:
                 raise WeightSyncError("no live engine to update")
             _check_versions(engines, global_steps)
-            if mode == "inflight":
-                _check_inflight(engines, self._channel)
+            if mode in INFLIGHT_MODES:
+                _check_inflight(engines, self._channel, recompute=mode == "inflight-recompute")
             await self._channel.check(tensors)
             # Kept for the next ``changed=True``: this update's fingerprints, or the channel's
             # own (taken to verify the push) where ``changed`` was not asked for.
@@ -216,7 +217,7 @@ class VersionedUpdater:
             # first (``VLLMEngine.pause``). ``keep`` keeps the old weights' KV for the requests
             # that came before the update (see ``ResumeMode``).
             pause_mode: PauseMode = "abort" if mode == "abort" else "keep"
-            if mode == "inflight":
+            if mode in INFLIGHT_MODES:
                 pausable = []  # the engines commit between two steps (``ResumeMode``)
             try:
                 paused = await asyncio.gather(
@@ -227,7 +228,7 @@ class VersionedUpdater:
                     if isinstance(outcome, BaseException):
                         raise outcome
                 marks.append(time.perf_counter())
-                push = await self._push(engines, tensors, global_steps, mode == "inflight")
+                push = await self._push(engines, tensors, global_steps, mode)
                 marks.append(time.perf_counter())
                 # The new weights are in: label them and start a new cache epoch even if our caller
                 # is cancelled meanwhile (new weights under the old label would be a lie).
@@ -283,12 +284,17 @@ class VersionedUpdater:
         engines: Sequence[UpdatableEngine],
         tensors: dict[str, torch.Tensor],
         global_steps: int | None,
-        inflight: bool = False,
+        mode: ResumeMode,
     ) -> PushReport | None:
         version = global_steps if global_steps is not None else -1
         before = {engine.name: engine.global_steps for engine in engines}
         try:
-            return await self._channel.push(engines, tensors, version, inflight=inflight)
+            if mode not in INFLIGHT_MODES:
+                return await self._channel.push(engines, tensors, version)
+            return await self._channel.push(
+                engines, tensors, version, inflight=True,
+                recompute=mode == "inflight-recompute",
+            )
         except BaseException as exc:
             held = await shielded(self._channel.abort(engines))
             # An engine that labelled the push as it landed (a Ray engine, once the push's
@@ -486,12 +492,16 @@ class SenderChannel:
         version: int,
         *,
         inflight: bool = False,
+        recompute: bool = False,
     ) -> PushReport:
         """Push ``tensors`` into every engine's workers. ``inflight``: the engines are not
-        paused; each commits the push between two of its steps (``VLLMEngine.receive``)."""
+        paused; each commits the push between two of its steps (``VLLMEngine.receive``), and
+        with ``recompute`` preempts its running requests there."""
         sender = await self._connected(engines, tensors)
         try:
-            return await self._transfer(engines, sender, tensors, version, inflight=inflight)
+            return await self._transfer(
+                engines, sender, tensors, version, inflight=inflight, recompute=recompute
+            )
         except BaseException:
             if isinstance(sender, BroadcastSender):
                 # A collective some rank never joined cannot be called off: close the group
@@ -543,6 +553,7 @@ class SenderChannel:
         version: int,
         *,
         inflight: bool = False,
+        recompute: bool = False,
     ) -> PushReport:
         """Every engine's begin and receive, then the push, failing as soon as any of them
         fails (a dead worker's engine fails its call long before the sender's ack deadline).
@@ -592,7 +603,9 @@ class SenderChannel:
             async with asyncio.timeout(self._timeout * 2):
                 await _until(begun, tasks)
                 receives = [
-                    asyncio.ensure_future(e.receive(version, push=push_id, inflight=inflight))
+                    asyncio.ensure_future(e.receive(
+                        version, push=push_id, inflight=inflight, recompute=recompute
+                    ))
                     for e in engines
                 ]
                 tasks += receives
@@ -876,18 +889,28 @@ def _check_versions(engines: Sequence[UpdatableEngine], global_steps: int | None
             )
 
 
-def _check_inflight(engines: Sequence[UpdatableEngine], channel: WeightChannel) -> None:
-    """Refuse ``mode="inflight"`` before anything moves where an engine cannot commit between
-    two of its steps or the channel cannot undo a failed push in time (``ResumeMode``)."""
+def _check_inflight(
+    engines: Sequence[UpdatableEngine], channel: WeightChannel, *, recompute: bool
+) -> None:
+    """Refuse an inflight mode before anything moves where an engine cannot commit between
+    two of its steps (or, for ``inflight-recompute``, preempt there) or the channel cannot
+    undo a failed push in time (``ResumeMode``)."""
+    mode = "inflight-recompute" if recompute else "inflight"
     unable = [e.name for e in engines if not getattr(e, "commits_in_step", False)]
     if unable:
         raise InvalidRequestError(
-            f"mode='inflight': {', '.join(unable)} cannot commit an update between two engine"
+            f"mode={mode!r}: {', '.join(unable)} cannot commit an update between two engine"
             " steps (a vLLM engine counting its samples can; use keep, abort or recompute)"
+        )
+    unable = [e.name for e in engines if not getattr(e, "recomputes_in_step", False)]
+    if recompute and unable:
+        raise InvalidRequestError(
+            f"mode={mode!r}: {', '.join(unable)} cannot preempt its running requests between"
+            " two engine steps (its worker found no scheduler; use inflight or recompute)"
         )
     why = channel.inflight_refusal()
     if why is not None:
-        raise InvalidRequestError(f"mode='inflight': {why}")
+        raise InvalidRequestError(f"mode={mode!r}: {why}")
 
 
 def _channel_fingerprints(channel: WeightChannel) -> dict[str, bytes] | None:

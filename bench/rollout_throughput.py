@@ -35,6 +35,7 @@ import uvloop
 from safetensors.torch import load_file
 
 from asyncroll import AsyncServerManager, ResumeMode, VLLMEngine
+from asyncroll.interfaces import INFLIGHT_MODES, RESUME_MODES
 from asyncroll.testing import make_tiny_model
 from asyncroll.weights import WeightPusher, check_resume_mode
 
@@ -199,13 +200,12 @@ async def run_policy(
     interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = False,
 ) -> dict[str, Any]:
     # ``-1copy``: the same policy, pushed in one copy from the trainer's own storages
-    base, _, variant = policy.partition("-")
-    mode: ResumeMode = (
-        check_resume_mode(base) if base in ("keep", "recompute", "inflight") else "abort"
-    )
+    base = policy.removesuffix("-1copy")
+    mode: ResumeMode = check_resume_mode(base) if base in RESUME_MODES else "abort"
     pusher = None
-    if variant == "1copy":
-        pusher = WeightPusher([engine], one_copy=True, backup=True if mode == "inflight" else None)
+    if base != policy:
+        inflight = mode in INFLIGHT_MODES
+        pusher = WeightPusher([engine], one_copy=True, backup=True if inflight else None)
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
     for i, (prompt, n) in enumerate(jobs):
@@ -267,7 +267,7 @@ async def run_policy(
                         for key, value in vars_of(report.push).items():
                             if isinstance(value, float):
                                 inside[key].append(value)
-                    if mode == "inflight":  # what the receive RPC did between two steps
+                    if mode in INFLIGHT_MODES:  # what the receive RPC did between two steps
                         worker = (await engine.call_vllm(engine.llm.collective_rpc(
                             "asyncroll_last_receive_report")))[0] or {}
                         for key in ("seconds", "load_seconds", "wait_seconds", "sync_seconds",

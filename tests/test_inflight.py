@@ -21,6 +21,7 @@ import torch
 from engine_helpers import load_weights, until_decoding
 
 from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll.interfaces import ResumeMode
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 from asyncroll.types import Segment
 from asyncroll.weights import WeightPusher
@@ -28,6 +29,7 @@ from asyncroll.weights import WeightPusher
 OLD, NEW, MIXED = 1, 2, 3
 BUDGET = 500
 GREEDY = {"max_tokens": BUDGET, "temperature": 0.0, "ignore_eos": True}
+PROMPT = [5, 6, 7]
 SMALL_BUCKETS = 64 * 1024
 """Smaller than the embedding (128 KiB): the embedding and the head travel apart."""
 
@@ -118,6 +120,50 @@ async def test_inflight_updates_split_every_output_exactly_where_the_weights_cha
     assert after.token_ids == (OLD,) * 4 and after.global_steps == (steps + 2,) * 4
 
 
+async def crossed_by(
+    engine: VLLMEngine, pusher: WeightPusher, weights: dict[str, torch.Tensor], *, label: int,
+    mode: ResumeMode, name: str,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One greedy request crossed by an update to ``weights`` (labelled ``label``) in
+    ``mode``: the tokens it sampled after the update, and those a fresh request given the
+    same prompt and the tokens before the update samples under ``weights``."""
+    params = {"max_tokens": BUDGET, "temperature": 0.0, "ignore_eos": True}
+    running = asyncio.create_task(engine.generate(name, prompt_ids=PROMPT, sampling_params=params))
+    await until_decoding(engine, [running])
+    await pusher.update(weights, global_steps=label, mode=mode)
+    segment = await running
+    if ran_to_budget(segment, BUDGET, update=label):
+        raise LateAction(f"{name} ran out its tokens before the update")
+    switch = segment.global_steps.index(label)
+    assert switch > 0, f"{name}: the update landed before the request decoded"
+    assert segment.global_steps == (label - 1,) * switch + (label,) * (BUDGET - switch)
+    fresh = await engine.generate(f"{name}-fresh", prompt_ids=PROMPT + list(
+        segment.token_ids[:switch]), sampling_params={**params, "max_tokens": BUDGET - switch})
+    return segment.token_ids[switch:], fresh.token_ids
+
+
+@retry_if_late
+async def test_inflight_recompute_goes_on_as_the_new_weights_would_from_the_same_tokens(
+    engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path, pusher: WeightPusher
+) -> None:
+    """A request crossed by an ``inflight-recompute`` update goes on exactly as a fresh
+    request of the new weights given its tokens so far (its KV was computed again), with no
+    pause and nothing aborted; crossed by an ``inflight`` one, it goes on from the old
+    weights' KV and says other tokens (so the check tells the two modes apart)."""
+    a, b = load_weights(tiny_model_a), load_weights(tiny_model_b)
+    steps = (engine.global_steps or 0) + 1
+    await pusher.update(a, global_steps=steps)
+    aborted = engine.statistics().num_aborted
+    went_on, fresh = await crossed_by(engine, pusher, b, label=steps + 1,
+                                      mode="inflight-recompute", name=f"recompute-{steps}")
+    assert went_on == fresh
+    assert engine.statistics().num_aborted == aborted and not engine.is_paused
+    await pusher.update(a, global_steps=steps + 2)
+    went_on, fresh = await crossed_by(engine, pusher, b, label=steps + 3, mode="inflight",
+                                      name=f"kept-{steps}")
+    assert went_on != fresh
+
+
 async def test_a_caller_cancelled_anywhere_leaves_the_engine_whole_and_labelled_as_it_serves(
     engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher
 ) -> None:
@@ -185,6 +231,13 @@ async def test_inflight_is_refused_before_anything_moves_where_it_cannot_be_atom
             await no_backup.update(weights, global_steps=label + 1, mode="inflight")
     finally:
         await no_backup.aclose()
+    monkeypatch.setattr(engine, "recomputes_in_step", False)  # as where vLLM schedules ahead
+    unable = WeightPusher([engine], backup=True)
+    try:
+        with pytest.raises(InvalidRequestError, match="cannot preempt"):
+            await unable.update(weights, global_steps=label + 1, mode="inflight-recompute")
+    finally:
+        await unable.aclose()
     monkeypatch.setattr(engine, "commits_in_step", False)
     unable = WeightPusher([engine])
     try:

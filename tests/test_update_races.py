@@ -75,10 +75,10 @@ async def test_a_refused_update_is_not_counted_even_at_the_published_version() -
         assert manager.statistics().num_updates == 1 and manager.global_steps == 1
 
 
-@pytest.mark.parametrize("mode", ["inflight", "keep"])
+@pytest.mark.parametrize("mode", ["inflight", "inflight-recompute", "keep"])
 async def test_calls_wait_for_a_pausing_update_and_not_for_an_inflight_one(mode: str) -> None:
     """A call made while an update is out waits at the manager's gate for the new weights,
-    except in ``inflight`` mode, where the engines never stop and the call runs at once."""
+    except in the inflight modes, where the engines never stop and the call runs at once."""
     engines = [FakeEngine(name="a")]
     hold = asyncio.Event()
     updater = FakeWeightUpdater(engines, hold=hold)
@@ -91,12 +91,13 @@ async def test_calls_wait_for_a_pausing_update_and_not_for_an_inflight_one(mode:
             manager.generate("during", prompt_ids=[1], sampling_params={"max_tokens": 3}))
         for _ in range(20):
             await asyncio.sleep(0)
-        assert call.done() is (mode == "inflight")
-        assert engines[0].is_paused is (mode != "inflight")
+        inflight = mode.startswith("inflight")
+        assert call.done() is inflight
+        assert engines[0].is_paused is not inflight
         hold.set()
         await update
         output = await call
-        if mode == "inflight":
+        if inflight:
             assert output.global_steps == (0, 0, 0)  # sampled before the commit
         else:
             assert output.global_steps == (1, 1, 1)

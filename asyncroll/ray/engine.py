@@ -442,7 +442,9 @@ class RayEngine:
         self._load = load
         self._labelled_in_actor = None
 
-    async def receive(self, version: int, *, push: int = 0, inflight: bool = False) -> None:
+    async def receive(
+        self, version: int, *, push: int = 0, inflight: bool = False, recompute: bool = False
+    ) -> None:
         if inflight:
             raise InvalidRequestError(f"{self.name}: a Ray engine cannot commit an update"
                                       " between two steps (no inflight update)")

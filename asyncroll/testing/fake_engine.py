@@ -113,6 +113,8 @@ class FakeEngine:
         self.commits_in_step = True
         """Each token is made under the label in force as it is made: an update's commit falls
         between two tokens (``ResumeMode`` ``inflight``)."""
+        self.recomputes_in_step = True
+        """Its requests keep no KV: ``inflight-recompute`` is ``inflight`` here."""
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._global_steps = global_steps
@@ -511,6 +513,7 @@ class FakeChannel:
         version: int,
         *,
         inflight: bool = False,
+        recompute: bool = False,
     ) -> None:
         if self.hold is not None:
             self.is_holding = True

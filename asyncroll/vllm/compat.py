@@ -9,6 +9,7 @@ from typing import Any
 
 __all__ = [
     "engine_core_processes",
+    "schedules_ahead",
     "on_request_added",
     "release_client",
     "seeded_split_prefill_kills",
@@ -71,6 +72,13 @@ def seeded_split_prefill_kills(llm: Any) -> bool:
 
     scheduler = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
     return bool(current_platform.is_cpu() and getattr(scheduler, "enable_chunked_prefill", False))
+
+
+def schedules_ahead(llm: Any) -> bool:
+    """vLLM schedules a step before the previous one's output is back (async scheduling: on
+    by default on GPUs since 0.14, off on the CPU build)."""
+    config = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
+    return bool(getattr(config, "async_scheduling", False))
 
 
 def labels_versions(llm: Any) -> bool:

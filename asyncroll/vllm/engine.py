@@ -166,6 +166,9 @@ class VLLMEngine:
         self.commits_in_step = False
         """The workers count each request's samples (``asyncroll_count_samples``): an update
         can commit between two engine steps with no pause (``mode="inflight"``)."""
+        self.recomputes_in_step = False
+        """It can also preempt its running requests between the same two steps, so the new
+        weights compute their KV again (``mode="inflight-recompute"``; ``receive``)."""
         self._commit_recorded = asyncio.Event()
         """Clear while an inflight update's RPC is out: a request that ends meanwhile waits
         for the boundary it may have crossed before it reports its tokens' labels."""
@@ -260,6 +263,9 @@ class VLLMEngine:
             # One worker: several (tensor parallel) would each decide their load's fate alone
             # in the commit's RPC, and one could roll back while another finishes.
             engine.commits_in_step = len(counting) == 1 and all(counting)
+            # Where vLLM schedules ahead, the preemption would drop a token an unfinished
+            # step sampled on the old weights, and the count would place the switch one late.
+            engine.recomputes_in_step = engine.commits_in_step and not compat.schedules_ahead(llm)
         except EngineDeadError as exc:
             await engine.aclose()
             raise EngineStartError(f"vLLM died as it started on {str(path)!r}: {exc}") from exc
@@ -595,11 +601,21 @@ class VLLMEngine:
         (``asyncroll_take_update``), one engine round trip less before they take bytes."""
         self._begun = load
 
-    async def receive(self, version: int, *, push: int = 0, inflight: bool = False) -> None:
+    async def receive(
+        self, version: int, *, push: int = 0, inflight: bool = False, recompute: bool = False
+    ) -> None:
         """Take a push (``begin_update`` first). ``inflight``: the engine is not paused; the
         workers load, check and finish the update in one RPC, which vLLM's EngineCore runs
         between two steps, and the new weights are labelled ``version`` (-1: no label) from
-        the first token they sample (``commits_in_step``)."""
+        the first token they sample (``commits_in_step``).
+
+        ``recompute`` (with ``inflight``): vLLM then preempts the running requests and clears
+        its prefix cache (``reset_prefix_cache(reset_running_requests=True)``) between the
+        same two steps, so the new weights compute their KV again before their next token
+        (``recomputes_in_step``). That call is sent right behind the RPC, on the same socket,
+        and the EngineCore handles every call it holds before its next step; the RPC cannot
+        end before the sender's bytes come, and the sender starts after both calls left
+        (``_rpcs_sent``)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         load, self._begun = self._begun, None
@@ -607,6 +623,8 @@ class VLLMEngine:
         self._finished = False
         self._inflight_marked = False
         info = {"version": version, "push": push}
+        if recompute and not inflight:
+            raise InvalidRequestError("recompute is an option of an inflight receive")
         if load is None:
             if inflight:
                 raise InvalidRequestError("an inflight update needs begin_update first")
@@ -623,12 +641,23 @@ class VLLMEngine:
                     " speculative decoding or another model runner): no inflight update"
                 )
             kwargs["inflight"] = True
+            if recompute:
+                if not self.recomputes_in_step:
+                    raise InvalidRequestError(
+                        f"{self.name} cannot preempt its running requests between two steps"
+                        " (vLLM schedules ahead: async scheduling): no inflight-recompute"
+                    )
             self._commit_recorded.clear()
         # The RPC's task is made here, in this step, as the sender expects (``_rpcs_sent``: it
         # leaves within two loop turns); a push called off before then tells a receiver that
         # is already waiting for it, and one that comes later would wait for it in vain.
         call = asyncio.ensure_future(
             self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs)
+        )
+        # Made in the same step, so it is sent right behind the RPC (see above).
+        preempt = (
+            asyncio.ensure_future(self._llm.reset_prefix_cache(reset_running_requests=True))
+            if recompute else None
         )
         try:
             if not inflight:
@@ -645,6 +674,8 @@ class VLLMEngine:
                         self._take_inflight(outcome, version)
                     raise
                 self._take_inflight(answers, version)
+                if preempt is not None:  # done by now, or soon: the EngineCore's next call
+                    await asyncio.shield(self.call_vllm(preempt))
             self.answered = time.perf_counter()
         finally:
             self._commit_recorded.set()

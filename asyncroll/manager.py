@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -104,8 +104,9 @@ class AsyncServerManager:
         resume_mode: ResumeMode = "abort",
         partial_rollout: bool = True,
         sticky_margin: int = 4,
-        weights: WeightUpdater | None = None,
+        weights: WeightUpdater | Callable[[list[Engine]], WeightUpdater] | None = None,
         global_steps: int | None = None,
+        rolling: int = 0,
     ) -> None:
         """Args:
             engines: The engines to route over (started by the caller, who also closes them).
@@ -124,18 +125,47 @@ class AsyncServerManager:
             sticky_margin: How much busier than the least-loaded engine a session's engine may
                 be and still get the session's next call.
             weights: Pushes weights into the engines; by default a ``WeightPusher`` over the live
-                engines, made on the first update (VLLMEngine only).
+                engines, made on the first update (VLLMEngine only). With ``rolling``, a
+                function that makes one for a group of engines (one ``WeightPusher`` a group
+                by default).
             global_steps: The published version; by default the engines' own.
+            rolling: Update this many engines at a time, group after group, instead of all
+                at once (0). The manager's gate stays open: the other engines go on serving,
+                no call goes to an engine its update has paused, and once a group has the new
+                weights, new calls go to the engines that have them. Every token stays
+                labelled. The published version (``global_steps``) moves when every engine
+                has it; between two engines the versions differ by at most one while every
+                update succeeds.
         """
         if not engines:
             raise InvalidRequestError("AsyncServerManager needs at least one engine")
         check_resume_mode(resume_mode, what="resume_mode")
+        if isinstance(rolling, bool) or not isinstance(rolling, int) or rolling < 0:
+            raise InvalidRequestError(f"rolling must be an int >= 0, got {rolling!r}")
+        if rolling and weights is not None and hasattr(weights, "update"):
+            raise InvalidRequestError(
+                "with rolling, weights must be a function that makes a WeightUpdater for a"
+                " group of engines, not one updater for them all"
+            )
+        if not rolling and weights is not None and not hasattr(weights, "update"):
+            raise InvalidRequestError("weights must be a WeightUpdater (a function: rolling)")
+        self.rolling = rolling
+        self._make_updater: Callable[[list[Engine]], WeightUpdater] | None = (
+            None if weights is None or not rolling else weights  # type: ignore[assignment]
+        )
+        self._group_updaters: dict[tuple[str, ...], WeightUpdater] = {}
+        """A rolling update's, one a group of engines (``rolling``), made on first use."""
+        self._updating: set[str] = set()
+        """Engines a rolling update has paused: no call is routed to them."""
+        self._rolling_to: int | None = None
+        """A rolling update's version, once some engine has it: new calls go to those that
+        do."""
         self._engines: list[Engine] = list(engines)
         self._in_flight: dict[str, int] = {engine.name: 0 for engine in self._engines}
         self.resume_mode: ResumeMode = resume_mode
         self.partial_rollout = partial_rollout
         self._margin = sticky_margin
-        self._weights: WeightUpdater | None = weights
+        self._weights: WeightUpdater | None = None if rolling else weights  # type: ignore[assignment]
         self._owns_weights = weights is None
         self._retired: list[WeightUpdater] = []
         self._sticky = StickyTable()
@@ -189,7 +219,8 @@ class AsyncServerManager:
             in_flight_per_engine=dict(self._in_flight),
             alive_engines=sum(not engine.is_dead for engine in self._engines),
             global_steps=self._global_steps,
-            updating=not self._gate.is_set(),
+            updating=not self._gate.is_set() or bool(self._updating)
+            or self._rolling_to is not None,
             num_requests=self._num_requests,
             num_preempted=self._num_preempted,
             num_engine_failovers=self._num_failovers,
@@ -224,6 +255,8 @@ class AsyncServerManager:
         if self._owns_weights and self._weights is not None:
             self._retired.append(self._weights)  # the next update attaches the new set
             self._weights = None
+        self._retired += self._group_updaters.values()  # the groups change
+        self._group_updaters.clear()
 
     async def generate(
         self,
@@ -357,6 +390,8 @@ class AsyncServerManager:
                 )
             while self._retired:
                 await self._retired.pop().aclose()
+            if self.rolling:
+                return await self._update_rolling(named_tensors, global_steps, changed)
             if self._weights is None:  # an engine that dies later is skipped by the pusher
                 backup = True if self.resume_mode in INFLIGHT_MODES else None
                 self._weights = WeightPusher(_receiving(self._engines), backup=backup)
@@ -385,6 +420,85 @@ class AsyncServerManager:
             self._update_metrics.observe(report)
             return report
 
+    async def _update_rolling(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        global_steps: int | None,
+        changed: bool,
+    ) -> UpdateReport:
+        """``update_weights`` group after group (``rolling``), engines behind first."""
+        tensors = dict(named_tensors)  # every group gets the same tensors
+        groups = [
+            self._engines[i:i + self.rolling] for i in range(0, len(self._engines), self.rolling)
+        ]
+        groups = [g for g in groups if any(not e.is_dead for e in g)]
+        if not groups:
+            raise WeightSyncError("no live engine to update")
+        groups.sort(key=lambda g: min(_version(e) for e in g if not e.is_dead))
+        pausing = self.resume_mode not in INFLIGHT_MODES
+        labels = {e.name: getattr(e, "global_steps", None) for e in self._engines}
+        started = time.perf_counter()
+        reports: list[UpdateReport] = []
+        try:
+            for group in groups:
+                names = {e.name for e in group}
+                if pausing:
+                    self._updating |= names
+                try:
+                    reports.append(await self._group_updater(group).update(
+                        tensors, global_steps=global_steps, mode=self.resume_mode,
+                        changed=changed and not reports,
+                    ))
+                except WeightSyncError as exc:
+                    self._num_failed_updates += 1
+                    took = [e.name for e in self._engines if e.global_steps != labels[e.name]]
+                    raise WeightSyncError(
+                        f"rolling update to global_steps={global_steps}: {sorted(names)} failed"
+                        f" ({exc}); {took or 'no engine'} took it, the others keep their"
+                        " weights"
+                    ) from exc
+                finally:
+                    self._updating -= names
+                self._rolling_to = global_steps
+        except asyncio.CancelledError:
+            self._adopt_committed(global_steps, labels)
+            raise
+        finally:
+            self._rolling_to = None
+        if global_steps is not None:
+            self._global_steps = global_steps
+        report = UpdateReport(
+            global_steps=global_steps,
+            engines=sum(r.engines for r in reports),
+            seconds=time.perf_counter() - started,
+            pause_seconds=sum(r.pause_seconds for r in reports),
+            push_seconds=sum(r.push_seconds for r in reports),
+            finish_seconds=sum(r.finish_seconds for r in reports),
+            cache_reset_seconds=sum(r.cache_reset_seconds for r in reports),
+            resume_seconds=sum(r.resume_seconds for r in reports),
+            push=reports[-1].push,
+            tensors=reports[0].tensors,
+            bytes=reports[0].bytes,
+            deliveries={k: v for r in reports for k, v in r.deliveries.items()},
+            group_seconds=tuple(r.seconds for r in reports),
+        )
+        self._num_updates += 1
+        self._recent_updates.append(report)
+        self._update_metrics.observe(report)
+        return report
+
+    def _group_updater(self, group: list[Engine]) -> WeightUpdater:
+        key = tuple(e.name for e in group)
+        updater = self._group_updaters.get(key)
+        if updater is None:
+            if self._make_updater is not None:
+                updater = self._make_updater(group)
+            else:
+                backup = True if self.resume_mode in INFLIGHT_MODES else None
+                updater = WeightPusher(_receiving(group), backup=backup)
+            self._group_updaters[key] = updater
+        return updater
+
     def _adopt_committed(
         self, global_steps: int | None, before: Mapping[str, int | None]
     ) -> None:
@@ -407,7 +521,7 @@ class AsyncServerManager:
         if self._closed:
             return
         self._closed = True
-        for updater in [*self._retired, self._weights]:
+        for updater in [*self._retired, self._weights, *self._group_updaters.values()]:
             if updater is not None:
                 await updater.aclose()
 
@@ -441,9 +555,19 @@ class AsyncServerManager:
         """Pick an engine index. Sticky to the session's engine (or, without a session key, to
         the engine of this request's previous segment). Engines behind ``floor`` (the version
         of the output's last token) are skipped, so an output never moves to older weights."""
+        alive = [_can_serve(engine, floor) for engine in self._engines]
+        # A rolling update: not to an engine it paused, and to one that has the new weights
+        # once one does, where any such can serve (else as without the roll).
+        for keep in (
+            [e.name not in self._updating for e in self._engines],
+            [self._rolling_to is None or _version(e) >= self._rolling_to for e in self._engines],
+        ):
+            narrowed = [a and k for a, k in zip(alive, keep, strict=True)]
+            if any(narrowed):
+                alive = narrowed
         loads = [
-            EngineLoad(self._in_flight[engine.name], alive=_can_serve(engine, floor))
-            for engine in self._engines
+            EngineLoad(self._in_flight[engine.name], alive=serves)
+            for engine, serves in zip(self._engines, alive, strict=True)
         ]
         sticky = self._sticky.get(session_key) if session_key is not None else last
         index = choose_engine(
@@ -499,6 +623,10 @@ class AsyncServerManager:
 def _can_serve(engine: Engine, floor: int | None) -> bool:
     steps = engine.global_steps
     return not engine.is_dead and (floor is None or steps is None or steps >= floor)
+
+
+def _version(engine: Engine) -> int:
+    return -1 if engine.global_steps is None else engine.global_steps
 
 
 def _receiving(engines: Sequence[Engine]) -> list[ReceivingEngine]:

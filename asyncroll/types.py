@@ -141,6 +141,9 @@ class UpdateReport:
     deliveries: Mapping[str, Delivery] = field(default_factory=dict)
     """Engine name -> what its workers took (engines whose workers report it; gathered after
     the resume, so not part of ``seconds``)."""
+    group_seconds: tuple[float, ...] = ()
+    """A rolling update's (``AsyncServerManager(rolling=k)``): each group's update, in order;
+    the stage seconds above are their sums, ``seconds`` the whole roll."""
 
     @property
     def gb_per_s(self) -> float:

@@ -1,0 +1,190 @@
+"""Rolling updates (``AsyncServerManager(rolling=k)``): engines updated group after group while
+the others serve, on fake engines (the routing and the versions; a real engine's: the last
+test, and ``tests/test_inflight.py`` for the commit itself)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from engine_helpers import load_weights
+
+from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll.interfaces import Engine
+from asyncroll.testing import FakeEngine
+from asyncroll.testing.fake_engine import FakeWeightUpdater
+
+PARAMS = {"max_tokens": 3}
+
+
+class Groups:
+    """One ``FakeWeightUpdater`` a group, each held mid-push until released."""
+
+    def __init__(self) -> None:
+        self.updaters: dict[str, FakeWeightUpdater] = {}
+        self.holds: dict[str, asyncio.Event] = {}
+
+    def __call__(self, group: list[Engine]) -> FakeWeightUpdater:
+        name = group[0].name
+        self.holds[name] = asyncio.Event()
+        fakes = [e for e in group if isinstance(e, FakeEngine)]
+        self.updaters[name] = FakeWeightUpdater(fakes, hold=self.holds[name])
+        return self.updaters[name]
+
+    async def until_holding(self, name: str) -> None:
+        """Loop turns, not time, until the group of ``name`` is paused mid-push."""
+        for _ in range(200):
+            updater = self.updaters.get(name)
+            if updater is not None and updater.is_holding:
+                return
+            await asyncio.sleep(0)
+        raise AssertionError(f"the update of {name} never reached its push")
+
+
+def skew(engines: Sequence[FakeEngine]) -> int:
+    versions = [e.global_steps or 0 for e in engines]
+    return max(versions) - min(versions)
+
+
+async def test_a_rolling_update_serves_throughout_and_sends_new_calls_to_updated_engines() -> None:
+    """Three engines, one at a time: a call made while an engine is paused goes to another
+    and ends before the update does; once an engine has the new weights, new calls go there;
+    the versions never differ by more than one; the version is published at the end."""
+    engines = [FakeEngine(name=n) for n in "abc"]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
+                                  rolling=1) as manager:
+        update = asyncio.create_task(manager.update_weights([], global_steps=1))
+        await groups.until_holding("a")
+        assert engines[0].is_paused and not engines[1].is_paused
+        first = await manager.generate("during-a", prompt_ids=[1], sampling_params=PARAMS)
+        assert first.engines[0] != "a" and first.global_steps == (0, 0, 0)
+        assert manager.global_steps == 0 and manager.statistics().updating
+        groups.holds["a"].set()
+        await groups.until_holding("b")
+        assert skew(engines) == 1
+        calls = [
+            await manager.generate(f"during-b-{i}", prompt_ids=[1], sampling_params=PARAMS)
+            for i in range(3)
+        ]
+        assert {c.engines for c in calls} == {("a",)}  # the one engine with the new weights
+        assert all(c.global_steps == (1, 1, 1) for c in calls)
+        groups.holds["b"].set()
+        await groups.until_holding("c")
+        assert skew(engines) == 1
+        groups.holds["c"].set()
+        report = await update
+        assert manager.global_steps == 1 and [e.global_steps for e in engines] == [1, 1, 1]
+        assert len(report.group_seconds) == 3 and report.engines == 3
+        assert report.seconds >= max(report.group_seconds)
+        assert not manager.statistics().updating
+        assert not update.cancelled() and not any(e.is_paused for e in engines)
+
+
+async def test_a_failed_group_stops_the_roll_and_the_next_update_starts_with_the_laggards() -> None:
+    """The second group's push fails: the first keeps the new weights, the rest the old ones,
+    the manager publishes nothing; the next update updates the engines behind first."""
+    engines = [FakeEngine(name=n) for n in "abc"]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
+                                  rolling=1) as manager:
+        update = asyncio.create_task(manager.update_weights([], global_steps=1))
+        await groups.until_holding("a")
+        groups.holds["a"].set()
+        await groups.until_holding("b")
+        groups.updaters["b"].failures = 1
+        groups.holds["b"].set()
+        with pytest.raises(WeightSyncError, match=r"\['b'\] failed.*\['a'\] took it"):
+            await update
+        assert [e.global_steps for e in engines] == [1, 0, 0] and manager.global_steps == 0
+        assert manager.statistics().num_failed_updates == 1
+        for hold in groups.holds.values():
+            hold.clear()
+        update = asyncio.create_task(manager.update_weights([], global_steps=2))
+        for name in "bca":  # the engines behind first
+            await groups.until_holding(name)
+            assert [e.name for e in engines if e.is_paused] == [name]
+            groups.holds[name].set()
+        await update
+        assert [e.global_steps for e in engines] == [2, 2, 2] and manager.global_steps == 2
+
+
+async def test_an_aborted_call_resumes_on_an_engine_that_is_not_paused() -> None:
+    """``abort``: a call on the engine its group pauses ends there and resumes on another,
+    never on one behind the weights it has tokens from."""
+    engines = [FakeEngine(name=n, token_delay=0.001, max_model_len=8192) for n in "ab"]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
+                                  rolling=1) as manager:
+        call = asyncio.create_task(manager.generate(  # to a: the first of two idle engines
+            "long", prompt_ids=[1], sampling_params={"max_tokens": 500}))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        update = asyncio.create_task(manager.update_weights([], global_steps=1))
+        await groups.until_holding("a")
+        output = await call  # resumed on b while a is paused
+        assert output.engines == ("a", "b") and len(output.token_ids) == 500
+        assert set(output.global_steps) == {0}
+        groups.holds["a"].set()
+        await groups.until_holding("b")
+        groups.holds["b"].set()
+        await update
+
+
+@pytest.mark.parametrize("rolling", [-1, True, 1.5])
+async def test_a_bad_rolling_is_refused(rolling: object) -> None:
+    with pytest.raises(InvalidRequestError, match="rolling"):
+        AsyncServerManager([FakeEngine()], rolling=rolling)  # type: ignore[arg-type]
+
+
+async def test_rolling_needs_a_function_that_makes_an_updater_for_a_group() -> None:
+    engines = [FakeEngine(), FakeEngine()]
+    with pytest.raises(InvalidRequestError, match="function"):
+        AsyncServerManager(engines, weights=FakeWeightUpdater(engines), rolling=1)
+    with pytest.raises(InvalidRequestError, match="rolling"):
+        AsyncServerManager(engines, weights=Groups())  # type: ignore[arg-type]
+
+
+@pytest.mark.engine
+async def test_a_rolling_update_of_two_real_engines_labels_every_token(
+    engine: VLLMEngine, engine_b: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """Two vLLM engines, one at a time in ``keep``: calls made before and during the roll all
+    finish, none aborted, every token labelled with a version its engine had; both engines
+    end on the new weights (each engine's greedy output after the roll is the same)."""
+    weights = load_weights(tiny_model_a)
+    steps = max(engine.global_steps or 0, engine_b.global_steps or 0) + 1
+    params = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+    async with AsyncServerManager([engine, engine_b], resume_mode="keep", rolling=1) as manager:
+        before = [asyncio.create_task(manager.generate(f"roll-{steps}-{i}", prompt_ids=[3, i],
+                                                       sampling_params=params))
+                  for i in range(4)]
+        update = asyncio.create_task(manager.update_weights(weights, global_steps=steps))
+        during = [asyncio.create_task(manager.generate(f"roll-during-{steps}-{i}",
+                                                       prompt_ids=[4, i], sampling_params=params))
+                  for i in range(4)]
+        report = await update
+        outputs = await asyncio.gather(*before, *during)
+        assert len(report.group_seconds) == 2 and manager.global_steps == steps
+        assert engine.global_steps == engine_b.global_steps == steps
+        for output in outputs:
+            assert len(output.token_ids) == 64 and output.finish_reason == "length"
+            assert list(output.global_steps) == sorted(output.global_steps)
+        probes = [await e.generate(f"roll-probe-{steps}-{e.name}", prompt_ids=[2, 3],
+                                   sampling_params={**params, "max_tokens": 8})
+                  for e in (engine, engine_b)]
+        assert probes[0].token_ids == probes[1].token_ids
+    # Each engine back on its own model, as the shared fixtures expect.
+    await _restore(engine_b, tiny_model_b, steps + 1)
+
+
+async def _restore(engine: VLLMEngine, model: Path, steps: int) -> None:
+    from asyncroll.weights import WeightPusher
+
+    pusher = WeightPusher([engine])
+    try:
+        await pusher.update(load_weights(model), global_steps=steps)
+    finally:
+        await pusher.aclose()

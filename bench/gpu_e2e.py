@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -806,7 +807,8 @@ async def vllm_ipc_baseline(
 
 async def rollout(res: Results, work: Path, interval: float, policies: list[str],
                   slow_turns: bool, eager: bool = False,
-                  batch: dict[str, int] | None = None, rounds: int = 1) -> None:
+                  batch: dict[str, int] | None = None, rounds: int = 1,
+                  num_engines: int = 1) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import rollout_throughput as rt
 
@@ -814,17 +816,27 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
     tensors = random_weights(SHAPES["0.5b"])
     # With CUDA graphs a 384-request run lasts ~12 s: 1024 requests give updates enough.
     jobs = [(prompt, min(1000, n * 2))
-            for prompt, n in rt.workload(384 if eager else 1024, seed=0)]
+            for prompt, n in rt.workload((384 if eager else 1024) * num_engines, seed=0)]
+    concurrency = 256 * num_engines
     res.record("rollout", "workload", {"requests": len(jobs), "tokens": sum(n for _, n in jobs),
-                                       "concurrency": 256, "update every s": interval})
+                                       "concurrency": concurrency, "engines": num_engines,
+                                       "update every s": interval})
     table = {}
-    # CUDA graphs on: the stall an update causes is measured on the engine users run.
-    async with VLLMEngine.launch(folder, name="rollout", load_format="dummy",
-                                 **engine_args(gpu_memory_utilization=0.5,
-                                               enforce_eager=eager, **(batch or {}))) as engine:
+    # CUDA graphs on: the stall an update causes is measured on the engine users run. Several
+    # engines (``--rollout-engines``, for ``-roll`` policies) share the GPU's half.
+    async with contextlib.AsyncExitStack() as stack:
+        launched = [  # one after the other: vLLM measures the free memory as it starts
+            await stack.enter_async_context(VLLMEngine.launch(
+                folder, name=f"rollout-{i}", load_format="dummy",
+                **engine_args(gpu_memory_utilization=0.5 / num_engines, enforce_eager=eager,
+                              **(batch or {}))))
+            for i in range(num_engines)
+        ]
+        engine: Any = launched[0] if num_engines == 1 else list(launched)
+        first = launched[0]
         # What the scheduler runs at once: without arguments, AsyncLLM takes vLLM's bare
         # fallbacks (128 sequences, 2048 tokens a step), not its serving or offline defaults.
-        scheduler = engine.llm.vllm_config.scheduler_config
+        scheduler = first.llm.vllm_config.scheduler_config
         res.record("rollout", "scheduler", {"max_num_seqs": scheduler.max_num_seqs,
                                             "max_num_batched_tokens":
                                                 scheduler.max_num_batched_tokens})
@@ -837,9 +849,11 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
             for policy in policies:
                 log(f"rollout, round {number + 1} of {rounds}: {policy}...")
                 run[policy] = await rt.run_policy(engine, tensors, policy, jobs, interval,
-                                                  concurrency=256, slow_turns=slow_turns)
+                                                  concurrency=concurrency,
+                                                  slow_turns=slow_turns)
                 log(f"  {run[policy]['tokens_per_s']:.0f} tokens/s, update stages ms "
-                    f"{run[policy]['update_stage_ms']}")
+                    f"{run[policy]['update_stage_ms']}, engine stall ms "
+                    f"{run[policy].get('update_stall_ms')}, groups ms {run[policy]['group_ms']}")
             rounds_run.append(run)
             table = table or run  # the first round's details, as with one round
             if rounds > 1:  # each round kept as it ends: a later one may fail
@@ -865,7 +879,7 @@ def _rounds_summary(rounds_run: list[dict[str, dict[str, Any]]],
             ],
         }
         for key in ("update_stall_ms", "update_stall_worst_ms", "step_gap_median_ms",
-                    "loop_worst_ms", "receive_ms"):
+                    "loop_worst_ms", "receive_ms", "group_ms", "reprefill_per_update"):
             row[f"{key}, each round"] = [run[policy].get(key) for run in rounds_run]
         if "none" in policies:
             ratios = [run[policy]["tokens_per_s"] / run["none"]["tokens_per_s"]
@@ -895,6 +909,8 @@ def parse_args() -> argparse.Namespace:
                         help="ABBA pairs measuring the fingerprint check's cost (push section)")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--policies", default="none,abort,keep,recompute,drain")
+    parser.add_argument("--rollout-engines", type=_positive, default=1,
+                        help="rollout: engines sharing the GPU (for -roll policies: rolling=1)")
     parser.add_argument("--rounds", type=_positive, default=1,
                         help="rollout: run the policies in turn this many times; each ratio is"
                              " taken against the same round's none (its median is reported)")
@@ -963,7 +979,7 @@ async def main(args: argparse.Namespace) -> int:
             steps.append(("rollout", lambda: rollout(res, work, args.interval,
                                                      args.policies.split(","),
                                                      args.slow_turns, args.eager, batch,
-                                                     args.rounds)))
+                                                     args.rounds, args.rollout_engines)))
         await run_steps(res, steps)
     return finish(res)
 

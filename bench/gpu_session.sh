@@ -131,6 +131,21 @@ phase_third() {  # 4 GPUs: issue 42's rollout benchmark, inflight beside the pau
   wait
 }
 
+phase_fourth() {  # 1 GPU: issue 42's inflight-recompute and rolling updates on the rollout
+  # benchmark, inflight's and rolling's tests on the GPU, the 7B push
+  run rollout-recompute 0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,keep,recompute,inflight,inflight-recompute --rounds 2 --out "$W/results"
+  run pytest-inflight-rolling 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py tests/test_rolling.py
+}
+
+phase_fifth() {  # 1 GPU: two engines, updated all at once or one at a time; the 7B push
+  mkdir -p "$W/results/two" "$W/results/push"
+  run rollout-rolling 0 python3 bench/gpu_e2e.py --sections rollout --rollout-engines 2 \
+    --policies none,keep,keep-roll,inflight,inflight-roll --rounds 2 --out "$W/results/two"
+  run push-7b 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/push"
+}
+
 for phase in "$@"; do
   echo "== $(date +%T) phase $phase"
   "phase_$phase"

@@ -196,16 +196,21 @@ class Admission:
 
 
 async def run_policy(
-    engine: VLLMEngine, weights: dict[str, Any], policy: str, jobs: list[tuple[list[int], int]],
-    interval: float, *, concurrency: int = CONCURRENCY, slow_turns: bool = False,
+    engine: VLLMEngine | list[VLLMEngine], weights: dict[str, Any], policy: str,
+    jobs: list[tuple[list[int], int]], interval: float, *, concurrency: int = CONCURRENCY,
+    slow_turns: bool = False,
 ) -> dict[str, Any]:
-    # ``-1copy``: the same policy, pushed in one copy from the trainer's own storages
-    base = policy.removesuffix("-1copy")
+    # ``-1copy``: the same policy, pushed in one copy from the trainer's own storages;
+    # ``-roll``: over several engines, updated one at a time (``rolling=1``)
+    engines = engine if isinstance(engine, list) else [engine]
+    engine = engines[0]
+    base = policy.removesuffix("-1copy").removesuffix("-roll")
+    rolling = 1 if policy.endswith("-roll") else 0
     mode: ResumeMode = check_resume_mode(base) if base in RESUME_MODES else "abort"
     pusher = None
-    if base != policy:
+    if policy.endswith("-1copy"):
         inflight = mode in INFLIGHT_MODES
-        pusher = WeightPusher([engine], one_copy=True, backup=True if inflight else None)
+        pusher = WeightPusher(engines, one_copy=True, backup=True if inflight else None)
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
     for i, (prompt, n) in enumerate(jobs):
@@ -213,7 +218,9 @@ async def run_policy(
     tokens = 0
     resumed = 0
     receives: dict[str, list[float]] = collections.defaultdict(list)  # the workers' view
-    async with AsyncServerManager([engine], resume_mode=mode, weights=pusher) as manager:
+    groups: list[list[float]] = []  # a rolling update's, each group's seconds
+    async with AsyncServerManager(engines, resume_mode=mode, weights=pusher,
+                                  rolling=rolling) as manager:
         if policy != "none":  # the first update attaches the pusher and learns the load plan
             await manager.update_weights(weights, global_steps=(manager.global_steps or 0) + 1)
         stats_before = manager.statistics()
@@ -260,6 +267,8 @@ async def run_policy(
                     report = await manager.update_weights(weights, global_steps=step)
                     windows.append(time.perf_counter())
                     update_seconds += report.seconds
+                    if report.group_seconds:
+                        groups.append(list(report.group_seconds))
                     for stage in stages:
                         stages[stage].append(getattr(report, f"{stage}_seconds" if stage
                                                      else "seconds"))
@@ -280,6 +289,10 @@ async def run_policy(
         elapsed = time.perf_counter() - started
         stats = manager.statistics()
         stalls = await engine_stalls(engine, started, windows)
+        if len(engines) > 1:
+            stalls["stalls_by_engine"] = {
+                e.name: await engine_stalls(e, started, windows) for e in engines
+            }
     if pusher is not None:
         await pusher.aclose()
     reprefill = stats.num_reprefill_tokens - stats_before.num_reprefill_tokens
@@ -302,6 +315,10 @@ async def run_policy(
         if updates else {},
         **stalls,
         "receive_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in receives.items()},
+        "engines": len(engines),
+        # a rolling update: each group's update (median over the updates), and the whole roll
+        "group_ms": [round(statistics.median(g) * 1e3, 1) for g in zip(*groups, strict=True)]
+        if groups else [],
     }
 
 

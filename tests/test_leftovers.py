@@ -14,6 +14,7 @@ import pytest
 from engine_helpers import load_weights
 
 from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll.vllm.sockets import private_rpc_directory
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -49,3 +50,8 @@ async def test_rounds_of_engine_manager_and_push_leave_nothing_behind(
     first, *later = rounds
     assert first["zombies"] == [] and first["segments"] == []
     assert all(r == first for r in later), rounds
+    # vLLM's socket files went to this process's own directory, which it removes at exit
+    # (tests/test_rpc_sockets.py), not to the temp directory, where vLLM leaves them.
+    directory = private_rpc_directory()
+    assert directory is not None and os.environ["VLLM_RPC_BASE_PATH"] == str(directory)
+    assert any(path.is_socket() for path in directory.iterdir())

@@ -54,7 +54,7 @@ from asyncroll.validation import (
     refuse_live,
     resolve_sampling_params,
 )
-from asyncroll.vllm import compat
+from asyncroll.vllm import compat, sockets
 from asyncroll.weights import WeightPusher
 
 if TYPE_CHECKING:
@@ -239,6 +239,7 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         path = _check_model_path(model_path)
+        sockets.private_rpc_directory()  # vLLM's socket files go where this process removes them
         try:
             args = AsyncEngineArgs(**_engine_args_with_defaults(path, engine_args))
         except Exception as exc:  # an unknown keyword, a value vLLM refuses

@@ -20,8 +20,9 @@ def _module_name(path: Path) -> str:
 
 
 MODULES = {_module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
-SHIMS = {"asyncroll.engine", "asyncroll.vllm_ext"}
-"""Old import paths kept for users; they only re-export."""
+SHIMS: set[str] = set()
+"""Old import paths kept for users that only re-export (none now: ``asyncroll.engine`` and
+``asyncroll.vllm_ext`` went in session 28)."""
 
 
 def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:

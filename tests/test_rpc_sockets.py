@@ -16,6 +16,7 @@ import pytest
 pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[1]
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 BIND = textwrap.dedent("""
     import os, socket, sys
@@ -33,7 +34,7 @@ BIND = textwrap.dedent("""
 def start(tmp_path: Path, how: str, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", BIND, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path),
+        text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": PYTHONPATH, "TMPDIR": str(tmp_path),
                                   **env},
     )
 
@@ -75,7 +76,7 @@ def test_the_users_own_directory_is_left_to_them(tmp_path: Path) -> None:
             " print(private_rpc_directory(), os.environ['VLLM_RPC_BASE_PATH'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, timeout=120, check=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path),
+                          env={**os.environ, "PYTHONPATH": PYTHONPATH, "TMPDIR": str(tmp_path),
                                "VLLM_RPC_BASE_PATH": str(mine)})
     assert done.stdout.split() == ["None", str(mine)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]

@@ -188,6 +188,30 @@ class Backend(Protocol):
         ...
 
 
+@contextlib.contextmanager
+def ownerless(lock: Path) -> Iterator[bool]:
+    """Whether the owner of ``lock`` (a file its owner holds an exclusive ``flock`` on for as
+    long as it lives) is gone; while this is entered, the lock is ours, so no other sweeper
+    acts on it. False for a file of another user's or none at all."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        yield False
+        return
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            yield False
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False  # its owner lives
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
 def sweep_stale_segments(directory: Path = SHM_DIR) -> list[str]:
     """Unlink the segments whose owner is gone (killed before its receivers had mapped them,
     after which names are unlinked at once); returns their names. An owner holds an exclusive
@@ -199,22 +223,11 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[str]:
     for path in directory.glob("asyncroll-*-p*"):
         if _SHM_NAME.match(path.name) is None:
             continue
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            if os.fstat(fd).st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its owner lives
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                swept.append(path.name)
-        finally:
-            os.close(fd)
+        with ownerless(path) as gone:
+            if gone:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    swept.append(path.name)
     if swept:
         log.info("unlinked %d shared-memory segments of dead owners", len(swept))
     return swept

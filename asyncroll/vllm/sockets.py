@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from asyncroll.transport.backends import ownerless
+
 __all__ = ["private_rpc_directory", "sweep_rpc_directories"]
 
 logger = logging.getLogger(__name__)
@@ -59,22 +61,11 @@ def sweep_rpc_directories(root: Path | None = None) -> list[str]:
     root = Path(tempfile.gettempdir()) if root is None else root
     swept = []
     for directory in root.glob(f"{PREFIX}*"):
-        try:
-            fd = os.open(directory / ".lock", os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            continue  # not one of ours, or being removed
-        try:
-            if os.fstat(fd).st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its process lives
-            with contextlib.suppress(OSError):
-                shutil.rmtree(directory)
-                swept.append(directory.name)
-        finally:
-            os.close(fd)
+        with ownerless(directory / ".lock") as gone:  # no lock file: not ours, or going
+            if gone:
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(directory)
+                    swept.append(directory.name)
     if swept:
         logger.info("removed %d socket directories of vLLM engines whose process is gone",
                     len(swept))

@@ -57,7 +57,8 @@ ResumeMode = Literal["abort", "keep", "recompute", "inflight", "inflight-recompu
 - ``inflight-recompute`` is ``inflight`` whose running requests then drop their KV, between
   the same two steps: vLLM preempts them and clears its prefix cache, and the new weights
   compute their KV again before their next token (``recompute`` with no pause). Nothing is
-  aborted. The engine must also find its scheduler (``VLLMEngine.recomputes_in_step``).
+  aborted. The engine must also schedule one step at a time, not ahead (vLLM's async
+  scheduling off: ``VLLMEngine.recomputes_in_step``).
 
 Each token is labelled with the weights that sampled it in every mode."""
 

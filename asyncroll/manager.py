@@ -28,6 +28,7 @@ from asyncroll.errors import (
     EngineDeadError,
     InvalidRequestError,
     ManagerClosedError,
+    NoEngineAvailableError,
     WeightSyncError,
 )
 from asyncroll.interfaces import (
@@ -53,7 +54,12 @@ from asyncroll.validation import (
     refuse_live,
     resolve_sampling_params,
 )
-from asyncroll.weights import WeightPusher, check_global_steps, check_resume_mode
+from asyncroll.weights import (
+    WeightPusher,
+    check_global_steps,
+    check_resume_mode,
+    materialize,
+)
 
 __all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
@@ -131,11 +137,11 @@ class AsyncServerManager:
             global_steps: The published version; by default the engines' own.
             rolling: Update this many engines at a time, group after group, instead of all
                 at once (0). The manager's gate stays open: the other engines go on serving,
-                no call goes to an engine its update has paused, and once a group has the new
-                weights, new calls go to the engines that have them. Every token stays
-                labelled. The published version (``global_steps``) moves when every engine
-                has it; between two engines the versions differ by at most one while every
-                update succeeds.
+                no call goes to an engine its update has paused while another can serve it,
+                and once a group has the new weights, new calls go to the engines that have
+                them. Every token stays labelled. The published version (``global_steps``)
+                moves when every live engine has it; two engines are at most one update
+                apart while every update succeeds.
         """
         if not engines:
             raise InvalidRequestError("AsyncServerManager needs at least one engine")
@@ -160,6 +166,11 @@ class AsyncServerManager:
         self._rolling_to: int | None = None
         """A rolling update's version, once some engine has it: new calls go to those that
         do."""
+        self._rolling = False
+        """A rolling update is under way."""
+        self._roll_moved = asyncio.Event()
+        """Set (and replaced) each time a group's update ends: a call that found no engine
+        to serve it while engines were paused looks again."""
         self._engines: list[Engine] = list(engines)
         self._in_flight: dict[str, int] = {engine.name: 0 for engine in self._engines}
         self.resume_mode: ResumeMode = resume_mode
@@ -219,8 +230,7 @@ class AsyncServerManager:
             in_flight_per_engine=dict(self._in_flight),
             alive_engines=sum(not engine.is_dead for engine in self._engines),
             global_steps=self._global_steps,
-            updating=not self._gate.is_set() or bool(self._updating)
-            or self._rolling_to is not None,
+            updating=not self._gate.is_set() or self._rolling,
             num_requests=self._num_requests,
             num_preempted=self._num_preempted,
             num_engine_failovers=self._num_failovers,
@@ -326,7 +336,7 @@ class AsyncServerManager:
         self._num_requests += 1
         for attempt in itertools.count():
             await self._gate.wait()
-            last = self._route(session_key, last, floor=trajectory.last_version())
+            last = await self._route_when_able(session_key, last, trajectory.last_version())
             engine = self._engines[last]
             remaining = budget - len(trajectory.token_ids)
             if attempt:  # a resubmission prefills the prompt and the output so far again
@@ -364,8 +374,10 @@ class AsyncServerManager:
     ) -> UpdateReport:
         """Push new weights to every live engine; in-flight requests resume transparently.
 
-        Pauses every engine (in ``resume_mode``), pushes to all of them at once, labels the
-        weights ``global_steps`` and publishes it once every engine succeeded, then resumes.
+        Pauses every engine (in ``resume_mode``; none in the inflight modes), pushes to all of
+        them at once, labels the weights ``global_steps`` and publishes it once every engine
+        succeeded, then resumes. With ``rolling=k``, the same group after group (``k`` engines
+        each) while the others serve.
         ``changed=True``: warn (``UnchangedWeightsWarning``) if the tensors equal the previous
         update's (``VersionedUpdater.update``).
 
@@ -426,8 +438,20 @@ class AsyncServerManager:
         global_steps: int | None,
         changed: bool,
     ) -> UpdateReport:
-        """``update_weights`` group after group (``rolling``), engines behind first."""
-        tensors = dict(named_tensors)  # every group gets the same tensors
+        """``update_weights`` group after group (``rolling``), engines behind first. Whatever
+        can be refused is refused before the first group pauses: the tensors' names, and a
+        ``global_steps`` below any engine's (a failed roll leaves some engines ahead)."""
+        tensors = materialize(named_tensors)  # every group gets the same tensors
+        ahead = [
+            f"{e.name}'s {e.global_steps}" for e in self._engines
+            if not e.is_dead and None not in (global_steps, e.global_steps)
+            and e.global_steps > global_steps  # type: ignore[operator]
+        ]
+        if ahead:
+            raise InvalidRequestError(
+                f"global_steps {global_steps} is lower than {', '.join(ahead)}: versions never"
+                " go backwards"
+            )
         groups = [
             self._engines[i:i + self.rolling] for i in range(0, len(self._engines), self.rolling)
         ]
@@ -439,8 +463,13 @@ class AsyncServerManager:
         labels = {e.name: getattr(e, "global_steps", None) for e in self._engines}
         started = time.perf_counter()
         reports: list[UpdateReport] = []
+        took: list[str] = []
+        self._rolling = True
         try:
             for group in groups:
+                self._check_open()  # closed meanwhile: no updater is made after its close
+                if all(e.is_dead for e in group):
+                    continue  # died before its turn
                 names = {e.name for e in group}
                 if pausing:
                     self._updating |= names
@@ -449,24 +478,30 @@ class AsyncServerManager:
                         tensors, global_steps=global_steps, mode=self.resume_mode,
                         changed=changed and not reports,
                     ))
-                except WeightSyncError as exc:
+                except Exception as exc:
                     self._num_failed_updates += 1
-                    took = [e.name for e in self._engines if e.global_steps != labels[e.name]]
                     raise WeightSyncError(
                         f"rolling update to global_steps={global_steps}: {sorted(names)} failed"
-                        f" ({exc}); {took or 'no engine'} took it, the others keep their"
-                        " weights"
+                        f" ({type(exc).__name__}: {exc}); {took or 'no engine'} took it, the"
+                        " others keep their weights"
                     ) from exc
                 finally:
                     self._updating -= names
+                    self._roll_moved.set()  # calls waiting for an engine look again
+                    self._roll_moved = asyncio.Event()
+                took += sorted(names)
                 self._rolling_to = global_steps
         except asyncio.CancelledError:
             self._adopt_committed(global_steps, labels)
             raise
         finally:
             self._rolling_to = None
-        if global_steps is not None:
-            self._global_steps = global_steps
+            self._rolling = False
+        if not reports:
+            raise WeightSyncError("no live engine to update")
+        live = [e for e in self._engines if not e.is_dead]
+        if global_steps is not None and all(e.global_steps == global_steps for e in live):
+            self._global_steps = global_steps  # (an engine added meanwhile has not got it)
         report = UpdateReport(
             global_steps=global_steps,
             engines=sum(r.engines for r in reports),
@@ -550,6 +585,19 @@ class AsyncServerManager:
         )
         del params["logprobs"]  # the engine sets its own
         return prompt, params
+
+    async def _route_when_able(
+        self, session_key: str | None, last: int | None, floor: int | None
+    ) -> int:
+        """``_route``, waiting while no engine can serve the call only because a rolling
+        update has paused those that could (they have the weights it needs, or will)."""
+        while True:
+            try:
+                return self._route(session_key, last, floor=floor)
+            except NoEngineAvailableError:
+                if not self._updating:
+                    raise
+                await self._roll_moved.wait()
 
     def _route(self, session_key: str | None, last: int | None, *, floor: int | None) -> int:
         """Pick an engine index. Sticky to the session's engine (or, without a session key, to

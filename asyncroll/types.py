@@ -143,7 +143,8 @@ class UpdateReport:
     the resume, so not part of ``seconds``)."""
     group_seconds: tuple[float, ...] = ()
     """A rolling update's (``AsyncServerManager(rolling=k)``): each group's update, in order;
-    the stage seconds above are their sums, ``seconds`` the whole roll."""
+    the stage seconds above are their sums (so ``gb_per_s`` is per group, over them all),
+    ``seconds`` the whole roll."""
 
     @property
     def gb_per_s(self) -> float:

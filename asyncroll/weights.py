@@ -185,7 +185,7 @@ class VersionedUpdater:
         """
         global_steps = check_global_steps(global_steps)
         mode = check_resume_mode(mode)
-        tensors = _materialize(named_tensors)
+        tensors = materialize(named_tensors)
         if changed and any(isinstance(t, LazyTensor | Piece) for t in tensors.values()):
             raise InvalidRequestError(
                 "changed=True compares fingerprints taken before the pause: whole tensors only,"
@@ -906,7 +906,8 @@ def _check_inflight(
     if recompute and unable:
         raise InvalidRequestError(
             f"mode={mode!r}: {', '.join(unable)} cannot preempt its running requests between"
-            " two engine steps (its worker found no scheduler; use inflight or recompute)"
+            " two engine steps (vLLM schedules ahead: async scheduling; use inflight or"
+            " recompute)"
         )
     why = channel.inflight_refusal()
     if why is not None:
@@ -919,7 +920,7 @@ def _channel_fingerprints(channel: WeightChannel) -> dict[str, bytes] | None:
     return dict(found) if isinstance(found, Mapping) else None
 
 
-def _materialize(
+def materialize(
     named_tensors: Iterable[tuple[str, torch.Tensor | LazyTensor | Piece]]
     | Mapping[str, torch.Tensor | LazyTensor | Piece],
 ) -> dict[str, torch.Tensor]:

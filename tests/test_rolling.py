@@ -9,9 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
 from engine_helpers import load_weights
 
-from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll import (
+    AsyncServerManager,
+    InvalidRequestError,
+    ManagerClosedError,
+    VLLMEngine,
+    WeightSyncError,
+)
 from asyncroll.interfaces import Engine
 from asyncroll.testing import FakeEngine
 from asyncroll.testing.fake_engine import FakeWeightUpdater
@@ -133,6 +140,91 @@ async def test_an_aborted_call_resumes_on_an_engine_that_is_not_paused() -> None
         await update
 
 
+async def test_a_version_below_an_engine_ahead_is_refused_before_any_group_pauses() -> None:
+    """A failed roll leaves an engine ahead of the published version; an update to a version
+    below it is refused before anything pauses, not after the other groups took it."""
+    engines = [FakeEngine(name=n) for n in "abc"]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
+                                  rolling=1) as manager:
+        engines[0]._global_steps = 2  # as a roll that failed after a's group leaves it
+        with pytest.raises(InvalidRequestError, match="lower than a's 2"):
+            await manager.update_weights([], global_steps=1)
+        assert groups.updaters == {} and [e.global_steps for e in engines] == [2, 0, 0]
+
+
+async def test_a_dead_group_is_skipped_and_the_live_engines_publish() -> None:
+    engines = [FakeEngine(name=n) for n in "abc"]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
+                                  rolling=1) as manager:
+        engines[2].kill()
+        update = asyncio.create_task(manager.update_weights([], global_steps=1))
+        for name in "ab":
+            await groups.until_holding(name)
+            groups.holds[name].set()
+        report = await update
+        assert "c" not in groups.updaters and len(report.group_seconds) == 2
+        assert manager.global_steps == 1
+
+
+async def test_a_manager_closed_mid_roll_makes_no_updater_after_its_close() -> None:
+    engines = [FakeEngine(name=n) for n in "ab"]
+    groups = Groups()
+    manager = AsyncServerManager(engines, resume_mode="keep", weights=groups, rolling=1)
+    update = asyncio.create_task(manager.update_weights([], global_steps=1))
+    await groups.until_holding("a")
+    await manager.aclose()
+    groups.holds["a"].set()
+    with pytest.raises(ManagerClosedError):
+        await update
+    assert "b" not in groups.updaters and not any(e.is_paused for e in engines)
+
+
+async def test_an_engine_added_mid_roll_holds_the_version_back_until_it_has_it() -> None:
+    engines = [FakeEngine(name=n) for n in "ab"]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
+                                  rolling=1) as manager:
+        update = asyncio.create_task(manager.update_weights([], global_steps=1))
+        await groups.until_holding("a")
+        manager.add_engine(FakeEngine(name="late"))
+        groups.holds["a"].set()
+        await groups.until_holding("b")
+        groups.holds["b"].set()
+        await update
+        assert manager.global_steps == 0  # "late" serves version 0
+        for hold in groups.holds.values():
+            hold.clear()
+        update = asyncio.create_task(manager.update_weights([], global_steps=2))
+        for name in ("late", "a", "b"):  # the engine behind first
+            await groups.until_holding(name)
+            groups.holds[name].set()
+        await update
+        assert manager.global_steps == 2
+
+
+async def test_a_call_that_only_a_paused_engine_can_serve_waits_for_it() -> None:
+    """A resumed call whose tokens came from the new weights of an engine that died; the only
+    other engine is paused mid-update: routing waits for it (not NoEngineAvailableError)."""
+    engines = [FakeEngine(name=n) for n in "ab"]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
+                                  rolling=1) as manager:
+        update = asyncio.create_task(manager.update_weights([], global_steps=1))
+        await groups.until_holding("a")
+        groups.holds["a"].set()
+        await groups.until_holding("b")
+        engines[0].kill()
+        route = asyncio.create_task(manager._route_when_able(None, 0, floor=1))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert not route.done()  # b has not got version 1 yet
+        groups.holds["b"].set()
+        await update
+        assert await route == 1
+
+
 @pytest.mark.parametrize("rolling", [-1, True, 1.5])
 async def test_a_bad_rolling_is_refused(rolling: object) -> None:
     with pytest.raises(InvalidRequestError, match="rolling"):
@@ -156,6 +248,15 @@ async def test_a_rolling_update_of_two_real_engines_labels_every_token(
     end on the new weights (each engine's greedy output after the roll is the same)."""
     weights = load_weights(tiny_model_a)
     steps = max(engine.global_steps or 0, engine_b.global_steps or 0) + 1
+    try:
+        await _roll(engine, engine_b, weights, steps)
+    finally:  # each engine back on its own model, as the shared fixtures expect
+        await _restore(engine_b, tiny_model_b, steps + 1)
+
+
+async def _roll(
+    engine: VLLMEngine, engine_b: VLLMEngine, weights: dict[str, torch.Tensor], steps: int
+) -> None:
     params = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
     async with AsyncServerManager([engine, engine_b], resume_mode="keep", rolling=1) as manager:
         before = [asyncio.create_task(manager.generate(f"roll-{steps}-{i}", prompt_ids=[3, i],
@@ -176,8 +277,7 @@ async def test_a_rolling_update_of_two_real_engines_labels_every_token(
                                    sampling_params={**params, "max_tokens": 8})
                   for e in (engine, engine_b)]
         assert probes[0].token_ids == probes[1].token_ids
-    # Each engine back on its own model, as the shared fixtures expect.
-    await _restore(engine_b, tiny_model_b, steps + 1)
+        assert manager.statistics().num_preempted == 0  # keep: none aborted, none resubmitted
 
 
 async def _restore(engine: VLLMEngine, model: Path, steps: int) -> None:

@@ -34,7 +34,8 @@ BIND = textwrap.dedent("""
 def environment(tmp_path: Path) -> dict[str, str]:
     """Ours, less the directory this process's own engines set (a test run that started one
     before has it: a child would take it for the user's)."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_RPC_BASE_PATH", "ASYNCROLL_VLLM_RPC_OWNER")}
     return {**env, "PYTHONPATH": PYTHONPATH, "TMPDIR": str(tmp_path)}
 
 
@@ -85,3 +86,18 @@ def test_the_users_own_directory_is_left_to_them(tmp_path: Path) -> None:
                           env={**environment(tmp_path), "VLLM_RPC_BASE_PATH": str(mine)})
     assert done.stdout.split() == ["None", str(mine)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_a_child_that_inherits_the_directory_makes_its_own(tmp_path: Path) -> None:
+    """A process started by one whose engines set the variable (not one of vLLM's own) binds
+    its sockets in a directory of its own: the parent removes its directory when it exits."""
+    parent = start(tmp_path, "wait")
+    assert parent.stdout is not None
+    theirs = Path(parent.stdout.readline().strip())
+    child = subprocess.run(
+        [sys.executable, "-c", BIND, "exit"], capture_output=True, text=True, cwd=ROOT,
+        timeout=120, check=True, env={**environment(tmp_path), "VLLM_RPC_BASE_PATH": str(theirs),
+                                      "ASYNCROLL_VLLM_RPC_OWNER": f"{parent.pid}:{theirs}"})
+    assert Path(child.stdout.strip()) not in (theirs, Path("None")) and theirs.exists()
+    parent.communicate(input="", timeout=120)
+    assert socket_files(tmp_path) == []

@@ -614,9 +614,11 @@ class VLLMEngine:
         its prefix cache (``reset_prefix_cache(reset_running_requests=True)``) between the
         same two steps, so the new weights compute their KV again before their next token
         (``recomputes_in_step``). That call is sent right behind the RPC, on the same socket,
-        and the EngineCore handles every call it holds before its next step; the RPC cannot
-        end before the sender's bytes come, and the sender starts after both calls left
-        (``_rpcs_sent``)."""
+        and the EngineCore handles every call its input thread has queued before its next
+        step. The RPC cannot end before the sender's bytes come, and the sender starts after
+        both calls left (``_rpcs_sent``): the input thread has the whole push (milliseconds)
+        to queue the second call. Were it starved that long, one step would run on the new
+        weights with the old KV before the preemption (its tokens still labelled new)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         load, self._begun = self._begun, None
@@ -660,6 +662,8 @@ class VLLMEngine:
             asyncio.ensure_future(self._llm.reset_prefix_cache(reset_running_requests=True))
             if recompute else None
         )
+        if preempt is not None:  # sent whatever happens here; its failure is logged
+            preempt.add_done_callback(_log_failed_preemption)
         try:
             if not inflight:
                 answers = await self.call_vllm(call)
@@ -676,7 +680,9 @@ class VLLMEngine:
                     raise
                 self._take_inflight(answers, version)
                 if preempt is not None:  # done by now, or soon: the EngineCore's next call
-                    await asyncio.shield(self.call_vllm(preempt))
+                    await asyncio.wait(
+                        (preempt, self._death()), return_when=asyncio.FIRST_COMPLETED
+                    )
             self.answered = time.perf_counter()
         finally:
             self._commit_recorded.set()
@@ -995,6 +1001,14 @@ class VLLMEngine:
 def _is_input_error(exc: Exception) -> bool:
     """vLLM's own input-validation errors (not ``ValueError`` subclasses in every version)."""
     return any(cls.__name__ == "VLLMClientError" for cls in type(exc).__mro__)
+
+
+def _log_failed_preemption(call: asyncio.Future[Any]) -> None:
+    """The preemption of an ``inflight-recompute`` update failed: the new weights are in force,
+    and the running requests go on from the old weights' KV (as ``inflight``)."""
+    if not call.cancelled() and call.exception() is not None:
+        logger.warning("vLLM could not preempt the running requests after an inflight update:"
+                       " they keep the old weights' KV (%r)", call.exception())
 
 
 def _summed(reports: Sequence[Any]) -> Delivery | None:

@@ -30,6 +30,9 @@ __all__ = ["private_rpc_directory", "sweep_rpc_directories"]
 logger = logging.getLogger(__name__)
 
 PREFIX = "asyncroll-vllm-"
+OWNER = "ASYNCROLL_VLLM_RPC_OWNER"
+"""Set beside ``VLLM_RPC_BASE_PATH`` to ``pid:path`` of the process that made the directory: a
+child process that inherits both (not one of vLLM's own) makes a directory of its own."""
 _directory: Path | None = None
 
 
@@ -40,8 +43,9 @@ def private_rpc_directory() -> Path | None:
     global _directory
     if _directory is not None:
         return _directory
-    if "VLLM_RPC_BASE_PATH" in os.environ:
-        return None
+    base = os.environ.get("VLLM_RPC_BASE_PATH")
+    if base is not None and not os.environ.get(OWNER, "").endswith(f":{base}"):
+        return None  # the user's
     sweep_rpc_directories()
     root = Path(tempfile.gettempdir())
     hidden = Path(tempfile.mkdtemp(prefix=f".{PREFIX}", dir=root))
@@ -50,9 +54,30 @@ def private_rpc_directory() -> Path | None:
     directory = root / hidden.name.removeprefix(".")
     hidden.rename(directory)
     os.environ["VLLM_RPC_BASE_PATH"] = str(directory)
-    atexit.register(shutil.rmtree, directory, True)
+    os.environ[OWNER] = f"{os.getpid()}:{directory}"
+    atexit.register(_remove, directory, os.getpid())
     _directory = directory
     return directory
+
+
+def _remove(directory: Path, owner: int = 0) -> None:
+    """Remove ``directory``: its sockets, then its lock, then itself (a process killed midway
+    leaves a directory the next sweep still finds). At exit, only in the process that made it
+    (a forked child inherits the exit handler, not the directory)."""
+    if owner and os.getpid() != owner:
+        return
+    for path in directory.glob("*"):
+        if path.name == ".lock":
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    with contextlib.suppress(OSError):
+        (directory / ".lock").unlink()
+    with contextlib.suppress(OSError):
+        directory.rmdir()
 
 
 def sweep_rpc_directories(root: Path | None = None) -> list[str]:
@@ -63,9 +88,8 @@ def sweep_rpc_directories(root: Path | None = None) -> list[str]:
     for directory in root.glob(f"{PREFIX}*"):
         with ownerless(directory / ".lock") as gone:  # no lock file: not ours, or going
             if gone:
-                with contextlib.suppress(OSError):
-                    shutil.rmtree(directory)
-                    swept.append(directory.name)
+                _remove(directory)
+                swept.append(directory.name)
     if swept:
         logger.info("removed %d socket directories of vLLM engines whose process is gone",
                     len(swept))

@@ -227,26 +227,19 @@ async def test_inflight_is_refused_before_anything_moves_where_it_cannot_be_atom
     weights = load_weights(tiny_model_a)
     label = engine.global_steps
     assert label is not None
-    no_backup = WeightPusher([engine], backup=False)
-    try:
-        with pytest.raises(InvalidRequestError, match="backup"):
-            await no_backup.update(weights, global_steps=label + 1, mode="inflight")
-    finally:
-        await no_backup.aclose()
+    async def refused(mode: ResumeMode, match: str, backup: bool | None) -> None:
+        pusher = WeightPusher([engine], backup=backup)
+        try:
+            with pytest.raises(InvalidRequestError, match=match):
+                await pusher.update(weights, global_steps=label + 1, mode=mode)
+        finally:
+            await pusher.aclose()
+
+    await refused("inflight", "backup", backup=False)
     monkeypatch.setattr(engine, "recomputes_in_step", False)  # as where vLLM schedules ahead
-    unable = WeightPusher([engine], backup=True)
-    try:
-        with pytest.raises(InvalidRequestError, match="cannot preempt"):
-            await unable.update(weights, global_steps=label + 1, mode="inflight-recompute")
-    finally:
-        await unable.aclose()
+    await refused("inflight-recompute", "cannot preempt", backup=True)
     monkeypatch.setattr(engine, "commits_in_step", False)
-    unable = WeightPusher([engine])
-    try:
-        with pytest.raises(InvalidRequestError, match="between two engine steps"):
-            await unable.update(weights, global_steps=label + 1, mode="inflight")
-    finally:
-        await unable.aclose()
+    await refused("inflight", "between two engine steps", backup=None)
     assert engine.global_steps == label and not engine.is_paused
     assert engine.statistics().global_steps == label
 

@@ -49,6 +49,12 @@ class Groups:
             await asyncio.sleep(0)
         raise AssertionError(f"the update of {name} never reached its push")
 
+    async def let_through(self, *names: str) -> None:
+        """Each named group in turn: wait until its update holds mid-push, then release it."""
+        for name in names:
+            await self.until_holding(name)
+            self.holds[name].set()
+
 
 def skew(engines: Sequence[FakeEngine]) -> int:
     versions = [e.global_steps or 0 for e in engines]
@@ -98,8 +104,7 @@ async def test_a_failed_group_stops_the_roll_and_the_next_update_starts_with_the
     async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
                                   rolling=1) as manager:
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
-        await groups.until_holding("a")
-        groups.holds["a"].set()
+        await groups.let_through("a")
         await groups.until_holding("b")
         groups.updaters["b"].failures = 1
         groups.holds["b"].set()
@@ -135,8 +140,7 @@ async def test_an_aborted_call_resumes_on_an_engine_that_is_not_paused() -> None
         assert output.engines == ("a", "b") and len(output.token_ids) == 500
         assert set(output.global_steps) == {0}
         groups.holds["a"].set()
-        await groups.until_holding("b")
-        groups.holds["b"].set()
+        await groups.let_through("b")
         await update
 
 
@@ -160,9 +164,7 @@ async def test_a_dead_group_is_skipped_and_the_live_engines_publish() -> None:
                                   rolling=1) as manager:
         engines[2].kill()
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
-        for name in "ab":
-            await groups.until_holding(name)
-            groups.holds[name].set()
+        await groups.let_through("a", "b")
         report = await update
         assert "c" not in groups.updaters and len(report.group_seconds) == 2
         assert manager.global_steps == 1
@@ -190,16 +192,13 @@ async def test_an_engine_added_mid_roll_holds_the_version_back_until_it_has_it()
         await groups.until_holding("a")
         manager.add_engine(FakeEngine(name="late"))
         groups.holds["a"].set()
-        await groups.until_holding("b")
-        groups.holds["b"].set()
+        await groups.let_through("b")
         await update
         assert manager.global_steps == 0  # "late" serves version 0
         for hold in groups.holds.values():
             hold.clear()
         update = asyncio.create_task(manager.update_weights([], global_steps=2))
-        for name in ("late", "a", "b"):  # the engine behind first
-            await groups.until_holding(name)
-            groups.holds[name].set()
+        await groups.let_through("late", "a", "b")  # the engine behind first
         await update
         assert manager.global_steps == 2
 
@@ -212,8 +211,7 @@ async def test_a_call_that_only_a_paused_engine_can_serve_waits_for_it() -> None
     async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
                                   rolling=1) as manager:
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
-        await groups.until_holding("a")
-        groups.holds["a"].set()
+        await groups.let_through("a")
         await groups.until_holding("b")
         engines[0].kill()
         route = asyncio.create_task(manager._route_when_able(None, 0, floor=1))

@@ -5,8 +5,10 @@ test, and ``tests/test_inflight.py`` for the commit itself)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from asyncroll import (
     VLLMEngine,
     WeightSyncError,
 )
-from asyncroll.interfaces import Engine
+from asyncroll.interfaces import Engine, ResumeMode
 from asyncroll.testing import FakeEngine
 from asyncroll.testing.fake_engine import FakeWeightUpdater
 
@@ -56,6 +58,18 @@ class Groups:
             self.holds[name].set()
 
 
+@contextlib.asynccontextmanager
+async def rolling_manager(
+    names: str, mode: ResumeMode, **engine_args: Any
+) -> AsyncIterator[tuple[list[FakeEngine], Groups, AsyncServerManager]]:
+    """A manager over one fake engine a name, updating one at a time through ``Groups``."""
+    engines = [FakeEngine(name=name, **engine_args) for name in names]
+    groups = Groups()
+    async with AsyncServerManager(engines, resume_mode=mode, weights=groups,
+                                  rolling=1) as manager:
+        yield engines, groups, manager
+
+
 def skew(engines: Sequence[FakeEngine]) -> int:
     versions = [e.global_steps or 0 for e in engines]
     return max(versions) - min(versions)
@@ -65,10 +79,9 @@ async def test_a_rolling_update_serves_throughout_and_sends_new_calls_to_updated
     """Three engines, one at a time: a call made while an engine is paused goes to another
     and ends before the update does; once an engine has the new weights, new calls go there;
     the versions never differ by more than one; the version is published at the end."""
-    engines = [FakeEngine(name=n) for n in "abc"]
-    groups = Groups()
-    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
-                                  rolling=1) as manager:
+    async with rolling_manager("abc", "keep") as (
+        engines, groups, manager
+    ):
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
         await groups.until_holding("a")
         assert engines[0].is_paused and not engines[1].is_paused
@@ -99,10 +112,9 @@ async def test_a_rolling_update_serves_throughout_and_sends_new_calls_to_updated
 async def test_a_failed_group_stops_the_roll_and_the_next_update_starts_with_the_laggards() -> None:
     """The second group's push fails: the first keeps the new weights, the rest the old ones,
     the manager publishes nothing; the next update updates the engines behind first."""
-    engines = [FakeEngine(name=n) for n in "abc"]
-    groups = Groups()
-    async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
-                                  rolling=1) as manager:
+    async with rolling_manager("abc", "abort") as (
+        engines, groups, manager
+    ):
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
         await groups.let_through("a")
         await groups.until_holding("b")
@@ -126,10 +138,9 @@ async def test_a_failed_group_stops_the_roll_and_the_next_update_starts_with_the
 async def test_an_aborted_call_resumes_on_an_engine_that_is_not_paused() -> None:
     """``abort``: a call on the engine its group pauses ends there and resumes on another,
     never on one behind the weights it has tokens from."""
-    engines = [FakeEngine(name=n, token_delay=0.001, max_model_len=8192) for n in "ab"]
-    groups = Groups()
-    async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
-                                  rolling=1) as manager:
+    async with rolling_manager("ab", "abort", token_delay=0.001, max_model_len=8192) as (
+        _, groups, manager
+    ):
         call = asyncio.create_task(manager.generate(  # to a: the first of two idle engines
             "long", prompt_ids=[1], sampling_params={"max_tokens": 500}))
         for _ in range(5):
@@ -147,10 +158,9 @@ async def test_an_aborted_call_resumes_on_an_engine_that_is_not_paused() -> None
 async def test_a_version_below_an_engine_ahead_is_refused_before_any_group_pauses() -> None:
     """A failed roll leaves an engine ahead of the published version; an update to a version
     below it is refused before anything pauses, not after the other groups took it."""
-    engines = [FakeEngine(name=n) for n in "abc"]
-    groups = Groups()
-    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
-                                  rolling=1) as manager:
+    async with rolling_manager("abc", "keep") as (
+        engines, groups, manager
+    ):
         engines[0]._global_steps = 2  # as a roll that failed after a's group leaves it
         with pytest.raises(InvalidRequestError, match="lower than a's 2"):
             await manager.update_weights([], global_steps=1)
@@ -158,10 +168,9 @@ async def test_a_version_below_an_engine_ahead_is_refused_before_any_group_pause
 
 
 async def test_a_dead_group_is_skipped_and_the_live_engines_publish() -> None:
-    engines = [FakeEngine(name=n) for n in "abc"]
-    groups = Groups()
-    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
-                                  rolling=1) as manager:
+    async with rolling_manager("abc", "keep") as (
+        engines, groups, manager
+    ):
         engines[2].kill()
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
         await groups.let_through("a", "b")
@@ -184,10 +193,9 @@ async def test_a_manager_closed_mid_roll_makes_no_updater_after_its_close() -> N
 
 
 async def test_an_engine_added_mid_roll_holds_the_version_back_until_it_has_it() -> None:
-    engines = [FakeEngine(name=n) for n in "ab"]
-    groups = Groups()
-    async with AsyncServerManager(engines, resume_mode="keep", weights=groups,
-                                  rolling=1) as manager:
+    async with rolling_manager("ab", "keep") as (
+        _, groups, manager
+    ):
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
         await groups.until_holding("a")
         manager.add_engine(FakeEngine(name="late"))
@@ -206,10 +214,9 @@ async def test_an_engine_added_mid_roll_holds_the_version_back_until_it_has_it()
 async def test_a_call_that_only_a_paused_engine_can_serve_waits_for_it() -> None:
     """A resumed call whose tokens came from the new weights of an engine that died; the only
     other engine is paused mid-update: routing waits for it (not NoEngineAvailableError)."""
-    engines = [FakeEngine(name=n) for n in "ab"]
-    groups = Groups()
-    async with AsyncServerManager(engines, resume_mode="abort", weights=groups,
-                                  rolling=1) as manager:
+    async with rolling_manager("ab", "abort") as (
+        engines, groups, manager
+    ):
         update = asyncio.create_task(manager.update_weights([], global_steps=1))
         await groups.let_through("a")
         await groups.until_holding("b")

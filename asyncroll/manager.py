@@ -478,6 +478,10 @@ class AsyncServerManager:
                         tensors, global_steps=global_steps, mode=self.resume_mode,
                         changed=changed and not reports,
                     ))
+                except InvalidRequestError:
+                    if took:  # (the same tensors passed the checks of the groups before)
+                        self._num_failed_updates += 1
+                    raise  # refused before the first group paused: bad input, nothing moved
                 except Exception as exc:
                     self._num_failed_updates += 1
                     raise WeightSyncError(

@@ -167,6 +167,28 @@ async def test_a_version_below_an_engine_ahead_is_refused_before_any_group_pause
         assert groups.updaters == {} and [e.global_steps for e in engines] == [2, 0, 0]
 
 
+async def test_tensors_the_first_group_refuses_are_an_invalid_request_and_pause_nothing() -> None:
+    """The channel's checks (names, shapes, dtypes) refuse the update in the first group,
+    before it pauses: the caller gets ``InvalidRequestError``, not a failed roll."""
+
+    async def refuse(tensors: object) -> None:
+        raise InvalidRequestError("'w' has shape (2,), the engine's is (3,)")
+
+    class Refusing(Groups):
+        def __call__(self, group: list[Engine]) -> FakeWeightUpdater:
+            updater = super().__call__(group)
+            updater.channel.check = refuse  # type: ignore[method-assign]
+            return updater
+
+    engines = [FakeEngine(name=n) for n in "ab"]
+    async with AsyncServerManager(engines, resume_mode="keep", weights=Refusing(),
+                                  rolling=1) as manager:
+        with pytest.raises(InvalidRequestError, match="shape"):
+            await manager.update_weights([], global_steps=1)
+        assert manager.statistics().num_failed_updates == 0
+        assert [e.global_steps for e in engines] == [0, 0] and not any(e.is_paused for e in engines)
+
+
 async def test_a_dead_group_is_skipped_and_the_live_engines_publish() -> None:
     async with rolling_manager("abc", "keep") as (
         engines, groups, manager

@@ -369,7 +369,7 @@ class DistributedWeightPusher:
             reads: list[dict[str, tuple[int, int]] | None] = []
             async with asyncio.timeout(self._timeout):
                 for engine in self._live():
-                    reads += await engine.read_ranges()
+                    reads += await engine.weights.read_ranges()
         except Exception:
             logger.warning("could not learn what the workers read", exc_info=True)
             return
@@ -436,7 +436,7 @@ class DistributedWeightPusher:
     def _workers(self) -> list[int]:
         """Per rank, the engine workers it serves (the coordinator's count is the one used)."""
         counts = [0] * self.world_size
-        for index in range(sum(e.num_workers for e in self._engines if not e.is_dead)):
+        for index in range(sum(e.weights.num_workers for e in self._engines if not e.is_dead)):
             counts[index % self.world_size] += 1
         return counts
 
@@ -486,9 +486,9 @@ class DistributedWeightPusher:
         channel = self._pusher.channel
         live = self._live()
         common = {**configs[self.rank], **channel.worker_config(), "senders": configs}
-        offsets = itertools.accumulate((e.num_workers for e in live), initial=0)
+        offsets = itertools.accumulate((e.weights.num_workers for e in live), initial=0)
         await asyncio.gather(*(
-            engine.attach({**common, "rank_offset": offset}, owner=channel)
+            engine.weights.attach({**common, "rank_offset": offset}, owner=channel)
             for engine, offset in zip(live, offsets, strict=False)
         ))
 

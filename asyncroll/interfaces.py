@@ -5,7 +5,12 @@ Three floors, each typed against the one below only through this module:
 - ``WeightPusher`` and ``FakeWeightUpdater`` run one update sequence (``asyncroll.weights``)
   over any ``UpdatableEngine``; what moves the bytes is a ``WeightChannel``.
 - ``SenderChannel`` (``asyncroll.weights``) pushes through asyncroll's transport into any
-  ``ReceivingEngine``: an engine whose workers attach to a ``WeightSender``.
+  ``ReceivingEngine``: an engine whose weight port (``engine.weights``, a ``ReceivingPort``)
+  attaches its workers to a ``WeightSender`` and takes pushes from it.
+
+An engine's update surface is its weight port alone; the engine itself only pauses, resumes,
+sleeps and wakes. An update is four calls per engine: ``pause``, ``weights.take``,
+``weights.commit``, ``resume``.
 
 ``VLLMEngine`` (``asyncroll.vllm``) is a ``ReceivingEngine``; ``testing.FakeEngine`` is an
 ``UpdatableEngine``. Both pass ``asyncroll.testing.contract``; so must any new engine.
@@ -13,7 +18,7 @@ Three floors, each typed against the one below only through this module:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment, UpdateReport
@@ -29,10 +34,12 @@ __all__ = [
     "INFLIGHT_MODES",
     "RESUME_MODES",
     "ReceivingEngine",
+    "ReceivingPort",
     "ResumeMode",
     "UpdatableEngine",
     "UpdateReport",
     "WeightChannel",
+    "WeightPort",
     "WeightUpdater",
 ]
 
@@ -114,10 +121,30 @@ class Engine(Protocol):
     async def aclose(self) -> None: ...
 
 
+class WeightPort(Protocol):
+    """An engine's side of a versioned update: ``engine.weights``.
+
+    The update sequence (``asyncroll.weights``) pauses the engine, has its channel move the
+    bytes, then ``commit``s; where a failed push leaves the weights not whole, it ``hold``s.
+    """
+
+    def hold(self, reason: str) -> None:
+        """Admit no request until a ``commit`` (the weights in force are not whole)."""
+
+    async def commit(self, global_steps: int | None) -> None:
+        """The new weights are whole: end a hold, label them ``global_steps`` (None keeps the
+        label), and move to a new prefix-cache epoch, so that no request admitted from here on
+        reuses KV cached before (``VLLMEngine`` salts each request's cache key with the epoch).
+        Called after a successful push, before the resume."""
+
+
 @runtime_checkable
 class UpdatableEngine(Engine, Protocol):
     """An engine whose weights change under a versioned update (``asyncroll.weights``), and
     that sleeps and wakes around a colocated trainer's steps."""
+
+    @property
+    def weights(self) -> WeightPort: ...
 
     @property
     def is_asleep(self) -> bool: ...
@@ -130,29 +157,15 @@ class UpdatableEngine(Engine, Protocol):
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
 
-    def hold(self, reason: str) -> None:
-        """Admit no request until ``release_hold`` (the weights in force are not whole)."""
 
-    def release_hold(self) -> None: ...
+class ReceivingPort(WeightPort, Protocol):
+    """The weight port of an engine whose workers take pushes from a ``WeightSender`` (shared
+    memory or CUDA IPC) or a push group (broadcast).
 
-    async def commit_version(self, global_steps: int | None) -> None:
-        """Label the weights just loaded ``global_steps`` (None keeps the label); called while
-        paused, after a successful push, before the resume."""
-
-    async def reset_prefix_cache(self) -> None:
-        """No request admitted after this call reuses KV cached before it (``VLLMEngine``
-        moves to a new cache salt); raise ``WeightSyncError`` if that cannot be promised."""
-
-
-@runtime_checkable
-class ReceivingEngine(UpdatableEngine, Protocol):
-    """An engine whose workers take pushes from a ``WeightSender`` (shared memory or CUDA IPC).
-
-    Per push: ``begin_update``, then ``receive`` while the sender pushes; on any failure
-    ``end_failed_update``; on success ``commit_version``.
+    Attached once (``attach``); per push, ``take`` while the sender pushes, then ``commit``
+    on success, ``abort`` on any failure. An update is four calls per engine: ``pause``,
+    ``take``, ``commit``, ``resume``.
     """
-
-    model_path: str
 
     @property
     def num_workers(self) -> int:
@@ -167,35 +180,48 @@ class ReceivingEngine(UpdatableEngine, Protocol):
 
     async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
         """Connect every worker to the sender ``config`` describes (``receiver_config()``
-        plus ``backup`` and ``load``)."""
+        plus ``backup``, ``load`` and ``plan``)."""
 
     async def detach(self) -> None: ...
 
-    async def begin_update(self, *, load: str) -> None: ...
+    async def take(
+        self,
+        version: int,
+        *,
+        push: int = 0,
+        mode: ResumeMode = "keep",
+        sent: Callable[[], None] | None = None,
+    ) -> Delivery | None:
+        """Take one whole push: the workers begin the update, load every bucket, check it and,
+        where they can, finish it, in one round trip. Returns what they took (None: not
+        known).
 
-    async def receive(
-        self, version: int, *, push: int = 0, inflight: bool = False, recompute: bool = False
-    ) -> None:
-        """Take one whole push (returns when every worker loaded its last bucket).
-        ``version``: the update's ``global_steps``, or -1 for an update that keeps the
-        label. ``push``: the sender's id of that push (``WeightSender.next_push``): messages
-        of earlier pushes still queued for the workers are skipped (0: the next push).
-        ``inflight``: the engine is not paused; it commits the push between two of its steps
+        ``version``: the update's ``global_steps``, or -1 for an update that keeps the label.
+        ``push``: the sender's id of that push (``WeightSender.next_push``): messages of
+        earlier pushes still queued for the workers are skipped (0: the next push).
+        ``mode``: ``abort``, ``keep`` and ``recompute`` take into a paused engine; the
+        ``INFLIGHT_MODES`` into a running one, which commits the push between two of its steps
         and labels the new weights ``version`` at once (``ResumeMode``); an engine that cannot
-        (``commits_in_step`` false) raises ``InvalidRequestError``. ``recompute`` (with
-        ``inflight``): it then preempts its running requests between the same two steps, so
-        the new weights compute their KV again (``recomputes_in_step``, else the same
-        error)."""
+        raises ``InvalidRequestError``. ``sent()`` is called once the request has left for the
+        workers (anyio's ``task_status.started()``): a sender that starts then finds them
+        waiting."""
 
-    async def end_failed_update(self) -> bool:
+    async def abort(self) -> bool:
         """End a failed push in every worker; True if the previous weights are whole again."""
-
-    async def last_delivery(self) -> Delivery | None:
-        """What the workers took in the last push (None: no push yet, or not known)."""
 
     async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
         """Per worker, in order: the range of elements ``[first, end)`` of each pushed tensor
         its load reads (its load plan's, once a push taught it), or None (no load plan)."""
+
+
+@runtime_checkable
+class ReceivingEngine(UpdatableEngine, Protocol):
+    """An engine whose weight port takes pushes through asyncroll's transport."""
+
+    model_path: str
+
+    @property
+    def weights(self) -> ReceivingPort: ...
 
 
 class WeightChannel(Protocol):
@@ -210,12 +236,10 @@ class WeightChannel(Protocol):
         tensors: Mapping[str, torch.Tensor],
         version: int,
         *,
-        inflight: bool = False,
-        recompute: bool = False,
+        mode: ResumeMode = "keep",
     ) -> PushReport | None:
-        """Move ``tensors`` into the paused ``engines`` (``inflight``: into running ones, each
-        committing between two of its steps, and with ``recompute`` preempting its running
-        requests there; see ``ResumeMode``)."""
+        """Move ``tensors`` into the paused ``engines`` (the ``INFLIGHT_MODES``: into running
+        ones, each committing between two of its steps; see ``ResumeMode``)."""
 
     def inflight_refusal(self) -> str | None:
         """Why this channel cannot push into running engines (``inflight``), or None."""
@@ -223,7 +247,7 @@ class WeightChannel(Protocol):
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         """End a failed push; the names of engines left without whole weights."""
 
-    async def deliveries(self, engines: Sequence[Any]) -> dict[str, Delivery]:
+    def deliveries(self) -> dict[str, Delivery]:
         """After a successful push: engine name -> what its workers took (where known)."""
 
     async def aclose(self) -> None: ...

@@ -513,7 +513,6 @@ class AsyncServerManager:
             pause_seconds=sum(r.pause_seconds for r in reports),
             push_seconds=sum(r.push_seconds for r in reports),
             finish_seconds=sum(r.finish_seconds for r in reports),
-            cache_reset_seconds=sum(r.cache_reset_seconds for r in reports),
             resume_seconds=sum(r.resume_seconds for r in reports),
             push=reports[-1].push,
             tensors=reports[0].tensors,

@@ -20,7 +20,7 @@ units, ``le`` buckets)::
     asyncroll_global_steps                        gauge      the published weight version
     asyncroll_token_staleness                     histogram  versions behind, per token returned
     asyncroll_weight_updates_total{outcome}       counter    updates ok / failed
-    asyncroll_weight_update_seconds{stage}        histogram  pause, push, finish, cache_reset,
+    asyncroll_weight_update_seconds{stage}        histogram  pause, push, finish (the commit),
                                                              resume, total
     asyncroll_weight_push_bytes_total             counter    bytes pushed (to each engine)
     asyncroll_weight_push_gigabytes_per_second    gauge      the last push's rate
@@ -49,7 +49,7 @@ __all__ = [
     "serve_metrics",
 ]
 
-STAGES = ("pause", "push", "finish", "cache_reset", "resume", "total")
+STAGES = ("pause", "push", "finish", "resume", "total")
 SECONDS_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STALENESS_BOUNDS = (0, 1, 2, 3, 4, 8, 16)
 
@@ -94,7 +94,7 @@ class UpdateMetrics:
         for stage, value in zip(
             STAGES,
             (report.pause_seconds, report.push_seconds, report.finish_seconds,
-             report.cache_reset_seconds, report.resume_seconds, report.seconds),
+             report.resume_seconds, report.seconds),
             strict=True,
         ):
             self.seconds[stage].observe(value)

@@ -131,7 +131,7 @@ class UpdateReport:
     pause_seconds: float
     push_seconds: float
     finish_seconds: float
-    cache_reset_seconds: float
+    """The commit: each engine's label and new prefix-cache epoch (``WeightPort.commit``)."""
     resume_seconds: float
     push: PushReport | None
     tensors: int = 0
@@ -203,8 +203,8 @@ class ManagerStatistics:
     recent_updates: tuple[UpdateReport, ...] = ()
     """The last successful weight updates' reports, oldest first (at most 32)."""
     update_seconds: Mapping[str, HistogramSnapshot] = field(default_factory=dict)
-    """Every successful update's seconds by stage: ``pause``, ``push``, ``finish``,
-    ``cache_reset``, ``resume`` and ``total``."""
+    """Every successful update's seconds by stage: ``pause``, ``push``, ``finish``
+    (the commit), ``resume`` and ``total``."""
     pushed_bytes: int = 0
     """Bytes pushed to each engine, summed over the successful updates."""
     verified_tensors: int = 0

@@ -1,11 +1,12 @@
 """Trainer side of a weight update: the update sequence, once, over ``UpdatableEngine``.
 
-``VersionedUpdater`` runs the sequence (check, pause, push, label, new cache epoch, resume) for any
-engines and any ``WeightChannel``. ``WeightPusher`` is that sequence with a ``SenderChannel``:
-one ``WeightSender`` whose receivers are the workers of every engine (for vLLM, the engine
-adapter maps ``attach``/``begin_update``/``receive``/``commit_version`` onto vLLM's weight-update
-protocol: ``asyncroll.vllm``). ``testing.FakeWeightUpdater`` is the same sequence with a channel
-that moves nothing. No vLLM import here, and no engine internals.
+``VersionedUpdater`` runs the sequence (check, pause, push, commit, resume) for any engines and
+any ``WeightChannel``. ``WeightPusher`` is that sequence with a ``SenderChannel``: one
+``WeightSender`` whose receivers are the workers of every engine, reached through each engine's
+weight port (``engine.weights``: ``attach``, ``take``, ``commit``, ``abort``, ``detach``; for vLLM
+the port maps them onto vLLM's weight-update protocol: ``asyncroll.vllm``).
+``testing.FakeWeightUpdater`` is the same sequence with a channel that moves nothing. No vLLM
+import here, and no engine internals.
 
 Invariants:
 - An update is checked before any engine pauses: ``global_steps`` (a non-negative int within
@@ -14,7 +15,7 @@ Invariants:
   update raises ``InvalidRequestError`` and touches nothing.
 - A push never reaches an engine whose weights are asleep, and versions never go backwards.
 - An engine's version label changes only when its push succeeded. Once an update has started in
-  the workers, any failure or cancellation ends it there (``end_failed_update``):
+  the workers, any failure or cancellation ends it there (``weights.abort``):
   each engine serves its previous weights (a backup was restored) or holds, admitting nothing
   until a push succeeds; ``WeightSyncError`` says which. Never a mix.
 - Every wait is bounded by ``timeout``: a worker that dies mid-push fails the update, not hangs it.
@@ -248,7 +249,7 @@ class VersionedUpdater:
                 logger.warning(message)
                 warnings.warn(UnchangedWeightsWarning(message), stacklevel=2)
             self._fingerprints = recorded
-            deliveries = await self._deliveries(engines)
+            deliveries = self._channel.deliveries()
         steps = [b - a for a, b in itertools.pairwise(marks)]
         return UpdateReport(
             global_steps=global_steps,
@@ -257,8 +258,7 @@ class VersionedUpdater:
             pause_seconds=steps[0],
             push_seconds=steps[1],
             finish_seconds=steps[2],
-            cache_reset_seconds=steps[3],
-            resume_seconds=steps[4],
+            resume_seconds=steps[3],
             push=push,
             tensors=len(tensors),
             bytes=sum(_nbytes(t) for t in tensors.values()),
@@ -268,16 +268,6 @@ class VersionedUpdater:
     async def aclose(self) -> None:
         """Close the channel. Idempotent."""
         await self._channel.aclose()
-
-    async def _deliveries(self, engines: Sequence[UpdatableEngine]) -> dict[str, Delivery]:
-        """What each engine's workers took, after the resume, never failing the update. A
-        ``VLLMEngine`` knows it from its receive; a Ray engine asks its actor, which knows."""
-        try:
-            async with asyncio.timeout(30):
-                return await self._channel.deliveries(engines)
-        except Exception:  # the update succeeded; its report is less detailed, that is all
-            logger.warning("could not ask the engines what they took", exc_info=True)
-            return {}
 
     async def _push(
         self,
@@ -289,12 +279,7 @@ class VersionedUpdater:
         version = global_steps if global_steps is not None else -1
         before = {engine.name: engine.global_steps for engine in engines}
         try:
-            if mode not in INFLIGHT_MODES:
-                return await self._channel.push(engines, tensors, version)
-            return await self._channel.push(
-                engines, tensors, version, inflight=True,
-                recompute=mode == "inflight-recompute",
-            )
+            return await self._channel.push(engines, tensors, version, mode=mode)
         except BaseException as exc:
             held = await shielded(self._channel.abort(engines))
             # An engine that labelled the push as it landed (a Ray engine, once the push's
@@ -322,7 +307,7 @@ class VersionedUpdater:
             )
             for engine in engines:
                 if engine.name in held:
-                    engine.hold(str(error))
+                    engine.weights.hold(str(error))
             if not isinstance(exc, Exception):
                 raise  # cancelled: every engine is whole or holding, as above
             raise error from exc
@@ -406,6 +391,8 @@ class SenderChannel:
         self._stack: contextlib.AsyncExitStack | None = None
         self._sender: WeightSender | BroadcastSender | None = None
         self._attached: list[ReceivingEngine] = []
+        self._delivered: dict[str, Delivery] = {}
+        """What each engine's take returned in the last push."""
 
     def __repr__(self) -> str:
         return f"<SenderChannel sender={self._sender!r}>"
@@ -464,7 +451,7 @@ class SenderChannel:
         for engine in engines:
             if engine.model_path not in self._schemas:
                 self._schemas[engine.model_path] = read_checkpoint_schema(engine.model_path)
-        served = {e.model_path: e.served_dtype for e in engines}
+        served = {e.model_path: e.weights.served_dtype for e in engines}
         for index, (path, schema) in enumerate(self._schemas.items()):
             if path in served:
                 finite = self._check_finite and index == 0
@@ -491,17 +478,13 @@ class SenderChannel:
         tensors: Mapping[str, torch.Tensor],
         version: int,
         *,
-        inflight: bool = False,
-        recompute: bool = False,
+        mode: ResumeMode = "keep",
     ) -> PushReport:
-        """Push ``tensors`` into every engine's workers. ``inflight``: the engines are not
-        paused; each commits the push between two of its steps (``VLLMEngine.receive``), and
-        with ``recompute`` preempts its running requests there."""
+        """Push ``tensors`` into every engine's workers. The ``INFLIGHT_MODES``: the engines
+        are not paused; each commits the push between two of its steps (``ReceivingPort``)."""
         sender = await self._connected(engines, tensors)
         try:
-            return await self._transfer(
-                engines, sender, tensors, version, inflight=inflight, recompute=recompute
-            )
+            return await self._transfer(engines, sender, tensors, version, mode=mode)
         except BaseException:
             if isinstance(sender, BroadcastSender):
                 # A collective some rank never joined cannot be called off: close the group
@@ -517,7 +500,7 @@ class SenderChannel:
                 return True  # nothing to serve from
             try:
                 async with asyncio.timeout(self._timeout):
-                    return await engine.end_failed_update()
+                    return await engine.weights.abort()
             except Exception:
                 logger.exception("%s: could not end the failed update", engine.name)
                 return False
@@ -525,12 +508,9 @@ class SenderChannel:
         whole = await asyncio.gather(*(abort(e) for e in engines))
         return [e.name for e, ok in zip(engines, whole, strict=True) if not ok]
 
-    async def deliveries(self, engines: Sequence[Any]) -> dict[str, Delivery]:
-        async def ask(engine: ReceivingEngine) -> Delivery | None:
-            return None if engine.is_dead else await engine.last_delivery()
-
-        found = await asyncio.gather(*(ask(e) for e in engines))
-        return {e.name: d for e, d in zip(engines, found, strict=True) if d is not None}
+    def deliveries(self) -> dict[str, Delivery]:
+        """What each engine's workers took in the last push, as their takes returned it."""
+        return dict(self._delivered)
 
     async def aclose(self) -> None:
         """Close the sender (receivers release their mappings first). Idempotent."""
@@ -540,9 +520,10 @@ class SenderChannel:
             return
         # The workers' receivers say goodbye (releasing their mappings) while the sender waits;
         # engines that another pusher attached to since are that pusher's to release.
-        live = [e for e in attached if not e.is_dead and e.attached_to is self]
+        live = [e for e in attached if not e.is_dead and e.weights.attached_to is self]
         await asyncio.gather(
-            stack.aclose(), *(engine.detach() for engine in live), return_exceptions=True
+            stack.aclose(), *(engine.weights.detach() for engine in live),
+            return_exceptions=True,
         )
 
     async def _transfer(
@@ -552,18 +533,17 @@ class SenderChannel:
         tensors: Mapping[str, torch.Tensor],
         version: int,
         *,
-        inflight: bool = False,
-        recompute: bool = False,
+        mode: ResumeMode = "keep",
     ) -> PushReport:
-        """Every engine's begin and receive, then the push, failing as soon as any of them
-        fails (a dead worker's engine fails its call long before the sender's ack deadline).
+        """Every engine's take, then the push, failing as soon as any of them fails (a dead
+        worker's engine fails its take long before the sender's ack deadline).
 
-        The receive RPCs leave before the sender's first step: the sender's work before its
-        first message (packing the first buckets; for one copy, sharing every storage and
-        sealing one message) then overlaps their way into vLLM and the workers' preparation,
-        where it used to precede them. The tensors were checked already (``check``); a push
-        that still fails before its first message tells the waiting receivers so
-        (``receivers_waiting``). A push group (broadcast) starts first, as before: its
+        The takes' requests leave before the sender's first step (each port says so:
+        ``sent``): the sender's work before its first message (packing the first buckets;
+        for one copy, sharing every storage and sealing one message) then overlaps their way
+        into the engines and the workers' preparation. The tensors were checked already
+        (``check``); a push that still fails before its first message tells the waiting
+        receivers so (``receivers_waiting``). A push group (broadcast) starts first: its
         receivers join a collective, which only the sender can open."""
         prints = self._fingerprints if self._fingerprints is not None else None
         lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
@@ -579,12 +559,14 @@ class SenderChannel:
         receivers_first = self._receivers_first and isinstance(sender, WeightSender)
         if receivers_first:
             options["receivers_waiting"] = True
+        self._delivered = {}
+        sent = [asyncio.Event() for _ in engines]
 
         async def pushed() -> PushReport:
             if receivers_first:
                 assert isinstance(sender, WeightSender)
                 try:
-                    await _rpcs_sent()
+                    await asyncio.gather(*(event.wait() for event in sent))
                 except BaseException as exc:  # cancelled: the receivers wait for this push
                     await sender.call_off(version, exc)
                     raise
@@ -593,41 +575,37 @@ class SenderChannel:
                 **options,
             )
 
-        push = None if receivers_first else asyncio.ensure_future(pushed())
-        begun: asyncio.Future[Any] = asyncio.ensure_future(
-            asyncio.gather(*(e.begin_update(load=self._load) for e in engines))
-        )
-        tasks: list[asyncio.Future[Any]] = [begun] if push is None else [push, begun]
-        receives: list[asyncio.Future[Any]] = []
+        async def take(engine: ReceivingEngine, left: asyncio.Event) -> None:
+            delivery = await engine.weights.take(version, push=push_id, mode=mode, sent=left.set)
+            if delivery is not None:
+                self._delivered[engine.name] = delivery
+
+        tasks: list[asyncio.Future[Any]] = []
+        if not receivers_first:
+            tasks.append(asyncio.ensure_future(pushed()))
+        takes = [asyncio.ensure_future(take(e, s)) for e, s in zip(engines, sent, strict=True)]
+        tasks += takes
+        if receivers_first:
+            tasks.append(asyncio.ensure_future(pushed()))
+        push = tasks[0] if not receivers_first else tasks[-1]
         try:
             async with asyncio.timeout(self._timeout * 2):
-                await _until(begun, tasks)
-                receives = [
-                    asyncio.ensure_future(e.receive(
-                        version, push=push_id, inflight=inflight, recompute=recompute
-                    ))
-                    for e in engines
-                ]
-                tasks += receives
-                if push is None:  # its first steps let the receive RPCs leave first
-                    push = asyncio.ensure_future(pushed())
-                    tasks.append(push)
                 try:
                     await _until(None, tasks)
                 except ReceiverFailedError:
                     # The failing receivers' engines say why, and say it at once: they
                     # failed before the push's verdict told the sender (and the others).
-                    await asyncio.wait(receives)
+                    await asyncio.wait(takes)
                     failures = [
-                        r.exception() for r in receives
+                        r.exception() for r in takes
                         if not r.cancelled() and r.exception() is not None
                     ]
                     failures.sort(key=lambda f: FAILED_ELSEWHERE in str(f))
                     if failures:
                         raise failures[0] from None  # type: ignore[misc]
                     raise
-            assert push is not None
-            return push.result()
+            report: PushReport = push.result()
+            return report
         finally:
             for task in tasks:
                 task.cancel()
@@ -647,7 +625,7 @@ class SenderChannel:
         on_gpu = any(t.is_cuda for t in tensors.values())
         use_cuda = self._backend_name == "cuda_ipc" or (self._backend_name == "auto" and on_gpu)
         backend = CudaIpcBackend(next(iter(tensors.values())).device) if use_cuda else ShmBackend()
-        workers = sum(e.num_workers for e in engines)
+        workers = sum(e.weights.num_workers for e in engines)
         stack = contextlib.AsyncExitStack()
         sender = await stack.enter_async_context(
             open_weight_sender(
@@ -663,7 +641,7 @@ class SenderChannel:
             config = {**sender.receiver_config(), **self.worker_config()}
             await asyncio.gather(
                 sender.wait_receivers(workers),
-                *(e.attach(config, owner=self) for e in engines),
+                *(e.weights.attach(config, owner=self) for e in engines),
             )
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
@@ -694,7 +672,7 @@ class SenderChannel:
             return False
         same = [e.name for e in engines] == [e.name for e in self._attached]
         broken = isinstance(self._sender, BroadcastSender) and self._sender.group.closed
-        return same and not broken and all(engine.attached_to is self for engine in engines)
+        return same and not broken and all(e.weights.attached_to is self for e in engines)
 
     async def adopt(
         self,
@@ -725,9 +703,9 @@ class SenderChannel:
                 "secret": "",
                 "timeout_ms": int(self._timeout * 1000),
             }
-            offsets = itertools.accumulate((e.num_workers for e in engines), initial=1)
+            offsets = itertools.accumulate((e.weights.num_workers for e in engines), initial=1)
             await asyncio.gather(*(
-                e.attach({**common, "rank_offset": offset}, owner=self)
+                e.weights.attach({**common, "rank_offset": offset}, owner=self)
                 for e, offset in zip(engines, offsets, strict=False)
             ))
 
@@ -735,7 +713,7 @@ class SenderChannel:
         async with _closed_on_failure(stack, "engines could not join the push group"):
             sender = await stack.enter_async_context(
                 open_broadcast_sender(
-                    receivers=sum(e.num_workers for e in engines),
+                    receivers=sum(e.weights.num_workers for e in engines),
                     device=device,
                     join=join,
                     bucket_bytes=self._bucket_bytes or DEFAULT_BUCKET_BYTES[
@@ -869,11 +847,7 @@ async def _commit(
     engines: Sequence[UpdatableEngine], global_steps: int | None, marks: list[float]
 ) -> None:
     live = [engine for engine in engines if not engine.is_dead]  # one may die meanwhile
-    for engine in live:
-        engine.release_hold()
-    await asyncio.gather(*(e.commit_version(global_steps) for e in live))
-    marks.append(time.perf_counter())
-    await asyncio.gather(*(e.reset_prefix_cache() for e in live))
+    await asyncio.gather(*(e.weights.commit(global_steps) for e in live))
     marks.append(time.perf_counter())
 
 
@@ -951,16 +925,6 @@ def _nbytes(tensor: torch.Tensor | LazyTensor | Piece) -> int:
     if isinstance(tensor, Piece):
         return tensor.nbytes
     return tensor.numel() * tensor.element_size()
-
-
-async def _rpcs_sent() -> None:
-    """Two loop turns: the receive tasks created before us send their RPCs meanwhile (a
-    receive's first step hands its RPC to a task of its own, ``VLLMEngine.call_vllm``, whose
-    first step sends it; asyncio runs ready tasks in the order they were scheduled). Were it
-    to take more turns, the sender would only start before those RPCs leave, as it did
-    before."""
-    for _ in range(2):
-        await asyncio.sleep(0)
 
 
 async def _until(goal: asyncio.Future[Any] | None, tasks: Sequence[asyncio.Future[Any]]) -> None:

@@ -251,7 +251,7 @@ async def run_policy(
         update_seconds = 0.0
         pending = set(workers)
         stages: dict[str, list[float]] = {
-            k: [] for k in ("pause", "push", "finish", "cache_reset", "resume", "")
+            k: [] for k in ("pause", "push", "finish", "resume", "")
         }
         inside: dict[str, list[float]] = collections.defaultdict(list)  # the push, split
         windows: list[float] = []  # each update's start and end

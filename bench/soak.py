@@ -401,7 +401,6 @@ def _stages(report: UpdateReport) -> dict[str, float]:
         "pause": report.pause_seconds,
         "push": report.push_seconds,
         "finish": report.finish_seconds,
-        "cache_reset": report.cache_reset_seconds,
         "resume": report.resume_seconds,
     }
 

@@ -73,7 +73,6 @@ async def measure(path: Path, repeats: int) -> dict[str, float]:
         "pause": med(r.pause_seconds for r in reports),
         "push": med(r.push_seconds for r in reports),
         "finish": med(r.finish_seconds for r in reports),
-        "reset": med(r.cache_reset_seconds for r in reports),
         "resume": med(r.resume_seconds for r in reports),
         "pack": med(r.push.pack_seconds for r in reports if r.push),
         "baseline": med(baseline),

@@ -108,6 +108,9 @@ class SharedEngines:
         return started
 
     async def aclose(self) -> None:
+        from engine_helpers import close_pushers
+
+        await close_pushers()
         tasks = list(self._started.values())
         await asyncio.gather(*tasks, return_exceptions=True)  # a start under way ends first
         engines = [task.result() for task in tasks if not task.cancelled() and not task.exception()]
@@ -148,8 +151,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if not states:
             continue
         left.append(f"{engine.name} {'/'.join(states)}")
-        if stats.holding:
-            engine.release_hold()
+        if stats.holding:  # a commit of the weights in force ends it
+            loops[-1].run_until_complete(engine.weights.commit(None))
         if stats.asleep:
             loops[-1].run_until_complete(engine.wake_up())
         if stats.paused:

@@ -19,12 +19,48 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll import AsyncServerManager, UpdateReport, VLLMEngine, WeightPusher
 from asyncroll.interfaces import Engine
 from asyncroll.testing.contract import requests_inside
 
 if TYPE_CHECKING:
     from asyncroll.testing.faults import FaultPoint
+
+_PUSHERS: dict[str, WeightPusher] = {}
+"""One pusher per engine (by name), made on its first update, kept attached across tests as
+an engine's own pusher used to be, and closed with the shared engines (``close_pushers``)."""
+
+
+async def update_weights(
+    engine: VLLMEngine,
+    named_tensors: Any,
+    *,
+    global_steps: int | None,
+    mode: Any = "abort",
+    changed: bool = False,
+) -> UpdateReport:
+    """Update one engine through its pusher (``WeightPusher([engine]).update``)."""
+    pusher = _PUSHERS.get(engine.name)
+    if pusher is None or pusher.engines != [engine]:
+        if pusher is not None:
+            await pusher.aclose()
+        pusher = _PUSHERS[engine.name] = WeightPusher([engine])
+    return await pusher.update(
+        named_tensors, global_steps=global_steps, mode=mode, changed=changed
+    )
+
+
+def pusher_of(engine: VLLMEngine) -> WeightPusher:
+    """The pusher ``update_weights`` updates ``engine`` through (after its first update)."""
+    return _PUSHERS[engine.name]
+
+
+async def close_pushers() -> None:
+    """Close every pusher ``update_weights`` made."""
+    pushers = list(_PUSHERS.values())
+    _PUSHERS.clear()
+    await asyncio.gather(*(pusher.aclose() for pusher in pushers), return_exceptions=True)
+
 
 PROBE_PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7]]
 """Prompts whose greedy continuations identify the weights an engine serves."""

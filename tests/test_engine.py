@@ -18,6 +18,7 @@ from asyncroll import (
     EngineStartError,
     VLLMEngine,
 )
+from asyncroll.testing import vllm_client
 
 PROMPT = [5, 6, 7, 8]
 
@@ -157,5 +158,5 @@ async def test_engines_run_at_vllms_offline_batch_limits(
 
     offline, bare = limits(UsageContext.LLM_CLASS), limits(UsageContext.ENGINE_CONTEXT)
     assert offline != bare  # else this test could not tell them apart
-    scheduler = engine.llm.vllm_config.scheduler_config
+    scheduler = vllm_client(engine).vllm_config.scheduler_config
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == offline

@@ -22,6 +22,7 @@ from engine_helpers import load_weights, until_decoding
 
 from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.interfaces import ResumeMode
+from asyncroll.testing import vllm_client
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 from asyncroll.types import Segment
 from asyncroll.weights import WeightPusher
@@ -298,7 +299,7 @@ async def test_a_caller_cancelled_while_the_commit_answers_still_gets_its_label(
     steps = (engine.global_steps or 0) + 1
     await pusher.update(old, global_steps=steps)
     update: asyncio.Task[object] | None = None
-    real = engine.llm.collective_rpc
+    real = vllm_client(engine).collective_rpc
 
     async def answering_late(method: str, *args: object, **kwargs: object) -> object:
         answer = await real(method, *args, **kwargs)
@@ -308,7 +309,7 @@ async def test_a_caller_cancelled_while_the_commit_answers_still_gets_its_label(
                 await asyncio.sleep(0)
         return answer
 
-    monkeypatch.setattr(engine.llm, "collective_rpc", answering_late)
+    monkeypatch.setattr(vllm_client(engine), "collective_rpc", answering_late)
     running = asyncio.create_task(engine.generate(
         f"answered-late-{steps}", prompt_ids=[4],
         sampling_params={"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}))

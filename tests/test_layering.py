@@ -155,8 +155,6 @@ TRAINER_SIDE = (
 """The trainer's half: the update sequence, the pushers, the trainer, the recipes over them."""
 
 KNOWN_FLOOR_BREACHES = {
-    # VLLMEngine.update_weights pushes through a WeightPusher of its own (issue 41 deletes both).
-    ("asyncroll.vllm.engine", "asyncroll.weights"),
     # The broadcast transport's NCCL group is vLLM's PyNcclCommunicator (an injected
     # communicator would let the transport stay below asyncroll.vllm).
     ("asyncroll.transport.broadcast", "vllm"),

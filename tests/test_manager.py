@@ -28,6 +28,7 @@ from asyncroll import (
     TokenOutput,
     VLLMEngine,
 )
+from asyncroll.testing import vllm_client
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 from asyncroll.vllm import compat
 
@@ -301,7 +302,7 @@ async def test_engine_killed_mid_run_requests_finish_on_survivor(
         (tiny_model_a, "doomed-2", DOOMED_ARGS), (tiny_model_a, "replacement", ENGINE_ARGS)
     )
     try:
-        (core,) = (process.pid for process in compat.engine_core_processes(doomed.llm))
+        (core,) = (process.pid for process in compat.engine_core_processes(vllm_client(doomed)))
         async with AsyncServerManager([engine, doomed]) as manager:
             # Budgets far longer than the clock below: the doomed engine's requests finish
             # before the kill only if this process stalls that long (then: LateAction).

@@ -55,8 +55,10 @@ class _LastInFirstOutActor:
 
     def __init__(self) -> None:
         self.holding = False
+        self.ran: list[str] = []
         self.queued: list[tuple[str, asyncio.Future[Any]]] = []
         self.call_sync = self  # ``actor.call_sync.remote(method, *args)``
+        self.call = self  # ``actor.call.remote(method, *args)``
 
     def remote(self, method: str, *args: Any) -> asyncio.Future[Any]:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -65,26 +67,31 @@ class _LastInFirstOutActor:
 
     def run_one(self) -> None:
         method, future = self.queued.pop()
-        self.holding = {"hold": True, "release_hold": False}.get(method, self.holding)
+        self.ran.append(method)
+        self.holding = {"weights.hold": True, "weights.commit": False}.get(method, self.holding)
         future.set_result((None, {"paused": False, "asleep": False, "weights_asleep": False,
                                   "holding": self.holding, "global_steps": 0, "dead": False,
                                   "actor_s": 0.0}))
 
 
-async def test_a_release_never_overtakes_its_hold_even_when_the_actor_reorders_calls() -> None:
+async def test_a_commit_never_overtakes_a_hold_even_when_the_actor_reorders_calls() -> None:
+    """A hold is sent without waiting for an answer; the commit that ends it waits until every
+    hold sent before it has run: else the actor, which may run the newest call first, would
+    end the hold before it began and hold for good."""
     actor = _LastInFirstOutActor()
     info = {"vocab_size": 10, "max_model_len": 10, "model_path": "m", "pid": 1,
             "has_tokenizer": False, "num_workers": 1, "served_dtype": torch.float32}
     engine = RayEngine(actor, info, name="lifo", global_steps=0)
     for i in range(3):
-        engine.hold(f"test {i}")
-        engine.release_hold()
-    while engine._pending:  # the actor runs whatever has reached it, newest first
+        engine.weights.hold(f"test {i}")
+    commit = asyncio.ensure_future(engine.weights.commit(None))
+    while not commit.done():  # the actor runs whatever has reached it, newest first
         await asyncio.sleep(0)
         if actor.queued:
             actor.run_one()
-    assert not actor.holding  # (fired all at once, the last release ran first: held for good)
-    assert not engine.statistics().holding
+    await commit
+    assert actor.ran == ["weights.hold"] * 3 + ["weights.commit"]
+    assert not actor.holding and not engine.statistics().holding
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +145,7 @@ async def test_the_proxy_refuses_a_duplicate_live_id_while_the_first_call_waits(
     once, without reaching the actor (stop 32's CI run saw the actor take the second first)."""
     params = {"max_tokens": 8, "ignore_eos": True}
     rejected = remote.statistics().num_rejected
-    remote.hold("test")
+    remote.weights.hold("test")
     try:
         first = asyncio.create_task(remote.generate("dup", prompt_ids=[5, 6],
                                                     sampling_params=params))
@@ -151,20 +158,20 @@ async def test_the_proxy_refuses_a_duplicate_live_id_while_the_first_call_waits(
             second.result()
         assert remote.statistics().num_rejected == rejected + 1
     finally:
-        remote.release_hold()
+        await remote.weights.commit(None)  # the weights in force: the hold ends
     assert len((await first).token_ids) == 8
     assert await remote.remote_unfinished() == 0
 
 
-async def test_holds_and_releases_reach_the_actor_in_the_order_they_were_made(
+async def test_holds_and_commits_reach_the_actor_in_the_order_they_were_made(
     remote: RayEngine,
 ) -> None:
-    """``hold`` and ``release_hold`` are sent without waiting for an answer; a release that
-    overtook its hold in the actor would leave the actor holding (admitting nothing) while the
-    proxy's gate is open: every later call would wait there for good."""
+    """A hold is sent without waiting for an answer; a commit that overtook its hold in the
+    actor would leave the actor holding (admitting nothing) while the proxy's gate is open:
+    every later call would wait there for good."""
     for i in range(20):
-        remote.hold(f"test {i}")
-        remote.release_hold()
+        remote.weights.hold(f"test {i}")
+        await remote.weights.commit(None)
     stats = await remote.remote_statistics()
     assert not stats.holding and not remote.statistics().holding
     params = {"max_tokens": 4, "ignore_eos": True}
@@ -244,7 +251,7 @@ async def test_a_broadcast_push_into_ray_and_local_engines_is_token_exact(
     report = await broadcaster.update(load_weights(tiny_model_b), global_steps=steps)
     # The push's verdict told the actor every rank took it: it labelled the push as its
     # receive ended, and the label cost no round trip of its own.
-    assert "take_update" in remote.call_times and "commit_version" not in remote.call_times
+    assert "take_update" in remote.call_times and "weights.commit" not in remote.call_times
     assert (await remote.remote_statistics()).global_steps == steps
     assert set(report.deliveries) == {remote.name, engine.name}
     assert all(d.tensors == len(load_weights(tiny_model_b)) for d in report.deliveries.values())

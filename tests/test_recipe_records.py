@@ -47,7 +47,7 @@ def test_a_step_record_carries_its_times_and_the_table_reads_them() -> None:
     sample = TrainSample(group=0, prompt_ids=(1, 2), response_ids=(3, 4, 5),
                          log_probs=(-1.0,) * 3, global_steps=(0,) * 3, reward=1.0)
     report = UpdateReport(global_steps=2, engines=1, seconds=0.05, pause_seconds=0.01,
-                          push_seconds=0.03, finish_seconds=0.005, cache_reset_seconds=0.0,
+                          push_seconds=0.03, finish_seconds=0.005,
                           resume_seconds=0.005, push=None)
     metrics = TrainMetrics(loss=0.1, reward=1.0, mean_ratio=1.0, clipped_fraction=0.0)
     record = StepRecord.of(1, Batch(samples=[sample, sample]), metrics, report,

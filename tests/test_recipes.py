@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from asyncroll import AsyncServerManager, UpdateReport, VLLMEngine
 from asyncroll.recipes import BandTask, run_fully_async, run_one_step_off, run_synchronous
+from asyncroll.testing import vllm_client
 from asyncroll.trainer import ReferenceTrainer, TrainMetrics, TrainSample
 
 pytestmark = pytest.mark.engine
@@ -25,7 +26,7 @@ async def served_sums(engine: VLLMEngine) -> dict[str, float]:
     """Per-parameter sums as the engine serves them. On CPU vLLM repacks linear layers into
     kernel formats, so only the parameters it keeps in checkpoint form (embeddings, lm_head,
     norms) are comparable by name; the end-to-end check is token-exact against a fresh engine."""
-    (digest,) = await engine.llm.collective_rpc("asyncroll_weight_digest")
+    (digest,) = await vllm_client(engine).collective_rpc("asyncroll_weight_digest")
     return dict(digest)
 
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine
+from asyncroll.testing import vllm_client
 
 pytestmark = pytest.mark.engine
 
@@ -63,4 +64,5 @@ def test_only_the_cpu_build_with_split_prefills_is_at_risk(engine: VLLMEngine) -
     assert compat.seeded_split_prefill_kills(llm(True)) is cpu
     assert compat.seeded_split_prefill_kills(llm(False)) is False
     assert compat.seeded_split_prefill_kills(SimpleNamespace()) is False  # unknown: no refusal
-    assert compat.seeded_split_prefill_kills(engine.llm) is False  # asyncroll's CPU default
+    # asyncroll's CPU default
+    assert compat.seeded_split_prefill_kills(vllm_client(engine)) is False

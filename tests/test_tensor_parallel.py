@@ -28,7 +28,7 @@ async def test_a_tensor_parallel_engine_takes_pushes_token_exact(
 ) -> None:
     """Pushing A then B back: B's outputs equal what this engine served fresh on B (a fresh
     tensor-parallel engine on B), token for token; A's differ from them."""
-    assert tp_engine.num_workers == 2
+    assert tp_engine.weights.num_workers == 2
     fresh_b = await greedy(tp_engine, "tp-fresh-b")
     weights_a, weights_b = load_weights(tiny_model_a), load_weights(tiny_model_b)
     pusher = WeightPusher([tp_engine])

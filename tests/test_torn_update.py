@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import FRESH_GREEDY, greedy, load_weights
+from engine_helpers import FRESH_GREEDY, greedy, load_weights, update_weights
 
 from asyncroll import VLLMEngine, WeightSyncError
 
@@ -22,7 +22,7 @@ async def test_a_tensor_changed_during_the_update_fails_it_and_the_old_weights_s
 ) -> None:
     weights = load_weights(tiny_model_a)
     steps = (engine.global_steps or 0) + 1
-    await engine.update_weights(weights, global_steps=steps)
+    await update_weights(engine, weights, global_steps=steps)
     served = await greedy(engine, "torn-before")
     assert served == FRESH_GREEDY["a"]
     real_pause = engine.pause
@@ -33,10 +33,10 @@ async def test_a_tensor_changed_during_the_update_fails_it_and_the_old_weights_s
 
     monkeypatch.setattr(engine, "pause", pause)
     with pytest.raises(WeightSyncError, match="changed while update_weights read") as failed:
-        await engine.update_weights(weights, global_steps=steps + 1)
+        await update_weights(engine, weights, global_steps=steps + 1)
     assert FUSED in str(failed.value)
     monkeypatch.undo()
     assert engine.global_steps == steps
     assert await greedy(engine, "torn-after") == served
-    report = await engine.update_weights(load_weights(tiny_model_a), global_steps=steps + 1)
+    report = await update_weights(engine, load_weights(tiny_model_a), global_steps=steps + 1)
     assert report.verified == len(weights)  # every tensor checked, the fused ones too

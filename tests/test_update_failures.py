@@ -21,6 +21,7 @@ from engine_helpers import (
     inject_fault,
     load_weights,
     selected_tests,
+    update_weights,
 )
 
 import asyncroll.weights as weights_module
@@ -32,6 +33,7 @@ from asyncroll import (
     WeightPusher,
     WeightSyncError,
 )
+from asyncroll.testing import vllm_client
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late, until_decoding
 from asyncroll.types import Segment
 from asyncroll.vllm import compat
@@ -49,7 +51,7 @@ async def serving_a(
     """The shared engine serving model A, checked before and after the test (``engine_b``
     started too: it records model B's fresh greedy outputs)."""
     steps = (engine.global_steps or 0) + 1
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps)
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=steps)
     assert await greedy(engine, "serving-a") == FRESH_GREEDY["a"]
     yield engine
     stats = engine.statistics()
@@ -92,13 +94,13 @@ async def test_bad_updates_are_refused_before_any_engine_pauses(
             with pytest.raises(InvalidRequestError, match=word):
                 await manager.update_weights(update, global_steps=(before or 0) + 1)
             with pytest.raises(InvalidRequestError, match=word):
-                await serving_a.update_weights(update, global_steps=(before or 0) + 1)
+                await update_weights(serving_a, update, global_steps=(before or 0) + 1)
             assert serving_a.global_steps == before, case
         for steps in ("3", 18.5, -1, 2**70, True):
             with pytest.raises(InvalidRequestError, match="global_steps"):
                 await manager.update_weights(a, global_steps=steps)  # type: ignore[arg-type]
             with pytest.raises(InvalidRequestError, match="global_steps"):
-                await serving_a.update_weights(a, global_steps=steps)  # type: ignore[arg-type]
+                await update_weights(serving_a, a, global_steps=steps)  # type: ignore[arg-type]
         monkeypatch.undo()
         assert manager.statistics().updating is False
         # Nothing was touched: same weights, same label, and a good update goes through.
@@ -176,7 +178,7 @@ async def test_a_tensor_loaded_wrong_fails_the_push_naming_it(
         else:
             assert serving_a.statistics().holding
         await pusher.update(load_weights(tiny_model_a), global_steps=(before or 0) + 1)
-        (report,) = await serving_a.llm.collective_rpc("asyncroll_last_receive_report")
+        (report,) = await vllm_client(serving_a).collective_rpc("asyncroll_last_receive_report")
         checked, unchecked = report["verified"]
         assert checked > 0 and checked + unchecked == len(load_weights(tiny_model_a))
     finally:
@@ -202,12 +204,12 @@ async def test_a_bad_tensor_that_slips_past_the_checks_never_kills_the_engine(
     before = serving_a.global_steps
     for update in ({**b, Q0: b[Q0][:-1]}, {**b, "model.layers.9.mlp.up_proj.weight": b[UP1]}):
         with pytest.raises(WeightSyncError):
-            await serving_a.update_weights(update, global_steps=(before or 0) + 1)
+            await update_weights(serving_a, update, global_steps=(before or 0) + 1)
         assert not serving_a.is_dead and not serving_a.statistics().holding
         assert serving_a.global_steps == before
         assert await greedy(serving_a, "after-slipped") == FRESH_GREEDY["a"]
     monkeypatch.undo()
-    await serving_a.update_weights(load_weights(tiny_model_a), global_steps=(before or 0) + 1)
+    await update_weights(serving_a, load_weights(tiny_model_a), global_steps=(before or 0) + 1)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +221,7 @@ async def test_partial_updates_with_unchanged_values_change_nothing(
 ) -> None:
     a = load_weights(tiny_model_a)
     update = {n: a[n] for n in names} if names else {n: t for n, t in a.items() if n != UP1}
-    await serving_a.update_weights(update, global_steps=(serving_a.global_steps or 0) + 1)
+    await update_weights(serving_a, update, global_steps=(serving_a.global_steps or 0) + 1)
     assert await greedy(serving_a, f"partial-{len(update)}") == FRESH_GREEDY["a"]
 
 
@@ -230,10 +232,10 @@ async def test_a_partial_update_applies_exactly_its_tensors(
     a, b = load_weights(tiny_model_a), load_weights(tiny_model_b)
     steps = (serving_a.global_steps or 0) + 1
     half = sorted(b)[: len(b) // 2]
-    await serving_a.update_weights({n: b[n] for n in half}, global_steps=steps)
-    await serving_a.update_weights({n: b[n] for n in b if n not in half}, global_steps=steps + 1)
+    await update_weights(serving_a, {n: b[n] for n in half}, global_steps=steps)
+    await update_weights(serving_a, {n: b[n] for n in b if n not in half}, global_steps=steps + 1)
     assert await greedy(serving_a, "pieces-b") == FRESH_GREEDY["b"]
-    await serving_a.update_weights(a, global_steps=steps + 2)
+    await update_weights(serving_a, a, global_steps=steps + 2)
 
 
 async def test_a_partial_update_without_a_backup_fails_loudly_and_holds(
@@ -286,7 +288,7 @@ async def test_a_cancelled_update_leaves_the_engine_whole(
     else:
         assert serving_a.global_steps == (before or 0) + 1 and served == FRESH_GREEDY["b"]
     monkeypatch.undo()
-    await serving_a.update_weights(_served_a(serving_a), global_steps=(before or 0) + 2)
+    await update_weights(serving_a, _served_a(serving_a), global_steps=(before or 0) + 2)
 
 
 def _workers_of(core_pid: int) -> list[int]:
@@ -319,7 +321,7 @@ async def test_a_worker_killed_mid_push_fails_the_update_and_spares_the_others(
 ) -> None:
     doomed = await spares.take("doomed-push")
     try:
-        (core,) = (process.pid for process in compat.engine_core_processes(doomed.llm))
+        (core,) = (process.pid for process in compat.engine_core_processes(vllm_client(doomed)))
         victims = _workers_of(core)
         assert victims, "the CPU build runs its worker in a process of its own"
         transfer = SenderChannel._transfer
@@ -353,8 +355,8 @@ async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
     doomed = await spares.take("core-dies")
     ended: Segment | None = None
     try:
-        (core,) = compat.engine_core_processes(doomed.llm)
-        client = doomed.llm.engine_core
+        (core,) = compat.engine_core_processes(vllm_client(doomed))
+        client = vllm_client(doomed).engine_core
         send = client._send_input_message
         sent: list[object] = []
         both_sent = asyncio.Event()
@@ -379,7 +381,7 @@ async def test_calls_in_flight_when_the_engine_core_dies_fail_at_once(
         os.kill(core.pid, signal.SIGSTOP)  # it reads nothing from here on: no call is answered
         calls = [
             asyncio.ensure_future(doomed.resume()),
-            asyncio.ensure_future(doomed.read_ranges()),
+            asyncio.ensure_future(doomed.weights.read_ranges()),
         ]
         await both_sent.wait()  # each call now waits for an answer that never comes
         os.kill(core.pid, signal.SIGKILL)

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import load_weights
+from engine_helpers import load_weights, update_weights
 
 from asyncroll import VLLMEngine
+from asyncroll.testing import vllm_client
 from asyncroll.vllm import compat
 
 pytestmark = pytest.mark.engine
@@ -46,7 +47,7 @@ async def test_a_request_admitted_before_an_abort_update_never_reuses_the_old_ca
     warm = await engine.generate("transit-warm-2", prompt_ids=PROMPT, sampling_params=PARAMS)
     assert warm.num_cached_tokens >= 128, "the prompt's prefix must be cached to begin with"
 
-    core = engine.llm.engine_core
+    core = vllm_client(engine).engine_core
     release, arrived, under_way = asyncio.Event(), asyncio.Event(), asyncio.Event()
     real_add, real_pause = core.add_request_async, core.pause_scheduler_async
     pauses: list[dict[str, Any]] = []
@@ -69,8 +70,9 @@ async def test_a_request_admitted_before_an_abort_update_never_reuses_the_old_ca
     )
     await arrived.wait()
     monkeypatch.setattr(core, "add_request_async", real_add)
-    update = asyncio.create_task(engine.update_weights(
-        load_weights(tiny_model_a), global_steps=(engine.global_steps or 0) + 1, mode="abort"
+    update = asyncio.create_task(update_weights(
+        engine, load_weights(tiny_model_a), global_steps=(engine.global_steps or 0) + 1,
+        mode="abort",
     ))
     await under_way.wait()
     release.set()
@@ -97,7 +99,8 @@ async def test_recompute_still_clears_vllms_cache(
 
     monkeypatch.setattr(compat, "pause_generation", spy)
     for mode in ("abort", "keep", "recompute"):
-        await engine.update_weights(
-            load_weights(tiny_model_a), global_steps=(engine.global_steps or 0) + 1, mode=mode
+        await update_weights(
+            engine, load_weights(tiny_model_a), global_steps=(engine.global_steps or 0) + 1,
+        mode=mode,
         )
     assert seen == [("abort", False), ("keep", False), ("keep", True)]

@@ -12,14 +12,16 @@ from asyncroll.testing import FakeEngine
 from asyncroll.testing.fake_engine import FakeWeightUpdater
 
 
-@pytest.mark.parametrize("where", ["commit_version", "reset_prefix_cache", "resume"])
+@pytest.mark.parametrize("where", ["weights.commit", "resume"])
 async def test_an_update_cancelled_after_the_label_publishes_it(where: str) -> None:
     """The engines take the new label shielded from cancellation; a caller cancelled there (or
     later, in the resume) used to leave the manager one version behind its engines."""
     engines = [FakeEngine(name="a"), FakeEngine(name="b")]
     manager = AsyncServerManager(engines, weights=FakeWeightUpdater(engines))
     update: asyncio.Task[object] | None = None
-    real = getattr(engines[1], where)
+    owner: object = engines[1].weights if where == "weights.commit" else engines[1]
+    where = where.removeprefix("weights.")
+    real = getattr(owner, where)
     calls = 0
 
     async def cancelling(*args: object) -> None:
@@ -29,7 +31,7 @@ async def test_an_update_cancelled_after_the_label_publishes_it(where: str) -> N
             update.cancel()  # the caller goes while this engine's step is under way
         await real(*args)
 
-    setattr(engines[1], where, cancelling)
+    setattr(owner, where, cancelling)
     async with manager:
         await manager.update_weights([], global_steps=1)
         calls = 0

@@ -18,10 +18,13 @@ from engine_helpers import (
     hold,
     inject_fault,
     load_weights,
+    pusher_of,
     until_decoding,
+    update_weights,
 )
 
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll.testing import vllm_client
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
 from asyncroll.transport import CudaIpcBackend, Piece, ShmBackend, WeightSender
 from asyncroll.types import PauseMode
@@ -38,10 +41,10 @@ async def test_push_is_token_exact_and_reversible(
     weights_a, weights_b = load_weights(tiny_model_a), load_weights(tiny_model_b)
     assert FRESH_GREEDY["a"] != FRESH_GREEDY["b"], "the two models must differ"
     steps = await _next_steps(engine)
-    report = await engine.update_weights(weights_b, global_steps=steps)
+    report = await update_weights(engine, weights_b, global_steps=steps)
     assert report.push is not None and report.push.tensors == len(weights_b)
     assert await greedy(engine, "pushed-b") == FRESH_GREEDY["b"]
-    await engine.update_weights(weights_a, global_steps=steps + 1)
+    await update_weights(engine, weights_a, global_steps=steps + 1)
     assert await greedy(engine, "pushed-a") == FRESH_GREEDY["a"]
 
 
@@ -49,7 +52,7 @@ async def test_tokens_after_update_carry_its_global_steps(
     engine: VLLMEngine, tiny_model_a: Path
 ) -> None:
     steps = max(7, await _next_steps(engine))
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps)
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=steps)
     segments = await asyncio.gather(
         *(
             engine.generate(f"v{i}", prompt_ids=[3, 4, i + 5], sampling_params=PROMPT_PARAMS)
@@ -76,7 +79,7 @@ async def test_keep_mode_request_spans_both_versions(
     )
     await until_decoding(engine, [long])
     await hold(engine)
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 1, mode="keep")
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=before + 1, mode="keep")
     segment = await long
     if ran_to_budget(segment, 300, update=before + 1):
         raise LateAction("the request ran out its 300 tokens before the update's pause")
@@ -104,15 +107,15 @@ async def test_recompute_mode_labels_without_vllm_spans_switch_exactly_where_new
     )
     await until_decoding(engine, [long])
     await hold(engine)
-    await engine.update_weights(
-        load_weights(tiny_model_b), global_steps=before + 1, mode="recompute"
+    await update_weights(
+        engine, load_weights(tiny_model_b), global_steps=before + 1, mode="recompute"
     )
     segment = await long
     # Late also where the hold left fewer than the 16 tokens compared below.
     if ran_to_budget(segment, 300, update=before + 1) or (
         segment.global_steps.index(before + 1) > 300 - 16
     ):
-        await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
+        await update_weights(engine, load_weights(tiny_model_a), global_steps=before + 2)
         raise LateAction("the update's pause came after the request's last 16 tokens began")
     switch = segment.global_steps.index(before + 1)
     assert 0 < switch < 300
@@ -120,7 +123,7 @@ async def test_recompute_mode_labels_without_vllm_spans_switch_exactly_where_new
     head = prompt + list(segment.token_ids[:switch])
     greedy_16 = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     cont_b = await engine.generate("cont-b", prompt_ids=head, sampling_params=greedy_16)
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=before + 2)
     cont_a = await engine.generate("cont-a", prompt_ids=head, sampling_params=greedy_16)
     assert segment.token_ids[switch : switch + 16] == cont_b.token_ids != cont_a.token_ids
     assert cont_a.global_steps == (before + 2,) * 16
@@ -135,7 +138,7 @@ async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
     of the same text from scratch (what ``recompute`` gives, test above). The kept request's
     260-token prompt fills two of the CPU build's 128-token blocks with A's KV; a new request
     with the same head reuses none of it."""
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=await _next_steps(engine))
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=await _next_steps(engine))
     before = engine.global_steps
     assert before is not None
     prompt = [11 + i % 300 for i in range(260)]
@@ -146,8 +149,8 @@ async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
     await until_decoding(engine, [long])
     await hold(engine)
     try:
-        await engine.update_weights(
-            load_weights(tiny_model_b), global_steps=before + 1, mode="keep"
+        await update_weights(
+            engine, load_weights(tiny_model_b), global_steps=before + 1, mode="keep"
         )
         segment = await long
         if ran_to_budget(segment, 200, update=before + 1):
@@ -164,7 +167,7 @@ async def test_keep_mode_goes_on_from_the_kv_the_old_weights_computed(
         after = segment.token_ids[switch : switch + 16]
         assert len(after) == 16 and after != cont_b.token_ids
     finally:
-        await engine.update_weights(load_weights(tiny_model_a), global_steps=before + 2)
+        await update_weights(engine, load_weights(tiny_model_a), global_steps=before + 2)
 
 
 async def test_an_unknown_resume_mode_is_refused_before_the_pause(
@@ -180,7 +183,7 @@ async def test_an_unknown_resume_mode_is_refused_before_the_pause(
     monkeypatch.setattr(engine, "pause", counted_pause)
     current = engine.global_steps
     with pytest.raises(InvalidRequestError, match="mode must be one of abort, keep, recompute"):
-        await engine.update_weights({}, global_steps=current, mode="stale")  # type: ignore[arg-type]
+        await update_weights(engine, {}, global_steps=current, mode="stale")  # type: ignore[arg-type]
     assert engine.global_steps == current and pauses == []
 
 
@@ -188,7 +191,7 @@ async def test_lower_version_is_refused(engine: VLLMEngine, tiny_model_a: Path) 
     current = engine.global_steps
     assert current is not None and current > 0
     with pytest.raises(InvalidRequestError, match="backwards"):
-        await engine.update_weights(load_weights(tiny_model_a), global_steps=current - 1)
+        await update_weights(engine, load_weights(tiny_model_a), global_steps=current - 1)
     assert engine.global_steps == current
 
 
@@ -205,7 +208,7 @@ async def test_a_piece_that_does_not_fit_its_tensor_is_refused_before_the_pause(
     assert isinstance(norm, torch.Tensor)
     tensors[name] = Piece(norm, whole=tuple(norm.shape), offset=1)
     with pytest.raises(InvalidRequestError, match=r"model\.norm\.weight.*does not fit"):
-        await engine.update_weights(tensors, global_steps=await _next_steps(engine))
+        await update_weights(engine, tensors, global_steps=await _next_steps(engine))
     assert engine.global_steps == current and not engine.statistics().holding
     assert await greedy(engine, "after-bad-piece") == served
 
@@ -235,10 +238,10 @@ async def test_a_push_failing_before_its_first_message_ends_the_workers_receive_
     # timeout, which is what a lost End would cost)
     with pytest.raises(WeightSyncError, match="before its first message"):
         async with asyncio.timeout(60):
-            await engine.update_weights(weights, global_steps=steps)
+            await update_weights(engine, weights, global_steps=steps)
     assert engine.global_steps == current and not engine.statistics().holding
     assert await greedy(engine, "after-called-off") == served
-    report = await engine.update_weights(weights, global_steps=steps)
+    report = await update_weights(engine, weights, global_steps=steps)
     assert report.global_steps == engine.global_steps == steps and len(calls) == 2
 
 
@@ -253,7 +256,7 @@ async def test_the_sender_first_order_still_delivers(
     for _ in range(2):
         steps = await _next_steps(engine)
         async with asyncio.timeout(60):  # (a skipped push costs the workers' 120 s timeout)
-            report = await engine.update_weights(weights, global_steps=steps)
+            report = await update_weights(engine, weights, global_steps=steps)
         assert report.global_steps == engine.global_steps == steps
 
 
@@ -264,7 +267,7 @@ async def test_an_update_cancelled_as_its_receive_rpc_leaves_leaves_no_worker_wa
     the push is called off (its End reaches the workers, whose receive ends at once), the
     label stays, nothing holds, and the next update goes through."""
     current = engine.global_steps
-    rpc = engine.llm.collective_rpc
+    rpc = vllm_client(engine).collective_rpc
     update: asyncio.Future[object] | None = None
 
     async def spied(method: str, *args: object, **kwargs: object) -> object:
@@ -272,15 +275,15 @@ async def test_an_update_cancelled_as_its_receive_rpc_leaves_leaves_no_worker_wa
             update.cancel()  # the RPC still leaves: this is its sending step
         return await rpc(method, *args, **kwargs)
 
-    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
+    monkeypatch.setattr(vllm_client(engine), "collective_rpc", spied)
     weights = load_weights(tiny_model_a)
     steps = await _next_steps(engine)
-    update = asyncio.ensure_future(engine.update_weights(weights, global_steps=steps))
+    update = asyncio.ensure_future(update_weights(engine, weights, global_steps=steps))
     with pytest.raises(asyncio.CancelledError):
         async with asyncio.timeout(60):  # (as above: a lost End costs 120 s)
             await update
     assert engine.global_steps == current and not engine.statistics().holding
-    report = await engine.update_weights(weights, global_steps=steps)
+    report = await update_weights(engine, weights, global_steps=steps)
     assert report.global_steps == engine.global_steps == steps
 
 
@@ -292,13 +295,13 @@ async def test_an_end_left_in_a_workers_socket_does_not_fail_the_next_update(
     skip it: the update goes through, where they used to read that End as their push's and
     fail this update and, one push late, every later one."""
     weights = load_weights(tiny_model_a)
-    await engine.update_weights(weights, global_steps=await _next_steps(engine))
-    pusher = engine._pusher
-    assert pusher is not None and isinstance(pusher._channel.sender, WeightSender)
-    await pusher._channel.sender.call_off(0, RuntimeError("left over"))
+    await update_weights(engine, weights, global_steps=await _next_steps(engine))
+    sender = pusher_of(engine).sender
+    assert isinstance(sender, WeightSender)
+    await sender.call_off(0, RuntimeError("left over"))
     for _ in range(2):
         steps = await _next_steps(engine)
-        report = await engine.update_weights(weights, global_steps=steps)
+        report = await update_weights(engine, weights, global_steps=steps)
         assert report.global_steps == engine.global_steps == steps
 
 
@@ -306,8 +309,8 @@ async def test_push_while_asleep_is_refused(engine: VLLMEngine, tiny_model_a: Pa
     await engine.sleep(1)
     try:
         with pytest.raises(EngineSleepingError):
-            await engine.update_weights(
-                load_weights(tiny_model_a), global_steps=await _next_steps(engine)
+            await update_weights(
+                engine, load_weights(tiny_model_a), global_steps=await _next_steps(engine)
             )
     finally:
         await engine.wake_up()
@@ -346,13 +349,13 @@ async def test_pushers_sharing_an_engine_take_turns(
         # the staging buffers by backend (``default_buffers``), here shared memory's
         assert isinstance(other.sender, WeightSender)
         assert other.sender.statistics().buffers == default_buffers(ShmBackend.name) == 2
-        await engine.update_weights(weights_a, global_steps=steps + 1)
+        await update_weights(engine, weights_a, global_steps=steps + 1)
         assert await greedy(engine, "turn-a") == FRESH_GREEDY["a"]
         await other.update(weights_b, global_steps=steps + 2)
         assert await greedy(engine, "turn-b2") == FRESH_GREEDY["b"]
     finally:
         await other.aclose()
-    await engine.update_weights(weights_a, global_steps=steps + 3)
+    await update_weights(engine, weights_a, global_steps=steps + 3)
     assert await greedy(engine, "turn-a2") == FRESH_GREEDY["a"]
 
 
@@ -390,7 +393,7 @@ async def test_failed_push_without_backup_holds_requests_until_a_push_succeeds(
     for _ in range(20):
         await asyncio.sleep(0)
     assert not waiting.done() and engine_b.statistics().in_flight == 0
-    await engine_b.update_weights(load_weights(tiny_model_b), global_steps=before + 2)
+    await update_weights(engine_b, load_weights(tiny_model_b), global_steps=before + 2)
     assert not engine_b.statistics().holding
     assert (await waiting).global_steps == (before + 2,) * PROMPT_PARAMS["max_tokens"]
     assert await greedy(engine_b, "after-held") == FRESH_GREEDY["b"]
@@ -402,7 +405,7 @@ async def test_an_update_resets_the_prefix_cache(engine: VLLMEngine, tiny_model_
     await engine.generate("cache-1", prompt_ids=prompt, sampling_params=params)
     warm = await engine.generate("cache-2", prompt_ids=prompt, sampling_params=params)
     assert warm.num_cached_tokens >= 128  # the cache does hit while weights stay
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=await _next_steps(engine))
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=await _next_steps(engine))
     cold = await engine.generate("cache-3", prompt_ids=prompt, sampling_params=params)
     assert cold.num_cached_tokens == 0  # no KV computed with the old weights is reused
     warm_again = await engine.generate("cache-4", prompt_ids=prompt, sampling_params=params)
@@ -427,7 +430,7 @@ async def test_an_update_keeps_kept_requests_off_the_old_cache_and_new_ones_too(
     await until_decoding(engine, [long])
     await hold(engine)
     steps = await _next_steps(engine)
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps, mode="keep")
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=steps, mode="keep")
     cold = await engine.generate("kept-cache-2", prompt_ids=prompt, sampling_params=params)
     assert cold.num_cached_tokens == 0
     kept = await long
@@ -448,10 +451,10 @@ async def test_an_updates_stamps_follow_one_another_on_one_clock(
     """The sender's, the worker's and the receiver's ``perf_counter`` stamps of one update, in
     the order the update passes them: what ``bench/update_phases.py`` splits an update by.
     (The sender and the worker start independently: the receive RPC leaves first.)"""
-    report = await engine.update_weights(load_weights(tiny_model_a),
+    report = await update_weights(engine, load_weights(tiny_model_a),
                                          global_steps=await _next_steps(engine))
     ended = time.perf_counter()
-    (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+    (worker,) = await vllm_client(engine).collective_rpc("asyncroll_last_receive_report")
     assert report.push is not None and report.push.began > 0
     received = worker["began"] + worker["seconds"]
     stamps = [worker["called"], worker["entered"], worker["began"], received,
@@ -469,14 +472,14 @@ async def test_the_workers_receive_rpc_leaves_before_the_sender_begins(
     work before its first message overlaps the RPC and the workers' preparation, where it
     used to precede them."""
     sent: dict[str, float] = {}
-    rpc = engine.llm.collective_rpc
+    rpc = vllm_client(engine).collective_rpc
 
     async def spied(method: str, *args: object, **kwargs: object) -> object:
         sent.setdefault(method, time.perf_counter())  # the step that sends it
         return await rpc(method, *args, **kwargs)
 
-    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
-    report = await engine.update_weights(load_weights(tiny_model_a),
+    monkeypatch.setattr(vllm_client(engine), "collective_rpc", spied)
+    report = await update_weights(engine, load_weights(tiny_model_a),
                                          global_steps=await _next_steps(engine))
     assert report.push is not None
     assert sent["asyncroll_take_update"] < report.push.began
@@ -488,14 +491,14 @@ async def test_an_update_reports_what_the_workers_took_without_asking_them_again
     """The receive RPC returns each worker's delivery: the report needs no RPC of its own
     (which a busy engine answers only between two steps), and says what asking would."""
     asked: list[str] = []
-    rpc = engine.llm.collective_rpc
+    rpc = vllm_client(engine).collective_rpc
 
     def spied(method: str, *args: object, **kwargs: object) -> object:
         asked.append(method)
         return rpc(method, *args, **kwargs)
 
-    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
-    report = await engine.update_weights(load_weights(tiny_model_a),
+    monkeypatch.setattr(vllm_client(engine), "collective_rpc", spied)
+    report = await update_weights(engine, load_weights(tiny_model_a),
                                          global_steps=await _next_steps(engine))
     assert "asyncroll_take_update" in asked and "asyncroll_last_receive_report" not in asked
     delivery = report.deliveries[engine.name]
@@ -516,25 +519,25 @@ async def test_workers_that_finish_with_the_receive_need_no_finish_rpc(
     that fails in the worker is not finished, keeps the label and the weights, and the next
     one goes through. (``engine_b``: its start records model b's greedy tokens.)"""
     asked: list[str] = []
-    rpc = engine.llm.collective_rpc
+    rpc = vllm_client(engine).collective_rpc
 
     def spied(method: str, *args: object, **kwargs: object) -> object:
         asked.append(method)
         return rpc(method, *args, **kwargs)
 
     finishes: list[object] = []
-    finish = engine.llm.finish_weight_update
+    finish = vllm_client(engine).finish_weight_update
 
     def counted(*args: object, **kwargs: object) -> object:
         finishes.append(args or kwargs)
         return finish(*args, **kwargs)
 
-    monkeypatch.setattr(engine.llm, "collective_rpc", spied)
-    monkeypatch.setattr(engine.llm, "finish_weight_update", counted)
-    monkeypatch.setattr(engine, "finish_in_receive", True)
+    monkeypatch.setattr(vllm_client(engine), "collective_rpc", spied)
+    monkeypatch.setattr(vllm_client(engine), "finish_weight_update", counted)
+    monkeypatch.setattr(engine.weights, "finish_in_receive", True)
     steps = await _next_steps(engine)
     for pushed, model, expected in ((1, tiny_model_b, "b"), (2, tiny_model_a, "a")):
-        await engine.update_weights(load_weights(model), global_steps=steps + pushed)
+        await update_weights(engine, load_weights(model), global_steps=steps + pushed)
         assert engine.global_steps == steps + pushed
         assert await greedy(engine, f"finished-in-receive-{pushed}") == FRESH_GREEDY[expected]
         segment = await engine.generate(
@@ -546,14 +549,14 @@ async def test_workers_that_finish_with_the_receive_need_no_finish_rpc(
     assert "finish_weight_update" not in asked and not finishes
     async with inject_fault(engine, "load", tensor="model.layers.1.mlp.down_proj.weight"):
         with pytest.raises(WeightSyncError, match="down_proj"):
-            await engine.update_weights(load_weights(tiny_model_b), global_steps=steps + 3)
+            await update_weights(engine, load_weights(tiny_model_b), global_steps=steps + 3)
     assert engine.global_steps == steps + 2 and not engine.is_paused
     assert await greedy(engine, "finished-in-receive-failed") == FRESH_GREEDY["a"]
-    await engine.update_weights(load_weights(tiny_model_b), global_steps=steps + 3)
+    await update_weights(engine, load_weights(tiny_model_b), global_steps=steps + 3)
     assert await greedy(engine, "finished-in-receive-after") == FRESH_GREEDY["b"]
     assert "finish_weight_update" not in asked and not finishes
-    monkeypatch.setattr(engine, "finish_in_receive", False)  # and back: the finish RPC again
-    await engine.update_weights(load_weights(tiny_model_a), global_steps=steps + 4)
+    monkeypatch.setattr(engine.weights, "finish_in_receive", False)  # back: the finish RPC again
+    await update_weights(engine, load_weights(tiny_model_a), global_steps=steps + 4)
     assert len(finishes) == 1 and engine.global_steps == steps + 4
 
 
@@ -561,10 +564,10 @@ async def test_thirty_pushes_keep_memory_bounded(engine: VLLMEngine, tiny_model_
     weights = load_weights(tiny_model_a)
     steps = await _next_steps(engine)
     for i in range(5):  # warm up allocators and caches
-        await engine.update_weights(weights, global_steps=steps + i)
+        await update_weights(engine, weights, global_steps=steps + i)
     baseline = _rss_mib(psutil.Process().pid)
     for i in range(30):
-        await engine.update_weights(weights, global_steps=steps + 5 + i)
+        await update_weights(engine, weights, global_steps=steps + 5 + i)
     growth = _rss_mib(psutil.Process().pid) - baseline
     assert growth < 64, f"trainer + engine resident memory grew {growth:.0f} MiB over 30 pushes"
     assert await greedy(engine, "after-30") == FRESH_GREEDY["a"]
@@ -612,18 +615,18 @@ async def test_one_copy_of_cpu_tensors_is_refused_before_anything_pauses(
         await pusher.aclose()
     assert not engine.is_paused and engine.global_steps == before
     assert engine.statistics().in_flight == 0
-    report = await engine.update_weights(weights, global_steps=(before or 0) + 1)
+    report = await update_weights(engine, weights, global_steps=(before or 0) + 1)
     assert report.push is not None and engine.global_steps == (before or 0) + 1
 
 
 async def test_bad_tensors_are_rejected_before_any_push(engine: VLLMEngine) -> None:
     with pytest.raises(InvalidRequestError):
-        await engine.update_weights({}, global_steps=None)
+        await update_weights(engine, {}, global_steps=None)
     with pytest.raises(InvalidRequestError):
-        await engine.update_weights([("x", [1, 2])], global_steps=None)  # type: ignore[list-item]
+        await update_weights(engine, [("x", [1, 2])], global_steps=None)  # type: ignore[list-item]
     with pytest.raises(InvalidRequestError):
         twice = [("x", torch.zeros(1)), ("x", torch.zeros(1))]
-        await engine.update_weights(twice, global_steps=None)
+        await update_weights(engine, twice, global_steps=None)
     assert engine.statistics().in_flight == 0 and not engine.is_paused
 
 

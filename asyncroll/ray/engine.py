@@ -12,7 +12,8 @@ Invariants:
   engine stays dead (``is_dead``): the manager stops routing to it and resumes its requests on
   the others.
 - Cancelling a ``generate`` aborts the request in the actor's engine before re-raising.
-- Weight pushes reach the actor's workers as they reach a local engine's: ``attach`` hands the
+- Weight pushes reach the actor's workers as they reach a local engine's: the weight port's
+  ``attach`` (``RayWeightPort``) hands the
   sender's config over, and the workers connect to the sender's sockets and shared memory (same
   host), or join its broadcast group (any host: ``WeightPusher(backend="broadcast")``)
   directly; the push's bytes never pass through Ray. A broadcast push ends in a verdict every
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,10 +40,11 @@ from asyncroll.errors import (
     EngineStartError,
     InvalidRequestError,
 )
+from asyncroll.interfaces import INFLIGHT_MODES, ResumeMode
 from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment
 from asyncroll.validation import ENGINE_REQUEST_ID_LEN, check_request_id, claimed, refuse_live
 
-__all__ = ["CANCEL_WAIT_S", "EngineHost", "RayEngine"]
+__all__ = ["CANCEL_WAIT_S", "EngineHost", "RayEngine", "RayWeightPort"]
 
 CANCEL_WAIT_S = 30.0
 """How long a cancelled call waits for the actor to confirm the call ended (a process
@@ -69,7 +72,8 @@ class EngineHost:
         engine = self.engine
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                 "has_tokenizer": engine.has_tokenizer, "model_path": engine.model_path,
-                "num_workers": engine.num_workers, "served_dtype": engine.served_dtype,
+                "num_workers": engine.weights.num_workers,
+                "served_dtype": engine.weights.served_dtype,
                 "pid": os.getpid()}
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int],
@@ -79,37 +83,36 @@ class EngineHost:
         return segment
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        """An async method of the engine; its result and the engine's state after it."""
+        """An async method of the engine (``weights.commit``: of its weight port); its result
+        and the engine's state after it."""
         await self._labelled()
         started = time.perf_counter()
-        return await getattr(self.engine, method)(*args, **kwargs), self.state(started)
+        return await _method(self.engine, method)(*args, **kwargs), self.state(started)
 
     def call_sync(self, method: str, *args: Any) -> tuple[Any, dict[str, Any]]:
-        """A plain method of the engine (``hold``, ``release_hold``, ``statistics``)."""
+        """A plain method of the engine (``weights.hold``, ``statistics``)."""
         started = time.perf_counter()
-        return getattr(self.engine, method)(*args), self.state(started)
+        return _method(self.engine, method)(*args), self.state(started)
 
     async def attach(self, config: dict[str, Any]) -> tuple[None, dict[str, Any]]:
         await self._labelled()
         started = time.perf_counter()
-        await self.engine.attach(config, owner=self)
+        await self.engine.weights.attach(config, owner=self)
         return None, self.state(started)
 
-    async def take_update(self, load: str, version: int, label: bool, push: int = 0
-                          ) -> tuple[None, dict[str, Any]]:
-        """``begin_update`` then ``receive``: one actor round trip on the push's critical
-        path instead of two. With ``label`` (a broadcast push, whose receive returns only
-        once every rank of the group took its part: the push's verdict), also
-        ``commit_version``, saving the round trip the label would take."""
+    async def take_update(self, version: int, label: bool, push: int = 0
+                          ) -> tuple[Delivery | None, dict[str, Any]]:
+        """The engine's ``weights.take``. With ``label`` (a broadcast push, whose take returns
+        only once every rank of the group took its part: the push's verdict), also its
+        ``weights.commit``, saving the round trip the label would take."""
         await self._labelled()
         started = time.perf_counter()
-        await self.engine.begin_update(load=load)
-        await self.engine.receive(version, push=push)
+        delivery = await self.engine.weights.take(version, push=push)
         if label:
             global_steps = None if version < 0 else version
-            self._labelling = asyncio.ensure_future(self.engine.commit_version(global_steps))
+            self._labelling = asyncio.ensure_future(self.engine.weights.commit(global_steps))
             await asyncio.shield(self._labelling)
-        return None, self.state(started)
+        return delivery, self.state(started)
 
     async def _labelled(self) -> None:
         labelling, self._labelling = self._labelling, None
@@ -164,8 +167,6 @@ class RayEngine:
         self.model_path: str = info["model_path"]
         self.actor_pid: int = info["pid"]
         self._has_tokenizer: bool = info["has_tokenizer"]
-        self._num_workers: int = info["num_workers"]
-        self._served_dtype: torch.dtype = info["served_dtype"]
         self._global_steps = global_steps
         self._dead: BaseException | None = None
         self._closed = False
@@ -173,9 +174,8 @@ class RayEngine:
         self._asleep_weights = False
         self._asleep = False
         self._holding: str | None = None
-        self._attached_to: object | None = None
-        self._load: str | None = None
-        """An update begun (its load mode) whose receive has not been sent yet."""
+        self._weights = RayWeightPort(self, num_workers=info["num_workers"],
+                                      served_dtype=info["served_dtype"])
         self._in_flight = 0
         self._num_requests = 0
         self._num_aborted = 0
@@ -190,14 +190,9 @@ class RayEngine:
         """Open while requests may enter (not paused, asleep or holding), as the actor's engine
         gates admission; mirrored here so that ``in_flight`` counts admitted requests."""
         self._pending: set[asyncio.Future[Any]] = set()
-        """Fire-and-forget calls (``hold``, ``release_hold``), kept until done."""
-        self._verdicts = False
-        """Attached to a broadcast push group: a receive that returns means every rank took
-        the push (``EngineHost.take_update`` labels it then)."""
-        self._labelled_in_actor: int | None = None
-        """The version the last ``take_update`` labelled in the actor, until committed."""
+        """Fire-and-forget calls (``weights.hold``), kept until done."""
         self.call_times: dict[str, tuple[float, float]] = {}
-        """The last call of each kind to the actor's engine (``"commit_version"``,
+        """The last call of each kind to the actor's engine (``"weights.commit"``,
         ``"take_update"``, ...): seconds the round trip took here, and seconds of it in the
         actor; the difference is what Ray (and the actor's event loop) cost."""
 
@@ -276,16 +271,9 @@ class RayEngine:
         return self._has_tokenizer
 
     @property
-    def num_workers(self) -> int:
-        return self._num_workers
-
-    @property
-    def served_dtype(self) -> torch.dtype:
-        return self._served_dtype
-
-    @property
-    def attached_to(self) -> object | None:
-        return self._attached_to
+    def weights(self) -> RayWeightPort:
+        """The engine's update surface (``asyncroll.interfaces.ReceivingPort``)."""
+        return self._weights
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -402,73 +390,6 @@ class RayEngine:
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         await self._call("wake_up", list(tags) if tags is not None else None)
 
-    def hold(self, reason: str) -> None:
-        self._holding = reason
-        self._gate.clear()
-        self._fire("hold", reason)
-
-    def release_hold(self) -> None:
-        """Released here at once; in the actor only if it may hold: every update releases
-        before its label, and an actor call there would be a round trip the label waits
-        for (``_sent``)."""
-        may_hold = self._holding is not None or bool(self._pending)
-        self._holding = None
-        if may_hold:  # (the actor's holding is mirrored after every call)
-            self._fire("release_hold")
-        self._open_gate_if_ready()
-
-    async def commit_version(self, global_steps: int | None) -> None:
-        labelled, self._labelled_in_actor = self._labelled_in_actor, None
-        if labelled is not None and labelled == (-1 if global_steps is None else global_steps):
-            return  # labelled in the actor as the push ended (``take_update``)
-        await self._call("commit_version", global_steps)
-
-    async def reset_prefix_cache(self) -> None:
-        await self._call("reset_prefix_cache")
-
-    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
-        await self._sent()
-        self._mirror(await self._await(self.actor.attach.remote(dict(config))))
-        self._attached_to = owner
-        self._verdicts = config.get("transport") == "broadcast"
-
-    async def detach(self) -> None:
-        self._attached_to = None
-        await self._call("detach")
-
-    async def begin_update(self, *, load: str) -> None:
-        """Recorded here; the actor begins the update with the receive (``take_update``)."""
-        self._check_alive()
-        self._load = load
-        self._labelled_in_actor = None
-
-    async def receive(
-        self, version: int, *, push: int = 0, inflight: bool = False, recompute: bool = False
-    ) -> None:
-        if inflight:
-            raise InvalidRequestError(f"{self.name}: a Ray engine cannot commit an update"
-                                      " between two steps (no inflight update)")
-        load, self._load = self._load, None
-        if load is None:
-            await self._call("receive", version, push=push)
-            return
-        await self._invoke(self.actor.take_update, load, version, self._verdicts, push,
-                           timed_as="take_update")
-        if self._verdicts:
-            self._labelled_in_actor = version
-
-    async def end_failed_update(self) -> bool:
-        whole: bool = await self._call("end_failed_update")
-        return whole
-
-    async def last_delivery(self) -> Delivery | None:
-        delivery: Delivery | None = await self._call("last_delivery")
-        return delivery
-
-    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
-        ranges: list[dict[str, tuple[int, int]] | None] = await self._call("read_ranges")
-        return ranges
-
     # -- internals -------------------------------------------------------------------------
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -477,13 +398,16 @@ class RayEngine:
         return await self._invoke(self.actor.call, method, *args, timed_as=method, **kwargs)
 
     async def _invoke(self, actor_method: Any, *args: Any, timed_as: str | None = None,
-                      **kwargs: Any) -> Any:
+                      sent: Callable[[], None] | None = None, **kwargs: Any) -> Any:
         """``actor_method`` (returning its result and the engine's state), as ``_call``;
-        timed in ``call_times`` under ``timed_as``."""
+        timed in ``call_times`` under ``timed_as``; ``sent()`` once the call has left."""
         await self._sent()
         started = time.perf_counter()
         try:
-            reply = await self._await(actor_method.remote(*args, **kwargs))
+            ref = actor_method.remote(*args, **kwargs)
+            if sent is not None:
+                sent()
+            reply = await self._await(ref)
         except EngineDeadError:
             raise
         except Exception:
@@ -521,7 +445,7 @@ class RayEngine:
             self._mirror((None, await self._await(self.actor.state.remote())))
 
     async def _sent(self) -> None:
-        """Wait for the fire-and-forget calls (``hold``, ``release_hold``) sent before: Ray
+        """Wait for the fire-and-forget calls (``weights.hold``) sent before: Ray
         may run an async actor's calls out of order, so a later call must not overtake them."""
         while self._pending:
             await asyncio.wait(list(self._pending))
@@ -546,8 +470,7 @@ class RayEngine:
 
     def _fire(self, method: str, *args: Any) -> None:
         """Send a call whose result nobody awaits; later calls wait for it (``_sent``), and so
-        does a later fire: a ``hold`` then a ``release_hold`` must reach the actor in that
-        order, and Ray may run an async actor's calls out of order."""
+        does a later fire: Ray may run an async actor's calls out of order."""
         earlier = list(self._pending)
         future = asyncio.ensure_future(
             self._fire_after(earlier, method, args) if earlier
@@ -586,6 +509,107 @@ class RayEngine:
             raise EngineDeadError(f"{self.name} is closed")
         if self._dead is not None:
             raise EngineDeadError(f"{self.name} is dead: its actor is gone") from self._dead
+
+
+class RayWeightPort:
+    """A ``RayEngine``'s update surface (``asyncroll.interfaces.ReceivingPort``): the actor's
+    engine's weight port, one actor call a verb. The workers connect to the sender directly;
+    the bytes never pass through Ray.
+
+    Its state between two calls: the version a take labelled in the actor (a broadcast push),
+    which its ``commit`` then finds done.
+    """
+
+    def __init__(self, engine: RayEngine, *, num_workers: int, served_dtype: torch.dtype) -> None:
+        self._engine = engine
+        self._num_workers = num_workers
+        self._served_dtype = served_dtype
+        self._attached_to: object | None = None
+        self._verdicts = False
+        """Attached to a broadcast push group: a take that returns means every rank took the
+        push (``EngineHost.take_update`` labels it then)."""
+        self._labelled: int | None = None
+        """The version the last take labelled in the actor, until committed."""
+
+    def __repr__(self) -> str:
+        return f"<RayWeightPort {self._engine.name} attached_to={self._attached_to!r}>"
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def served_dtype(self) -> torch.dtype:
+        return self._served_dtype
+
+    @property
+    def attached_to(self) -> object | None:
+        return self._attached_to
+
+    def hold(self, reason: str) -> None:
+        engine = self._engine
+        engine._holding = reason
+        engine._gate.clear()
+        engine._fire("weights.hold", reason)
+
+    async def commit(self, global_steps: int | None) -> None:
+        """Ends the hold here at once, and labels in the actor unless its take did."""
+        engine = self._engine
+        engine._holding = None
+        engine._open_gate_if_ready()
+        labelled, self._labelled = self._labelled, None
+        if labelled is not None and labelled == (-1 if global_steps is None else global_steps):
+            return  # labelled in the actor as the push ended (``take_update``)
+        await engine._call("weights.commit", global_steps)
+
+    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
+        engine = self._engine
+        await engine._sent()
+        engine._mirror(await engine._await(engine.actor.attach.remote(dict(config))))
+        self._attached_to = owner
+        self._verdicts = config.get("transport") == "broadcast"
+
+    async def detach(self) -> None:
+        self._attached_to = None
+        await self._engine._call("weights.detach")
+
+    async def take(
+        self,
+        version: int,
+        *,
+        push: int = 0,
+        mode: ResumeMode = "keep",
+        sent: Callable[[], None] | None = None,
+    ) -> Delivery | None:
+        engine = self._engine
+        if mode in INFLIGHT_MODES:
+            raise InvalidRequestError(f"{engine.name}: a Ray engine cannot commit an update"
+                                      " between two steps (no inflight update)")
+        engine._check_alive()
+        self._labelled = None
+        delivery: Delivery | None = await engine._invoke(
+            engine.actor.take_update, version, self._verdicts, push, timed_as="take_update",
+            sent=sent,
+        )
+        if self._verdicts:
+            self._labelled = version
+        return delivery
+
+    async def abort(self) -> bool:
+        self._labelled = None
+        whole: bool = await self._engine._call("weights.abort")
+        return whole
+
+    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
+        ranges: list[dict[str, tuple[int, int]] | None] = await self._engine._call(
+            "weights.read_ranges"
+        )
+        return ranges
+
+
+def _method(engine: Any, name: str) -> Any:
+    """``engine``'s method ``name``; a dotted name reaches into its parts (``weights.take``)."""
+    return functools.reduce(getattr, name.split("."), engine)
 
 
 async def _cancelled(ref: Any) -> None:

@@ -29,7 +29,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 from asyncroll.errors import EngineSleepingError, InvalidRequestError
-from asyncroll.interfaces import Engine, UpdatableEngine, WeightUpdater
+from asyncroll.interfaces import Engine, ReceivingEngine, UpdatableEngine, WeightUpdater
 from asyncroll.types import Segment, TokenOutput
 
 __all__ = [
@@ -499,7 +499,7 @@ async def an_update_refuses_sleeping_weights(
 async def hold_gates_admission_until_a_push_succeeds(
     engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
 ) -> None:
-    engine.hold("contract check")
+    engine.weights.hold("contract check")
     try:
         assert engine.statistics().holding
         waiting = asyncio.ensure_future(
@@ -508,12 +508,37 @@ async def hold_gates_admission_until_a_push_succeeds(
         for _ in range(10):
             await asyncio.sleep(0)
         assert not waiting.done() and engine.statistics().in_flight == 0
-    except BaseException:
-        engine.release_hold()
-        raise
-    await updater.update(weights, global_steps=None)  # a successful push releases the hold
+    finally:
+        await updater.update(weights, global_steps=None)  # a successful push ends the hold
     assert not engine.statistics().holding
     assert len((await waiting).token_ids) == 4
+    _assert_idle(engine)
+
+
+async def the_weight_port_commits_the_weights_in_force(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    """``engine.weights`` is one port; a commit with no push before it ends a hold and keeps
+    the label and the weights. A port that takes pushes (``ReceivingPort``) is attached to
+    the updater's sender after an update and reports one read range per worker."""
+    port = engine.weights
+    assert port is engine.weights, "engine.weights must be one port, not made per call"
+    steps = engine.global_steps
+    params = _params(6, temperature=0.0)
+    before = await engine.generate(_rid("port-a"), prompt_ids=PROMPT, sampling_params=params)
+    port.hold("contract check")
+    assert engine.statistics().holding
+    await port.commit(None)
+    assert not engine.statistics().holding and engine.global_steps == steps
+    after = await engine.generate(_rid("port-b"), prompt_ids=PROMPT, sampling_params=params)
+    assert after.token_ids == before.token_ids and set(after.global_steps) <= {steps}
+    if isinstance(engine, ReceivingEngine):
+        port = engine.weights
+        await updater.update(weights, global_steps=None)
+        assert port.attached_to is not None
+        workers = port.num_workers
+        assert workers >= 1 and len(await port.read_ranges()) == workers
+        assert isinstance(port.served_dtype, torch.dtype)
     _assert_idle(engine)
 
 
@@ -526,6 +551,7 @@ UPDATE_CHECKS: dict[str, UpdateCheck] = {
         an_update_ends_requests_in_abort_mode,
         an_update_refuses_sleeping_weights,
         hold_gates_admission_until_a_push_succeeds,
+        the_weight_port_commits_the_weights_in_force,
     )
 }
 

@@ -17,7 +17,8 @@ runs it on both):
 - Each token carries the ``global_steps`` in force when it was produced.
 - Every admitted request leaves ``in_flight`` exactly once, also when its caller is cancelled.
 - A killed or closed engine fails running, waiting and future calls with ``EngineDeadError``.
-- ``hold()`` admits nothing until ``release_hold()``; ``commit_version`` labels the weights.
+- Its weight port (``weights``): ``hold()`` admits nothing until a ``commit``, which labels the
+  weights.
 
 Time: with ``token_delay=0`` a request yields to the loop once, then produces all its tokens;
 with ``token_delay > 0`` it waits that long before each token on a timer that abort, pause,
@@ -129,6 +130,7 @@ class FakeEngine:
         self._idle.set()
         self._paused = False
         self._holding: str | None = None  # admit nothing: a push failed without a backup
+        self._weights = FakeWeightPort(self)
         self._frozen = False  # running requests make no progress
         self._sleeping_tags: set[str] = set()
         self._dead = False
@@ -276,24 +278,10 @@ class FakeEngine:
         """Relabel the weights in force, as a finished weight update does."""
         self._global_steps = global_steps
 
-    def hold(self, reason: str) -> None:
-        """Admit nothing until ``release_hold`` (``UpdatableEngine``)."""
-        self._holding = reason
-        self._sync_gate()
-
-    def release_hold(self) -> None:
-        self._holding = None
-        self._sync_gate()
-
-    async def commit_version(self, global_steps: int | None) -> None:
-        """Label the weights ``global_steps`` (None keeps the label)."""
-        self._check_alive()
-        if global_steps is not None:
-            self._global_steps = global_steps
-
-    async def reset_prefix_cache(self) -> None:
-        """There is no cache; the engine must be alive."""
-        self._check_alive()
+    @property
+    def weights(self) -> FakeWeightPort:
+        """The engine's update surface (``asyncroll.interfaces.WeightPort``)."""
+        return self._weights
 
     async def wait_generated(self, count: int) -> None:
         """Wait until the engine has produced ``count`` tokens in all (``num_generated``).
@@ -483,6 +471,27 @@ class FakeEngine:
         self._next_progress = min(pending, default=_MASK)
 
 
+class FakeWeightPort:
+    """A ``FakeEngine``'s weight port: a hold and a label (no cache, no workers)."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self._engine = engine
+
+    def hold(self, reason: str) -> None:
+        """Admit nothing until a ``commit``."""
+        self._engine._holding = reason
+        self._engine._sync_gate()
+
+    async def commit(self, global_steps: int | None) -> None:
+        """End a hold and label the weights ``global_steps`` (None keeps the label)."""
+        engine = self._engine
+        engine._check_alive()
+        engine._holding = None
+        engine._sync_gate()
+        if global_steps is not None:
+            engine._global_steps = global_steps
+
+
 class FakeChannel:
     """A ``WeightChannel`` that moves nothing: it can wait mid-push and fail on request."""
 
@@ -512,8 +521,7 @@ class FakeChannel:
         tensors: Mapping[str, torch.Tensor],
         version: int,
         *,
-        inflight: bool = False,
-        recompute: bool = False,
+        mode: ResumeMode = "keep",
     ) -> None:
         if self.hold is not None:
             self.is_holding = True
@@ -528,7 +536,7 @@ class FakeChannel:
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         return [e.name for e in engines if e.name in self.leave_holding]
 
-    async def deliveries(self, engines: Sequence[Any]) -> dict[str, Delivery]:
+    def deliveries(self) -> dict[str, Delivery]:
         return {}  # nothing moves
 
     async def aclose(self) -> None:

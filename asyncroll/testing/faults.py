@@ -5,7 +5,7 @@ Launch the engine with this module's worker extension, then inject around the co
     engine = await VLLMEngine.start(path, worker_extension_cls=FAULTS_EXTENSION)
     async with inject_fault(engine, "load", tensor="model.layers.1.mlp.down_proj.weight"):
         with pytest.raises(WeightSyncError):
-            await engine.update_weights(...)
+            await pusher.update(...)
 
 Points: ``load`` (the worker raises before handing the batch holding ``tensor`` to the model's
 loader: a receiver-side failure), ``after_load`` (it raises once every tensor is loaded, before
@@ -71,15 +71,12 @@ async def inject_fault(
     ``FAULTS_EXTENSION``), or only in the worker of rank ``rank`` (tensor parallel), for the
     body of the ``async with``; cleared on exit."""
     # Through ``call_vllm``: a call into an engine whose core died fails, not hangs.
-    await engine.call_vllm(
-        engine.llm.collective_rpc("asyncroll_inject_fault", args=(point, tensor, rank))
-    )
+    await engine.collective_rpc("asyncroll_inject_fault", args=(point, tensor, rank))
     try:
         yield
     finally:
         if not engine.is_dead:
-            clear = engine.llm.collective_rpc("asyncroll_inject_fault", args=("", ""))
-            await engine.call_vllm(clear)
+            await engine.collective_rpc("asyncroll_inject_fault", args=("", ""))
 
 
 def _fail_loading(tensor: str) -> Any:

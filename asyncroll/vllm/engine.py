@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from asyncroll.errors import (
     InvalidRequestError,
     WeightSyncError,
 )
-from asyncroll.interfaces import Delivery, ResumeMode, UpdateReport
+from asyncroll.interfaces import INFLIGHT_MODES, Delivery, ResumeMode
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
 from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
@@ -55,13 +56,12 @@ from asyncroll.validation import (
     resolve_sampling_params,
 )
 from asyncroll.vllm import compat, sockets
-from asyncroll.weights import WeightPusher
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
 
-__all__ = ["VLLMEngine", "parse_version", "version_label"]
+__all__ = ["VLLMEngine", "VLLMWeightPort", "parse_version", "version_label", "vllm_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,27 +136,8 @@ class VLLMEngine:
         self._num_requests = 0
         self._num_aborted = 0
         self._num_rejected = 0
-        self._pusher: WeightPusher | None = None
         self._holding: str | None = None
-        self._begun: str | None = None
-        """An update begun (its load mode): the workers begin it with the receive."""
-        self.answered = 0.0
-        """When the workers' answers to the last receive RPC came back
-        (``time.perf_counter()``; benchmarks: the RPC's way back)."""
-        self._delivery: Delivery | None = None
-        """What the workers said they took as the last receive returned (None: ask them)."""
-        self.finish_in_receive = compat.worker_runs_the_session()
-        """The workers finish an update in the receive's RPC, and ``commit_version`` only
-        labels it: one RPC less an update (about 0.9 ms of a 7B update on an H100). On by
-        default where the worker runs the session (vLLM 0.24): its receive commits the new
-        weights as it returns, so finishing there loses nothing. Off elsewhere: a worker keeps
-        its backup until the finish, and a push that fails in another engine still rolls this
-        one back (``end_failed_update``)."""
-        self._finished = False
-        """The workers finished the update in progress with its receive."""
-        self._attached_to: object | None = None
-        """Whose sender this engine's workers are attached to (one at a time; not necessarily
-        ``_pusher``'s, the one ``update_weights`` uses)."""
+        self._weights = VLLMWeightPort(self)
         self.native_versions = compat.labels_versions(llm)
         """vLLM labels weight versions itself (0.32+); else this adapter does (see module doc)."""
         self._version_marks: dict[str, list[tuple[int | None, int]]] = {}
@@ -168,21 +149,19 @@ class VLLMEngine:
         can commit between two engine steps with no pause (``mode="inflight"``)."""
         self.recomputes_in_step = False
         """It can also preempt its running requests between the same two steps, so the new
-        weights compute their KV again (``mode="inflight-recompute"``; ``receive``)."""
+        weights compute their KV again (``mode="inflight-recompute"``; ``weights.take``)."""
         self._commit_recorded = asyncio.Event()
         """Clear while an inflight update's RPC is out: a request that ends meanwhile waits
         for the boundary it may have crossed before it reports its tokens' labels."""
         self._commit_recorded.set()
-        self._inflight_marked = False
-        """The last receive was inflight and marked its boundary (``_commit_inflight``)."""
         self._labelled_here: set[str] = set()
         """Live requests whose tokens this adapter labels though vLLM labels versions: an
         inflight update crossed them, or they started while vLLM's label lagged the weights."""
         self._label_lags = False
-        """An inflight update is in force and vLLM's label is not yet (``commit_version``)."""
+        """An inflight update is in force and vLLM's label is not yet (``weights.commit``)."""
         self._cache_epoch = 0
         """Salts every request's prefix-cache key (vLLM's ``cache_salt``); a new epoch makes
-        the KV cached before it unreachable (``reset_prefix_cache``, ``commit_version``)."""
+        the KV cached before it unreachable (``weights.commit``)."""
         self._cache_salt = f"asyncroll-{secrets.token_hex(8)}"
         """Unique to this engine, so two engines' keys never meet in a shared KV store."""
         self._died: asyncio.Future[None] | None = None
@@ -459,36 +438,6 @@ class VLLMEngine:
                 f"{self.name} is asleep: wake_up(['weights']) before pushing weights"
             )
 
-    async def update_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-        *,
-        global_steps: int | None,
-        mode: ResumeMode = "abort",
-        changed: bool = False,
-    ) -> UpdateReport:
-        """Load new weights through vLLM's weight-update protocol and label them
-        (``changed``: see ``WeightPusher.update``).
-
-        Pauses (``abort``: in-flight requests end with their partial output; ``keep``: they
-        freeze and go on from their KV with the new weights; ``recompute``: they freeze and
-        the new weights compute their KV again), pushes, labels the weights ``global_steps``
-        (None keeps the previous label), moves to a new prefix-cache epoch, resumes.
-
-        Raises:
-            EngineSleepingError: the weights are asleep; nothing was pushed.
-            InvalidRequestError: bad input, found before the engine paused (see
-                ``WeightPusher.update``).
-            WeightSyncError: the push failed; the previous label stays, and the engine serves
-                its previous weights or holds (the error says which).
-        """
-        self._check_alive()
-        if self._pusher is None:
-            self._pusher = WeightPusher([self])
-        return await self._pusher.update(
-            named_tensors, global_steps=global_steps, mode=mode, changed=changed
-        )
-
     async def aclose(self) -> None:
         """Shut the engine's processes down. Idempotent."""
         if self._closed:
@@ -497,9 +446,6 @@ class VLLMEngine:
         self._gate.set()  # waiters wake and find the engine closed
         self._stop_watching()
         self._mark_died()
-        if self._pusher is not None:
-            with contextlib.suppress(Exception):
-                await self._pusher.aclose()
         # vLLM's output handler would log the EngineCore's exit as a crash: stop it first.
         handler = getattr(self._llm, "output_handler", None)
         if handler is not None:
@@ -525,18 +471,11 @@ class VLLMEngine:
         await asyncio.sleep(0)  # vLLM's socket closes, queued on this loop, run first
         compat.release_client(self._llm)
 
-    @property
-    def llm(self) -> AsyncLLM:
-        """The vLLM client (for benchmarks and tests; asyncroll itself speaks through the
-        verbs below)."""
-        return self._llm
-
     async def call_vllm(self, awaitable: Any) -> Any:
         """Await a call into vLLM (a coroutine of ``llm``'s), failing with ``EngineDeadError``
         as soon as the EngineCore exits, answered or not: vLLM's client never fails a call it
         sent before the exit. Every call the adapter makes goes through here (not the output
-        streams of ``generate``: vLLM fails those itself); so should a caller's own calls on
-        ``llm``.
+        streams of ``generate``: vLLM fails those itself).
 
         Raises:
             EngineDeadError: the engine died or was closed before the call was answered.
@@ -554,184 +493,22 @@ class VLLMEngine:
             raise EngineDeadError(f"{self.name} is dead")
         return call.result()
 
-    # -- the update verbs (``asyncroll.interfaces.ReceivingEngine``) ------------------------
-
     @property
-    def num_workers(self) -> int:
-        parallel: Any = self._llm.vllm_config.parallel_config
-        return int(parallel.world_size)
+    def weights(self) -> VLLMWeightPort:
+        """The engine's update surface (``asyncroll.interfaces.ReceivingPort``)."""
+        return self._weights
 
-    @property
-    def served_dtype(self) -> torch.dtype:
-        dtype = self._llm.model_config.dtype  # resolved to a torch.dtype once vLLM started
-        if not isinstance(dtype, torch.dtype):
-            raise WeightSyncError(f"{self.name}: vLLM reports no served dtype ({dtype!r})")
-        return dtype
-
-    @property
-    def attached_to(self) -> object | None:
-        return self._attached_to
-
-    def hold(self, reason: str) -> None:
-        """Admit nothing until ``release_hold`` (the weights in force are not whole)."""
-        self._holding = reason
-        self._gate.clear()
-
-    def release_hold(self) -> None:
-        self._holding = None
-        self._open_gate_if_ready()
-
-    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
-        """Connect every worker's receiver to the sender ``config`` describes."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
-        # vLLM 0.24 builds weight-transfer engines without the configs a rollback needs; the
-        # RPC supplies them where they are missing (the worker checks).
-        await self.call_vllm(self._llm.collective_rpc("asyncroll_bind_weight_transfer_engine"))
-        request = WeightTransferInitRequest(init_info={**config, "name": self.name})
-        await self.call_vllm(self._llm.init_weight_transfer_engine(request))
-        self._attached_to = owner
-
-    async def detach(self) -> None:
-        """Close the workers' receivers (they release their mappings)."""
-        self._attached_to = None
-        await self.call_vllm(compat.shutdown_weight_transfer(self._llm))
-
-    async def begin_update(self, *, load: str) -> None:
-        """Recorded here: the workers begin the update with the receive, in one RPC
-        (``asyncroll_take_update``), one engine round trip less before they take bytes."""
-        self._begun = load
-
-    async def receive(
-        self, version: int, *, push: int = 0, inflight: bool = False, recompute: bool = False
-    ) -> None:
-        """Take a push (``begin_update`` first). ``inflight``: the engine is not paused; the
-        workers load, check and finish the update in one RPC, which vLLM's EngineCore runs
-        between two steps, and the new weights are labelled ``version`` (-1: no label) from
-        the first token they sample (``commits_in_step``).
-
-        ``recompute`` (with ``inflight``): vLLM then preempts the running requests and clears
-        its prefix cache (``reset_prefix_cache(reset_running_requests=True)``) between the
-        same two steps, so the new weights compute their KV again before their next token
-        (``recomputes_in_step``). That call is sent right behind the RPC, on the same socket,
-        and the EngineCore handles every call its input thread has queued before its next
-        step. The RPC cannot end before the sender's bytes come, and the sender starts after
-        both calls left (``_rpcs_sent``): the input thread has the whole push (milliseconds)
-        to queue the second call. Were it starved that long, one step would run on the new
-        weights with the old KV before the preemption (its tokens still labelled new)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        load, self._begun = self._begun, None
-        self._delivery = None
-        self._finished = False
-        self._inflight_marked = False
-        info = {"version": version, "push": push}
-        if recompute and not inflight:
-            raise InvalidRequestError("recompute is an option of an inflight receive")
-        if load is None:
-            if inflight:
-                raise InvalidRequestError("an inflight update needs begin_update first")
-            await self.call_vllm(
-                self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-            )
-            return
-        finish = self.finish_in_receive
-        kwargs = {"update_info": info, "layerwise": load == "layerwise", "finish": finish}
-        if inflight:
-            if not self.commits_in_step:
-                raise InvalidRequestError(
-                    f"{self.name} cannot commit an update between two steps (several workers,"
-                    " speculative decoding or another model runner): no inflight update"
-                )
-            kwargs["inflight"] = True
-            if recompute:
-                if not self.recomputes_in_step:
-                    raise InvalidRequestError(
-                        f"{self.name} cannot preempt its running requests between two steps"
-                        " (vLLM schedules ahead: async scheduling): no inflight-recompute"
-                    )
-            self._commit_recorded.clear()
-        # The RPC's task is made here, in this step, as the sender expects (``_rpcs_sent``: it
-        # leaves within two loop turns); a push called off before then tells a receiver that
-        # is already waiting for it, and one that comes later would wait for it in vain.
-        call = asyncio.ensure_future(
-            self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs)
+    async def collective_rpc(
+        self, method: str, *, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> list[Any]:
+        """Call ``method`` of every worker's extension (``asyncroll.vllm.worker``), through
+        ``call_vllm``; one answer per worker, in rank order."""
+        answers: list[Any] = await self.call_vllm(
+            self._llm.collective_rpc(method, args=tuple(args), kwargs=dict(kwargs or {}))
         )
-        # Made in the same step, so it is sent right behind the RPC (see above).
-        preempt = (
-            asyncio.ensure_future(self._llm.reset_prefix_cache(reset_running_requests=True))
-            if recompute else None
-        )
-        if preempt is not None:  # sent whatever happens here; its failure is logged
-            preempt.add_done_callback(_log_failed_preemption)
-        try:
-            if not inflight:
-                answers = await self.call_vllm(call)
-            else:
-                rpc = asyncio.ensure_future(self.call_vllm(call))
-                try:
-                    answers = await asyncio.shield(rpc)
-                except asyncio.CancelledError:
-                    # The RPC runs on in the engine and may commit: its answer still labels
-                    # what the engine serves, then the cancellation goes on.
-                    outcome: Any = (await asyncio.gather(rpc, return_exceptions=True))[0]
-                    if isinstance(outcome, list):
-                        self._take_inflight(outcome, version)
-                    raise
-                self._take_inflight(answers, version)
-                if preempt is not None:  # done by now, or soon: the EngineCore's next call
-                    await asyncio.wait(
-                        (preempt, self._death()), return_when=asyncio.FIRST_COMPLETED
-                    )
-            self.answered = time.perf_counter()
-        finally:
-            self._commit_recorded.set()
-        failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
-        if failed:
-            rank, why = failed[0]
-            raise WeightSyncError(
-                f"{self.name}: the push failed in {len(failed)} of {len(answers)} workers;"
-                f" rank {rank}: {why}"
-            )
-        self._delivery = _summed(answers)
-        self._finished = (finish or inflight) and all(
-            isinstance(answer, dict) and answer.get("finished") for answer in answers
-        )
+        return answers
 
-    async def end_failed_update(self) -> bool:
-        """End the update in every worker; True if each restored its previous weights."""
-        self._begun = None
-        self._delivery = None
-        self._finished = False
-        self._inflight_marked = False
-        whole = await self.call_vllm(self._llm.collective_rpc("asyncroll_abort_weight_update"))
-        return all(whole)
-
-    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
-        ranges = await self.call_vllm(self._llm.collective_rpc("asyncroll_read_ranges"))
-        return [
-            None if found is None else {name: (int(a), int(b)) for name, (a, b) in found.items()}
-            for found in ranges
-        ]
-
-    async def last_delivery(self) -> Delivery | None:
-        """What the workers took in the last push, summed (None before the first push, or if a
-        worker's last push is another than the others'). Known without asking them when the
-        last receive returned it (``asyncroll_take_update``)."""
-        if self._delivery is not None:
-            return self._delivery
-        return _summed(
-            await self.call_vllm(self._llm.collective_rpc("asyncroll_last_receive_report"))
-        )
-
-    def _take_inflight(self, answers: list[Any], version: int) -> None:
-        """Record an inflight RPC's answers: where each request switched, if it committed.
-        Called with no await since the answer came: no request ends in between."""
-        if any(isinstance(answer, str) for answer in answers):
-            return  # failed: rolled back in the RPC
-        self._commit_inflight(version if version >= 0 else None, answers[0].pop("sampled", {}))
-        for answer in answers[1:]:
-            answer.pop("sampled", None)
+    # -- internals -------------------------------------------------------------------------
 
     def _commit_inflight(self, global_steps: int | None, sampled: Mapping[str, int]) -> None:
         """The new weights are in force since the workers' RPC ran: label them at once (a
@@ -753,48 +530,7 @@ class VLLMEngine:
             count = max(known) if known else by_suffix.get(request_id, 0)
             marks.append((self._global_steps, int(count)))
         self._labelled_here.update(self._version_marks)
-        self._inflight_marked = True
         self._label_lags = self.native_versions
-
-    async def commit_version(self, global_steps: int | None) -> None:
-        """End the update in vLLM and label the weights ``global_steps`` (None keeps the
-        label). Call while paused, after a successful push. Where the workers finished the
-        update with the receive (``finish_in_receive``), only the label is left to set."""
-        finished, self._finished = self._finished, False
-        marked, self._inflight_marked = self._inflight_marked, False
-        label = version_label(global_steps)
-        # The new weights are in: a new cache epoch first, whatever the label calls below do
-        # (an abort update clears no cache: the epoch is all that keeps old KV out of reach).
-        self._cache_epoch += 1
-        if self.native_versions:
-            if not finished:
-                await self.call_vllm(self._llm.finish_weight_update(weight_version=label))
-            elif label is not None:
-                await self.call_vllm(self._llm.update_weight_version(label))
-            self._label_lags = False
-        elif not finished:  # vLLM 0.24 labels nothing; this adapter does (see the module doc)
-            await self.call_vllm(self._llm.finish_weight_update())
-        if global_steps is not None:
-            self._global_steps = global_steps
-        if not marked:  # an inflight update marked its boundary as its RPC returned
-            await self._mark_version_boundary(self._global_steps)
-
-    async def reset_prefix_cache(self) -> None:
-        """From now on no request reuses KV cached before this call.
-
-        Every request's prefix-cache key is salted with the engine's cache epoch (vLLM's
-        ``cache_salt``), and this moves to a new epoch: no request admitted from here on can
-        match a block cached before. It costs nothing, where vLLM's own reset walks the whole
-        block pool (14 ms for a 0.5B model on an H100) and fails while kept requests hold
-        blocks. The old blocks stay free and are evicted as the pool needs them. Requests
-        already in the engine keep the salt they came with (``keep`` mode's stale KV).
-        ``commit_version`` moves the epoch too, so the label and the epoch never part; an
-        update through ``WeightPusher`` calls both, which costs one more integer.
-        """
-        self._check_alive()
-        self._cache_epoch += 1
-
-    # -- internals -------------------------------------------------------------------------
 
     async def _mark_version_boundary(self, global_steps: int | None) -> None:
         """Record where each live request's tokens switch to ``global_steps``. Call while
@@ -996,6 +732,252 @@ class VLLMEngine:
         if isinstance(exc, ValueError) or _is_input_error(exc):
             return InvalidRequestError(f"{what}: vLLM rejected the request: {exc}")
         return EngineGenerateError(f"{what} failed: {exc!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Taken:
+    """What a successful ``take`` leaves for the ``commit`` that follows it."""
+
+    finished: bool
+    """The workers finished the update in the take's RPC: only the label is left."""
+    marked: bool
+    """An inflight take committed in the engine and marked each request's boundary."""
+
+
+class VLLMWeightPort:
+    """A ``VLLMEngine``'s update surface (``asyncroll.interfaces.ReceivingPort``): vLLM's
+    weight-update protocol, with asyncroll's transport in the workers (``asyncroll.vllm.worker``).
+
+    Its state between two calls is one value: the take awaiting its commit (``_taken``), or
+    None. ``take`` sets it, ``commit`` and ``abort`` end it.
+    """
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._engine = engine
+        self._llm = engine._llm
+        self._attached_to: object | None = None
+        self._taken: _Taken | None = None
+        self._layerwise = True
+        """The workers load with vLLM's layerwise reload (the ``load`` told at attach)."""
+        self.answered = 0.0
+        """When the workers' answers to the last take came back (``time.perf_counter()``;
+        benchmarks: the RPC's way back)."""
+        self.finish_in_receive = compat.worker_runs_the_session()
+        """The workers finish an update in the take's RPC, and ``commit`` only labels it: one
+        RPC less an update (about 0.9 ms of a 7B update on an H100). On by default where the
+        worker runs the session (vLLM 0.24): its receive commits the new weights as it
+        returns, so finishing there loses nothing. Off elsewhere: a worker keeps its backup
+        until the finish, and a push that fails in another engine still rolls this one back
+        (``abort``)."""
+
+    def __repr__(self) -> str:
+        return f"<VLLMWeightPort {self._engine.name} attached_to={self._attached_to!r}>"
+
+    @property
+    def num_workers(self) -> int:
+        parallel: Any = self._llm.vllm_config.parallel_config
+        return int(parallel.world_size)
+
+    @property
+    def served_dtype(self) -> torch.dtype:
+        dtype = self._llm.model_config.dtype  # resolved to a torch.dtype once vLLM started
+        if not isinstance(dtype, torch.dtype):
+            raise WeightSyncError(f"{self._engine.name}: vLLM reports no served dtype ({dtype!r})")
+        return dtype
+
+    @property
+    def attached_to(self) -> object | None:
+        return self._attached_to
+
+    def hold(self, reason: str) -> None:
+        """Admit nothing until a ``commit`` (the weights in force are not whole)."""
+        self._engine._holding = reason
+        self._engine._gate.clear()
+
+    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
+        """Connect every worker's receiver to the sender ``config`` describes."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        engine = self._engine
+        # vLLM 0.24 builds weight-transfer engines without the configs a rollback needs; the
+        # RPC supplies them where they are missing (the worker checks).
+        await engine.collective_rpc("asyncroll_bind_weight_transfer_engine")
+        request = WeightTransferInitRequest(init_info={**config, "name": engine.name})
+        await engine.call_vllm(self._llm.init_weight_transfer_engine(request))
+        self._attached_to = owner
+        self._layerwise = config.get("load", "layerwise") == "layerwise"
+
+    async def detach(self) -> None:
+        """Close the workers' receivers (they release their mappings)."""
+        self._attached_to = None
+        await self._engine.call_vllm(compat.shutdown_weight_transfer(self._llm))
+
+    async def take(
+        self,
+        version: int,
+        *,
+        push: int = 0,
+        mode: ResumeMode = "keep",
+        sent: Callable[[], None] | None = None,
+    ) -> Delivery | None:
+        """Take a push in one RPC (``asyncroll_take_update``): the workers begin the update,
+        load it, check it and, where they can (``finish_in_receive``), finish it.
+
+        An ``INFLIGHT_MODES`` take finds the engine running: the workers load, check and
+        finish in the RPC, which vLLM's EngineCore runs between two steps, and the new weights
+        are labelled ``version`` (-1: no label) from the first token they sample
+        (``VLLMEngine.commits_in_step``).
+
+        ``inflight-recompute``: vLLM then preempts the running requests and clears its prefix
+        cache (``reset_prefix_cache(reset_running_requests=True)``) between the same two
+        steps, so the new weights compute their KV again before their next token
+        (``VLLMEngine.recomputes_in_step``). That call is sent right behind the RPC, on the
+        same socket, and the EngineCore handles every call its input thread has queued before
+        its next step. The RPC cannot end before the sender's bytes come, and the sender
+        starts after both calls left (``sent``): the input thread has the whole push
+        (milliseconds) to queue the second call. Were it starved that long, one step would
+        run on the new weights with the old KV before the preemption (its tokens still
+        labelled new)."""
+        engine = self._engine
+        inflight = mode in INFLIGHT_MODES
+        if inflight and not engine.commits_in_step:
+            raise InvalidRequestError(
+                f"{engine.name} cannot commit an update between two steps (several workers,"
+                " speculative decoding or another model runner): no inflight update"
+            )
+        if mode == "inflight-recompute" and not engine.recomputes_in_step:
+            raise InvalidRequestError(
+                f"{engine.name} cannot preempt its running requests between two steps"
+                " (vLLM schedules ahead: async scheduling): no inflight-recompute"
+            )
+        engine._check_alive()
+        self._taken = None
+        finish = self.finish_in_receive or inflight
+        kwargs: dict[str, Any] = {
+            "update_info": {"version": version, "push": push},
+            "layerwise": self._layerwise,
+            "finish": finish,
+        }
+        if inflight:
+            kwargs["inflight"] = True
+            engine._commit_recorded.clear()
+        # The preemption's call is made in the same step as the RPC, so it is sent right
+        # behind it (see above); it is sent whatever happens here, and its failure is logged.
+        call = asyncio.ensure_future(
+            self._llm.collective_rpc("asyncroll_take_update", kwargs=kwargs)
+        )
+        preempt = (
+            asyncio.ensure_future(self._llm.reset_prefix_cache(reset_running_requests=True))
+            if mode == "inflight-recompute" else None
+        )
+        if preempt is not None:
+            preempt.add_done_callback(_log_failed_preemption)
+        rpc = asyncio.ensure_future(engine.call_vllm(call))
+        try:
+            answers = await self._answers(rpc, version, inflight=inflight, sent=sent)
+            if preempt is not None:  # done by now, or soon: the EngineCore's next call
+                await asyncio.wait((preempt, engine._death()), return_when=asyncio.FIRST_COMPLETED)
+            self.answered = time.perf_counter()
+        finally:
+            engine._commit_recorded.set()
+        failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
+        if failed:
+            rank, why = failed[0]
+            raise WeightSyncError(
+                f"{engine.name}: the push failed in {len(failed)} of {len(answers)} workers;"
+                f" rank {rank}: {why}"
+            )
+        finished = finish and all(
+            isinstance(answer, dict) and answer.get("finished") for answer in answers
+        )
+        self._taken = _Taken(finished=finished, marked=inflight)
+        return _summed(answers)
+
+    async def commit(self, global_steps: int | None) -> None:
+        """End a hold, end the update in vLLM (unless the take finished it) and label the
+        weights ``global_steps`` (None keeps the label), in a new prefix-cache epoch. Called
+        while paused (or after an inflight take), after a successful push; with no take
+        before it, it commits the weights in force (a hold ends, the label moves)."""
+        engine = self._engine
+        taken, self._taken = self._taken, None
+        engine._holding = None
+        engine._open_gate_if_ready()
+        label = version_label(global_steps) if engine.native_versions else None
+        # The new weights are in: a new cache epoch first, whatever the label calls below do
+        # (an abort update clears no cache: the epoch is all that keeps old KV out of reach).
+        engine._cache_epoch += 1
+        if taken is not None and not taken.finished:
+            await engine.call_vllm(self._llm.finish_weight_update(weight_version=label))
+        elif label is not None:
+            await engine.call_vllm(self._llm.update_weight_version(label))
+        engine._label_lags = False
+        if global_steps is not None:
+            engine._global_steps = global_steps
+        if taken is None or not taken.marked:  # an inflight take marked its boundary
+            await engine._mark_version_boundary(engine._global_steps)
+
+    async def abort(self) -> bool:
+        """End the update in every worker; True if each restored its previous weights."""
+        self._taken = None
+        whole = await self._engine.collective_rpc("asyncroll_abort_weight_update")
+        return all(whole)
+
+    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
+        ranges = await self._engine.collective_rpc("asyncroll_read_ranges")
+        return [
+            None if found is None else {name: (int(a), int(b)) for name, (a, b) in found.items()}
+            for found in ranges
+        ]
+
+    async def _answers(
+        self,
+        rpc: asyncio.Future[Any],
+        version: int,
+        *,
+        inflight: bool,
+        sent: Callable[[], None] | None,
+    ) -> list[Any]:
+        """The take RPC's answers; ``sent()`` once it has left."""
+        try:
+            if sent is not None:
+                # vLLM's client hands a call to its socket in the call's first step, and the
+                # call runs in a task of its own (``call_vllm``), which asyncio starts in the
+                # order it was made: two loop turns see both calls out.
+                for _ in range(2):
+                    await asyncio.sleep(0)
+                sent()
+            answers: list[Any] = await (asyncio.shield(rpc) if inflight else rpc)
+        except asyncio.CancelledError:
+            if not inflight:
+                rpc.cancel()
+                raise
+            # An inflight RPC runs on in the engine and may commit: its answer still labels
+            # what the engine serves, then the cancellation goes on.
+            outcome: Any = (await asyncio.gather(rpc, return_exceptions=True))[0]
+            if isinstance(outcome, list):
+                self._took_inflight(outcome, version)
+            raise
+        if inflight:
+            self._took_inflight(answers, version)
+        return answers
+
+    def _took_inflight(self, answers: list[Any], version: int) -> None:
+        """Record an inflight RPC's answers: where each request switched, if it committed.
+        Called with no await since the answer came: no request ends in between."""
+        if any(isinstance(answer, str) for answer in answers):
+            return  # failed: rolled back in the RPC
+        sampled = answers[0].pop("sampled", {})
+        for answer in answers[1:]:
+            answer.pop("sampled", None)
+        self._engine._commit_inflight(version if version >= 0 else None, sampled)
+
+
+def vllm_client(engine: VLLMEngine) -> AsyncLLM:
+    """The vLLM client under ``engine``, for tests and benchmarks that spy on it or read its
+    state (``asyncroll.testing.vllm_client``). asyncroll speaks to vLLM through the engine's
+    verbs only; a call made on the client bypasses the engine's gate, labels and death watch
+    (``VLLMEngine.collective_rpc`` does not)."""
+    return engine._llm
 
 
 def _is_input_error(exc: Exception) -> bool:

@@ -771,7 +771,7 @@ class WeightPusher(VersionedUpdater):
                 CUDA, layerwise without.
             load_plan: With ``direct``, replay a compiled load plan: the model's loaders run
                 once per tensor name, watched, and later pushes copy straight from the staging
-                buffer into the parameters (``asyncroll.load_plan``). False: the loaders run
+                buffer into the parameters (``asyncroll.receive.load_plan``). False: the loaders run
                 on every push.
             one_copy: No staging buffers: the workers copy straight from the trainer's tensors
                 (CUDA IPC handles of their storages, exported once and kept while the tensors

@@ -225,3 +225,16 @@ def test_only_asyncroll_vllm_imports_vllm() -> None:
     known = {b for b in KNOWN_FLOOR_BREACHES if b[1] == "vllm"}
     assert not breaches - known, f"vllm imported outside asyncroll/vllm/: {breaches - known}"
     assert not known - breaches, f"gone, strike from KNOWN_FLOOR_BREACHES: {known - breaches}"
+
+
+def test_the_receive_core_stands_below_the_vllm_adapter() -> None:
+    """``asyncroll.receive`` (a worker's load, check and rollback) imports torch and the
+    transport: never the vLLM adapter, the trainer side or the manager, so it runs and is
+    tested on a plain ``torch.nn.Module``; ``asyncroll.vllm.worker`` adapts vLLM onto it."""
+    above = ("asyncroll.vllm", "asyncroll.manager", *TRAINER_SIDE)
+    found: set[tuple[str, str]] = set()
+    for name in MODULES:
+        if _within(name, ("asyncroll.receive",)):
+            found |= _crossings(name, above)
+    assert not found, f"asyncroll.receive reaches above itself: {found}"
+

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
-from asyncroll.load_plan import LoadPlan
+from asyncroll.receive.load_plan import LoadPlan
 from asyncroll.transport import LazyTensor, Part, Piece, ShmBackend, WeightReceiver, wire
 from asyncroll.transport.packing import FUSE_BYTES
 from asyncroll.transport.sender import open_weight_sender

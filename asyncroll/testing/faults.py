@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from asyncroll.vllm.worker import AsyncrollWorkerExtension
+from asyncroll.testing.probes import ProbingExtension
 
 __all__ = ["FAULTS_EXTENSION", "FaultInjectingExtension", "FaultPoint", "inject_fault"]
 
@@ -35,8 +35,9 @@ FAULTS_EXTENSION = "asyncroll.testing.faults.FaultInjectingExtension"
 FaultPoint = Literal["load", "after_load", "skip", "corrupt"]
 
 
-class FaultInjectingExtension(AsyncrollWorkerExtension):
-    """asyncroll's worker extension plus one RPC that arms or clears a fault."""
+class FaultInjectingExtension(ProbingExtension):
+    """asyncroll's worker extension, its probes (``asyncroll.testing.probes``), and one RPC
+    that arms or clears a fault."""
 
     def asyncroll_inject_fault(self, point: str, tensor: str = "", rank: int | None = None
                                ) -> None:

@@ -49,16 +49,24 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
-from asyncroll.errors import PieceNotPlannedError, WeightSyncError
-from asyncroll.fingerprints import Fingerprinter, fingerprints, holds_exactly
-from asyncroll.load_plan import LoadPlan, PlanStatistics
+from asyncroll.errors import PieceNotPlannedError
+from asyncroll.receive.check import PushCheck, check_delivered
+from asyncroll.receive.load_plan import LoadPlan, PlanStatistics
+from asyncroll.receive.rollback import Rollback
 from asyncroll.transport import WeightReceiver
 from asyncroll.transport.broadcast import BroadcastReceiver
 from asyncroll.transport.plan import Part
 from asyncroll.transport.receiver import PlaceFn, ReceiveReport
 from asyncroll.vllm.compat import worker_runs_the_session
 
-__all__ = ["BACKEND_NAME", "AsyncrollWeightTransferEngine", "AsyncrollWorkerExtension"]
+__all__ = [
+    "BACKEND_NAME",
+    "AsyncrollWeightTransferEngine",
+    "AsyncrollWorkerExtension",
+    "SampleCounter",
+    "delivery_of",
+    "reload_weights",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +86,9 @@ class InitInfo(WeightTransferInitInfo):
     weights for its kernels). ``direct``: ``model.load_weights`` into the served parameters in
     place, as verl and slime do on GPU; several times faster, for unquantized models on GPU."""
     plan: bool = True
-    """With ``direct``: replay a compiled load plan (``asyncroll.load_plan``) instead of running
-    the model's loaders on every push (they run once per name, watched, to learn the plan)."""
+    """With ``direct``: replay a compiled load plan (``asyncroll.receive.load_plan``) instead
+    of running the model's loaders on every push (they run once per name, watched, to learn the
+    plan)."""
     transport: str = "staged"
     """``staged``: shared staging buffers on this host (``address`` is the sender's socket).
     ``broadcast``: a process group with the trainer, any host (``asyncroll.transport.broadcast``;
@@ -136,33 +145,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         (a failed one, or a push through vLLM's own ``update_weights``, leaves them): with
         ``entered`` and the report, what vLLM's start of the update and the worker's work
         after the receive cost, apart from the RPC's way in and out (benchmarks)."""
-        self.verified = (0, 0)
-        """The last push's tensors checked against the sender's fingerprints, and those that
-        could not be (not found whole in the model: fused, sharded or converted)."""
-        self.verify_seconds = 0.0
-        """What that check took (after the receive, before the push's RPC returns)."""
-        self._fingerprinter = Fingerprinter()
-        self._verify_key: object = None
-        self._verify_targets: tuple[dict[str, torch.Tensor], dict[str, torch.dtype]] = ({}, {})
+        self.check = PushCheck()
+        """The check of what each push loaded (``asyncroll.receive.check``)."""
+        self.rollback = Rollback()
+        """What undoing a failed push needs (``asyncroll.receive.rollback``)."""
         self._info: InitInfo | None = None
-        self._backup: dict[str, torch.Tensor] | None = None
-        self._shadow: dict[str, torch.Tensor] | None = None
-        """Checkpoint-format copy of the served weights (layerwise load with a backup): what a
-        rollback reloads, and what completes a layer a partial update touched but did not fill.
-        A kernel-format copy cannot do either: the CPU build keeps repacked weights outside the
-        parameters (oneDNN handles), so copying parameters back does not restore them."""
-        self._unknown = False
-        """A push landed without updating a shadow: the checkpoint no longer describes the
-        served weights (until a push of every checkpoint tensor seeds the shadow again)."""
-        self._mixed = False
-        """A push failed without a backup: the served weights are partly loaded."""
-        self._pending: dict[str, torch.Tensor] = {}
-        self._arrived: dict[str, bytes] = {}
-        """Fingerprints of the tensors as they arrived (layerwise loads): the check of those the
-        model holds fused or repacked, which cannot be found whole after the load."""
-        self._active = False
-        self._touched = False
-        """The update in progress has handed tensors to the model's loader."""
         self._finalized = False
         """The update in progress has finished its layerwise reload (in the receive)."""
         self._plan: LoadPlan | None = None
@@ -223,7 +210,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         assert self._receiver is not None and self._info is not None
         self._push_id = update_info.push
         self.entered = time.perf_counter()
-        self._fingerprinter.discard_early()  # an early read is this push's, or none
+        self.check.begin()
         with _outside_device_context() as self._device_context:
             try:
                 self._receive(load_weights)
@@ -264,8 +251,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             load_batch = self._plan.load
         if worker_driven:
             self._begin()
-        keep = self._keeps_copies()
-        self._arrived = {}
+        rollback = self.rollback
+        keep = rollback.keeps_copies
         received: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         handed: set[str] = set()
         """Names that arrived, and names that reached the model's loader (or their place):
@@ -282,10 +269,10 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     " load plan"
                 )
             if not direct:  # what arrived, for the tensors no longer whole once loaded
-                self._arrived.update(fingerprints(dict(arrived)))
+                self.check.note_arrived(arrived)
             self.before_load(batch)
             batch = self.to_load(batch)
-            self._touched = True  # from here on a failure may leave the batch partly loaded
+            rollback.loading()
             try:
                 if batch and parts:
                     assert self._plan is not None
@@ -302,8 +289,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 for name, t in arrived
             )
             handed.update(name for name, _ in batch)
-            for name, tensor in batch:
-                self._pending[name] = tensor.detach().clone() if keep else _LOADED
+            rollback.loaded(batch)
             if not direct:
                 _detach_pending_views()
             if whole_push:  # one copy: nothing more of the push to load
@@ -324,15 +310,14 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     self.before_load([(name, target)])
                     if not self.to_load([(name, target)]):
                         return torch.empty(0, dtype=torch.uint8)  # dropped: counted below
-                    self._touched = True
                     handed.add(name)
-                    self._pending[name] = _LOADED
+                    rollback.placed(name)
                 return target
 
         def check(report: ReceiveReport) -> None:
             """What was loaded, checked (in a broadcast, before the group's verdict)."""
             self.last_report = report
-            _check_delivered(report, set(received), handed)
+            check_delivered(report, set(received), handed)
             if not direct:
                 self._complete_partial_layers(load_batch)
             self.after_load()
@@ -345,9 +330,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     )
                 self._finalized = True
             if direct or not worker_driven:  # (vLLM 0.24 finalizes a layerwise load later)
-                verifying = time.perf_counter()
-                self._verify(report, received)
-                self.verify_seconds = time.perf_counter() - verifying
+                self.check.verify(self.model, self._active_plan(), report, received)
 
         try:
             if isinstance(self._receiver, BroadcastReceiver):
@@ -364,101 +347,21 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
 
-    @property
-    def early_reads(self) -> int:
-        """How many checks read the loaded tensors early (``_read_prints_early``)."""
-        return self._fingerprinter.early_reads
+    def _active_plan(self) -> LoadPlan | None:
+        """The load plan, where the push in progress loads through it."""
+        return self._plan if self._planning else None
 
     def _read_prints_early(
         self, received: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
     ) -> None:
-        """Queue the check's read of the loaded tensors behind the loads, before the device
-        sync that precedes the ack (``Fingerprinter.read_early``), where the check will look
-        at the same tensors as the last push's (same plan, same names and shapes; the check
-        makes sure) and nothing changes them between the loads and the check (no
-        ``after_load`` of a subclass or an injected fault)."""
-        key = self._verify_key
-        plan = self._plan if self._planning else None
-        if (
-            plan is None
-            or not isinstance(key, tuple)
-            or key[:2] != (id(plan), plan.generation)
-            or key[3] != received
-            or "after_load" in vars(self)
-            or type(self).after_load is not AsyncrollWeightTransferEngine.after_load
+        """Queue the check's read of the loaded tensors early (``PushCheck.read_early``),
+        unless something may change them between the loads and the check (an ``after_load``
+        of a subclass, or an injected fault)."""
+        if "after_load" in vars(self) or (
+            type(self).after_load is not AsyncrollWeightTransferEngine.after_load
         ):
             return
-        found, as_pushed = self._verify_targets
-        try:
-            self._fingerprinter.read_early(found, as_pushed)
-        except Exception:  # only a head start: the check reads them itself
-            logger.debug("could not queue the fingerprint read early", exc_info=True)
-            self._fingerprinter.discard_early()
-
-    def _verify(
-        self, report: ReceiveReport, received: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-    ) -> None:
-        """Check every tensor we can find whole in the model against the sender's fingerprint
-        (``asyncroll.fingerprints``): a parameter of that name, or the one contiguous range
-        the load plan copies it to, of the pushed dtype and shape. Records (checked, not
-        checkable) in ``verified``.
-
-        Raises:
-            WeightSyncError: a loaded tensor differs from the pushed one (names it).
-        """
-        pushed = report.fingerprints
-        if not pushed:
-            self.verified = (0, 0)
-            self._verify_key = None  # (no early reads while pushes come unchecked)
-            return
-        plan = self._plan if self._planning else None
-        key = (id(plan), plan.generation, pushed.keys(), received) if plan is not None else None
-        if key is not None and self._verify_key == key:
-            found, as_pushed = self._verify_targets  # the same mapping: the same objects
-        else:
-            found, as_pushed = {}, {}
-            for name, (dtype, shape) in received.items():
-                if name in pushed:
-                    tensor = self._loaded_whole(name, dtype, shape)
-                    if tensor is not None and tensor.numel():
-                        found[name], as_pushed[name] = tensor, dtype
-            # Cached only with a plan: its targets change only with its generation (the
-            # model's parameters, looked up by name, may be replaced by any reload).
-            self._verify_key = key
-            self._verify_targets = (found, as_pushed)
-        wrong = self._fingerprinter.differing(found, pushed, as_pushed)
-        arrived = [n for n in pushed if n in received and n not in found and n in self._arrived]
-        torn = [n for n in arrived if self._arrived[n] != pushed[n]]
-        self.verified = (len(found) + len(arrived), len(pushed) - len(found) - len(arrived))
-        if torn:
-            shown = ", ".join(torn[:5]) + (f" and {len(torn) - 5} more" if len(torn) > 5 else "")
-            raise WeightSyncError(
-                f"push {report.push} (version {report.version}): {len(torn)} tensors arrived"
-                f" other than they were before the pause (changed while update_weights read"
-                f" them? they must not change until it returns): {shown}"
-            )
-        if wrong:
-            shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
-            raise WeightSyncError(
-                f"push {report.push} (version {report.version}): {len(wrong)} loaded tensors"
-                f" differ from what was pushed (fingerprints): {shown}"
-            )
-
-    def _loaded_whole(
-        self, name: str, dtype: torch.dtype, shape: tuple[int, ...]
-    ) -> torch.Tensor | None:
-        """Where pushed tensor ``name`` sits whole in the model, if it does; else None."""
-        plan = self._plan if self._planning else None
-        if plan is not None and plan.knows(name):
-            return plan.whole_target(name, dtype, shape)
-        try:
-            parameter = self.model.get_parameter(name)
-        except AttributeError:
-            return None
-        with torch._C.DisableTorchFunctionSubclass():
-            if not holds_exactly(parameter.dtype, dtype) or tuple(parameter.shape) != shape:
-                return None
-            return parameter if parameter.is_contiguous() else None
+        self.check.read_early(self._active_plan(), received)
 
     def _under_device(
         self, loader: Callable[[list[tuple[str, torch.Tensor]]], Any], batch: list[Any]
@@ -510,31 +413,14 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     def abort_update(self) -> bool:
         """End an update in progress, if any: restore the previous weights where a backup
         exists. Returns whether the weights served now are whole (previous, or untouched)."""
-        self._fingerprinter.discard_early()
-        if not self._active:
-            return not self._mixed
-        self._active = False
-        touched, self._touched = self._touched, False
-        self._pending = {}
-        if not self.direct:
-            _end_layerwise_reload(self.model, self.model_config)
-        if self._shadow is not None and not self.direct:
-            _reload(self.model, self.model_config, self._shadow.items())
-            logger.warning("weight push failed: previous weights reloaded from the backup")
-            return True
-        if self._backup is not None:
-            state = _state(self.model)
-            with torch.no_grad():
-                for name, saved in self._backup.items():
-                    if name in state:  # aliases (tied weights) appear once in the state
-                        state[name].copy_(saved)
-            self._backup = None
-            logger.warning("weight push failed: previous weights restored")
-            return True
-        if touched:
-            self._unknown = self._mixed = True
-            logger.error("weight push failed without a backup: the model holds mixed weights")
-        return not self._mixed
+        self.check.discard()
+        if self.direct:
+            return self.rollback.abort(self.model)
+        return self.rollback.abort(
+            self.model,
+            end=functools.partial(_end_layerwise_reload, self.model, self.model_config),
+            restore=functools.partial(reload_weights, self.model, self.model_config),
+        )
 
     def shutdown(self) -> None:
         if self._plan is not None:  # it holds views of the receiver's buffers
@@ -546,41 +432,24 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
     # -- internals -------------------------------------------------------------------------
 
     def _begin(self) -> None:
-        """Start an update: take what a rollback needs (see ``_shadow``)."""
+        """Start an update: take what a rollback needs (``Rollback.begin``)."""
         assert self._info is not None
-        self._active = True
-        self._touched = False
         self._finalized = False
-        self._pending = {}
-        self._backup = None
-        if not self._info.backup:
-            self._shadow = None  # it would go stale: this push does not keep copies
-        elif self.direct:
-            self._backup = _clone_state(self.model)
-        elif self._shadow is None and not self._unknown:
-            self._shadow = _read_checkpoint(self.model_config)
+        self.rollback.begin(
+            self.model,
+            backup=self._info.backup,
+            direct=self.direct,
+            checkpoint=functools.partial(_read_checkpoint, self.model_config),
+        )
 
     def can_roll_back(self) -> bool:
-        """Whether a push that fails now can be undone: a backup is kept (direct loads), or a
-        copy of the served weights is known (layerwise: read from the checkpoint, or kept
-        from earlier pushes, unless one without a backup left the weights unknown)."""
-        if self._info is None or not self._info.backup:
+        """Whether a push that fails now can be undone (``Rollback.can_roll_back``)."""
+        if self._info is None:
             return False
-        return self.direct or self._shadow is not None or not self._unknown
-
-    def _keeps_copies(self) -> bool:
-        return self._info is not None and self._info.backup and not self.direct
+        return self.rollback.can_roll_back(backup=self._info.backup, direct=self.direct)
 
     def _commit(self) -> None:
-        self._active = self._mixed = False
-        self._backup = None
-        if self._shadow is not None:
-            self._shadow.update(self._pending)
-        elif self._keeps_copies() and _covers_checkpoint(self.model_config, self._pending):
-            self._shadow, self._unknown = dict(self._pending), False  # a whole model arrived
-        elif self._pending:
-            self._unknown = True
-        self._pending = {}
+        self.rollback.commit(functools.partial(_covers_checkpoint, self.model_config))
 
     def _complete_partial_layers(
         self, load_batch: Callable[[list[tuple[str, torch.Tensor]]], Any]
@@ -590,20 +459,17 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         partial = _partially_loaded_layers(self.model)
         if not partial:
             return
-        if self._shadow is None:
+        shadow, pending = self.rollback.shadow, self.rollback.pending
+        if shadow is None:
             names = _checkpoint_names(self.model_config)
-            if not names or names <= self._pending.keys():
+            if not names or names <= pending.keys():
                 return  # padding (vLLM finishes such layers itself), or nothing to tell by
             raise RuntimeError(
                 f"a partial update touched {partial[:3]} without filling them; on the layerwise "
                 "load path that needs a backup (WeightPusher(backup=True)) to fill in the rest"
             )
-        rest = [(n, t) for n, t in self._shadow.items() if n not in self._pending]
+        rest = [(n, t) for n, t in shadow.items() if n not in pending]
         load_batch(rest)  # completed or untouched layers reload unchanged values
-
-_LOADED = torch.empty(0, device="cpu")
-"""What ``_pending`` keeps of a tensor when no copy is kept (only its name counts)."""
-
 
 _BURIED_LOGGED = False
 
@@ -644,43 +510,15 @@ def _outside_device_context() -> Iterator[Callable[[], contextlib.AbstractContex
             torch._C._push_on_torch_function_stack(mode)
 
 
-def _delivery(engine: object) -> dict[str, Any] | None:
+def delivery_of(engine: object) -> dict[str, Any] | None:
     """What the worker took in its last push (``VLLMEngine.last_delivery`` sums the workers')."""
     report = getattr(engine, "last_report", None)
     if report is None:
         return None
+    check = getattr(engine, "check", None)
+    verified = check.verified if isinstance(check, PushCheck) else (0, 0)
     return {"version": report.version, "tensors": report.tensors, "bytes": report.bytes,
-            "verified": list(getattr(engine, "verified", (0, 0)))}
-
-
-def _check_delivered(report: ReceiveReport, received: set[str], handed: set[str]) -> None:
-    """Every tensor that arrived reached the model's loader (or the place the load plan put
-    it), and some did.
-
-    Raises:
-        WeightSyncError: a push that loaded nothing, or less than it delivered (naming what
-            was lost): never a silent no-op.
-    """
-    lost = sorted(received - handed)
-    if report.tensors and not handed:
-        raise WeightSyncError(
-            f"push {report.push} (version {report.version}) delivered {report.tensors} tensors"
-            " and the worker loaded none of them"
-        )
-    if lost:
-        shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
-        raise WeightSyncError(
-            f"push {report.push} (version {report.version}): {len(lost)} of"
-            f" {len(received)} tensors arrived but never reached the model's loader: {shown}"
-        )
-
-
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
-def _clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in _state(model).items()}
+            "verified": list(verified)}
 
 
 def _read_checkpoint(model_config: Any) -> dict[str, torch.Tensor] | None:
@@ -741,7 +579,7 @@ def _end_layerwise_reload(model: torch.nn.Module, model_config: Any) -> None:
             info.reset()  # type: ignore[no-untyped-call]
 
 
-def _reload(
+def reload_weights(
     model: torch.nn.Module, model_config: Any, tensors: Iterable[tuple[str, torch.Tensor]]
 ) -> None:
     """Load checkpoint-format tensors through vLLM's layerwise reload (any model, any build)."""
@@ -761,14 +599,6 @@ def _detach_pending_views() -> None:
 
 class AsyncrollWorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); reachable by ``collective_rpc``."""
-
-    def asyncroll_load_serialized(self, payload: bytes) -> int:
-        """Baseline for benchmarks: weights as safetensors bytes through vLLM's own RPC."""
-        from safetensors.torch import load
-
-        tensors = load(payload)
-        _reload(self.model_runner.model, self.model_config, tensors.items())  # type: ignore[attr-defined]
-        return len(tensors)
 
     def asyncroll_bind_weight_transfer_engine(self) -> None:
         """Give the weight-transfer engine the configs vLLM 0.24 builds it without."""
@@ -838,7 +668,7 @@ class AsyncrollWorkerExtension:
             engine = getattr(worker, "weight_transfer_engine", None)
             if not isinstance(engine, AsyncrollWeightTransferEngine):
                 return None  # not finished here: the adapter sends the finish RPC
-            delivered = _delivery(engine)
+            delivered = delivery_of(engine)
             if delivered is None:
                 return None  # (likewise)
             if finish or inflight:
@@ -874,50 +704,6 @@ class AsyncrollWorkerExtension:
         if engine is not None:
             engine.shutdown()
 
-    def asyncroll_last_receive_report(self) -> dict[str, Any] | None:
-        """The worker's view of the last push: seconds in all and by stage (waiting for the
-        sender, loading, marking reads done, acking, the final device sync), and what the load
-        plan did (benchmarks)."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        report = getattr(engine, "last_report", None)
-        delivered = _delivery(engine)
-        if report is None or delivered is None:
-            return None
-        out: dict[str, Any] = {
-            **delivered,
-            "verify_seconds": getattr(engine, "verify_seconds", 0.0),
-            "early_reads": getattr(engine, "early_reads", 0),
-            "seconds": report.seconds,
-            "load_seconds": report.load_seconds,
-            "wait_seconds": report.wait_seconds,
-            "record_seconds": report.record_seconds,
-            "ack_seconds": report.ack_seconds,
-            "sync_seconds": report.sync_seconds,
-            "timeline": [dataclasses.asdict(times) for times in report.timeline],
-            "began": report.began,
-            "entered": getattr(engine, "entered", report.began),
-            "called": getattr(engine, "called", 0.0),
-            "returned": getattr(engine, "returned", 0.0),
-        }
-        stats = (
-            engine.plan_statistics
-            if isinstance(engine, AsyncrollWeightTransferEngine)
-            else None
-        )
-        if stats is not None:
-            out |= {
-                "planned": stats.planned,
-                "learned": stats.learned,
-                "fallback": stats.fallback,
-                "copies": stats.copies,
-                "calls": stats.calls,
-                "remembered": stats.remembered,
-                "invalidations": stats.invalidations,
-                "plan_check_seconds": stats.check_seconds,
-                "unplannable": dict(list(stats.unplannable.items())[:8]),
-            }
-        return out
-
     def asyncroll_read_ranges(self) -> dict[str, tuple[int, int]] | None:
         """What of each pushed tensor this worker reads (``LoadPlan.read_ranges``): a
         sharded trainer pushes a worker only its rows where it holds them."""
@@ -925,39 +711,6 @@ class AsyncrollWorkerExtension:
         if not isinstance(engine, AsyncrollWeightTransferEngine):
             return None
         return engine.read_ranges()
-
-    def asyncroll_drop_load_plan(self) -> None:
-        """Forget the load plan (the next push learns it again, through ``load_weights``):
-        after the model's parameters were replaced outside a push, say."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        if isinstance(engine, AsyncrollWeightTransferEngine):
-            engine.drop_plan()
-
-    def asyncroll_step_times(self, since: float = 0.0) -> list[float]:
-        """When the model's recent steps began, from ``since`` on (``SampleCounter.started``;
-        benchmarks: the longest gap around an update is the engine's stall)."""
-        counter: SampleCounter | None = getattr(self, "_asyncroll_samples", None)
-        return [] if counter is None else [t for t in counter.started if t >= since]
-
-    def asyncroll_ping(self) -> None:
-        """Nothing: one round trip through vLLM's RPC (benchmarks measure the floor that the
-        update's two RPCs, the receive and the finish, set under its time)."""
-
-    def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
-        """Per-parameter sums of the served model (tests compare them across engines)."""
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
-
-    def asyncroll_weight_hash(self) -> str:
-        """One hash of every parameter's bytes, in name order (bitwise comparisons in tests)."""
-        import hashlib
-
-        digest = hashlib.blake2b(digest_size=16)
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        for name, p in sorted(model.named_parameters()):
-            digest.update(name.encode())
-            digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
-        return digest.hexdigest()
 
 
 class SampleCounter:

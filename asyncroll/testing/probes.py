@@ -1,0 +1,121 @@
+"""Worker RPCs for tests and benchmarks only, kept out of the production worker.
+
+``ProbingExtension`` is asyncroll's worker extension plus RPCs that read what a worker holds
+or how long its work took: the served weights' digest and hash, the worker's full report of
+the last push, step times, a bare round trip, and vLLM's own RPC path as a baseline. Launch an
+engine with it to call them (``engine.collective_rpc("asyncroll_weight_hash")``)::
+
+    engine = await VLLMEngine.start(path, worker_extension_cls=PROBES_EXTENSION)
+
+``asyncroll.testing.faults.FaultInjectingExtension`` builds on it (the test suite's engines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from asyncroll.vllm.worker import (
+    AsyncrollWeightTransferEngine,
+    AsyncrollWorkerExtension,
+    SampleCounter,
+    delivery_of,
+    reload_weights,
+)
+
+__all__ = ["PROBES_EXTENSION", "ProbingExtension"]
+
+PROBES_EXTENSION = "asyncroll.testing.probes.ProbingExtension"
+"""Pass as ``worker_extension_cls`` when launching an engine whose workers a test or a
+benchmark probes."""
+
+
+class ProbingExtension(AsyncrollWorkerExtension):
+    """asyncroll's worker extension plus the probing RPCs (see the module doc)."""
+
+    def asyncroll_last_receive_report(self) -> dict[str, Any] | None:
+        """The worker's view of the last push: seconds in all and by stage (waiting for the
+        sender, loading, marking reads done, acking, the final device sync), and what the load
+        plan did (benchmarks)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        report = getattr(engine, "last_report", None)
+        delivered = delivery_of(engine)
+        if engine is None or report is None or delivered is None:
+            return None
+        out: dict[str, Any] = {
+            **delivered,
+            "verify_seconds": engine.check.seconds,
+            "early_reads": engine.check.early_reads,
+            "seconds": report.seconds,
+            "load_seconds": report.load_seconds,
+            "wait_seconds": report.wait_seconds,
+            "record_seconds": report.record_seconds,
+            "ack_seconds": report.ack_seconds,
+            "sync_seconds": report.sync_seconds,
+            "timeline": [dataclasses.asdict(times) for times in report.timeline],
+            "began": report.began,
+            "entered": getattr(engine, "entered", report.began),
+            "called": getattr(engine, "called", 0.0),
+            "returned": getattr(engine, "returned", 0.0),
+        }
+        stats = (
+            engine.plan_statistics
+            if isinstance(engine, AsyncrollWeightTransferEngine)
+            else None
+        )
+        if stats is not None:
+            out |= {
+                "planned": stats.planned,
+                "learned": stats.learned,
+                "fallback": stats.fallback,
+                "copies": stats.copies,
+                "calls": stats.calls,
+                "remembered": stats.remembered,
+                "invalidations": stats.invalidations,
+                "plan_check_seconds": stats.check_seconds,
+                "unplannable": dict(list(stats.unplannable.items())[:8]),
+            }
+        return out
+
+    def asyncroll_weight_digest(self) -> list[tuple[str, float]]:
+        """Per-parameter sums of the served model (tests compare them across engines)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
+
+    def asyncroll_weight_hash(self) -> str:
+        """One hash of every parameter's bytes, in name order (bitwise comparisons in tests)."""
+        import hashlib
+
+        digest = hashlib.blake2b(digest_size=16)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        for name, p in sorted(model.named_parameters()):
+            digest.update(name.encode())
+            digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
+        return digest.hexdigest()
+
+    def asyncroll_ping(self) -> None:
+        """Nothing: one round trip through vLLM's RPC (benchmarks measure the floor that the
+        update's two RPCs, the receive and the finish, set under its time)."""
+
+    def asyncroll_step_times(self, since: float = 0.0) -> list[float]:
+        """When the model's recent steps began, from ``since`` on (``SampleCounter.started``;
+        benchmarks: the longest gap around an update is the engine's stall)."""
+        counter: SampleCounter | None = getattr(self, "_asyncroll_samples", None)
+        return [] if counter is None else [t for t in counter.started if t >= since]
+
+    def asyncroll_drop_load_plan(self) -> None:
+        """Forget the load plan (the next push learns it again, through ``load_weights``):
+        after the model's parameters were replaced outside a push, say."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, AsyncrollWeightTransferEngine):
+            engine.drop_plan()
+
+    def asyncroll_load_serialized(self, payload: bytes) -> int:
+        """Baseline for benchmarks: weights as safetensors bytes through vLLM's own RPC."""
+        from safetensors.torch import load
+
+        tensors = load(payload)
+        reload_weights(self.model_runner.model, self.model_config, tensors.items())  # type: ignore[attr-defined]
+        return len(tensors)

@@ -13,7 +13,7 @@ import importlib.machinery
 import sys
 import types
 
-from asyncroll.vllm.worker import AsyncrollWorkerExtension
+from asyncroll.testing.probes import ProbingExtension
 
 
 def install_ray_stub() -> None:
@@ -29,5 +29,6 @@ def install_ray_stub() -> None:
 install_ray_stub()
 
 
-class BaselineWorkerExtension(AsyncrollWorkerExtension):
-    """asyncroll's worker extension (digests for the checks), with the stub installed."""
+class BaselineWorkerExtension(ProbingExtension):
+    """asyncroll's worker extension and its probes (digests for the checks), with the stub
+    installed."""

@@ -61,7 +61,7 @@ from gpu_e2e import (
 from safetensors.torch import load_file
 
 from asyncroll import VLLMEngine, WeightPusher, WeightSyncError
-from asyncroll.testing import make_tiny_model
+from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.faults import inject_fault
 
 ENGINE_GPU = "1"
@@ -207,7 +207,7 @@ def ray_calls(engine: Any) -> dict[str, float]:
     (the rest is Ray and the actor's event loop)."""
     found: dict[str, float] = {}
     for call, (round_trip, in_actor) in getattr(engine, "call_times", {}).items():
-        if call in ("take_update", "commit_version", "pause", "resume", "reset_prefix_cache"):
+        if call in ("take_update", "weights.commit", "pause", "resume"):
             found[f"ray {call} ms"] = round_trip * 1e3
             found[f"ray {call} in actor ms"] = in_actor * 1e3
     return found
@@ -234,7 +234,8 @@ async def ours(res: Results, engines: Engines, s: str, folder: Path,
 
             try:
                 results[label] = await timed(repeats, push)
-                delivery = await engine.last_delivery()
+                # what the engine's workers took in the last push (its take's answer)
+                delivery = pusher.channel.deliveries().get(engine.name)
                 res.check(s, f"{label}: every tensor delivered and verified where verifiable",
                           delivery is not None and delivery.tensors == len(tensors)
                           and delivery.verified > 0, delivery)
@@ -278,7 +279,7 @@ async def vllm_nccl(res: Results, engines: Engines, s: str, folder: Path,
                              gpu_memory_utilization=util,
                              weight_transfer_config=WeightTransferConfig(backend="nccl")
                              ) as engine:
-        llm = engine.llm
+        llm = vllm_client(engine)
         init = asyncio.ensure_future(llm.init_weight_transfer_engine(WeightTransferInitRequest(
             init_info={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
                        "world_size": 2})))

@@ -65,7 +65,7 @@ from asyncroll import (
     WeightPusher,
     WeightSyncError,
 )
-from asyncroll.testing import make_tiny_model
+from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.faults import FAULTS_EXTENSION, inject_fault
 from asyncroll.transport import CudaIpcBackend
 
@@ -158,33 +158,38 @@ async def correctness_and_hybrid(res: Results, work: Path, sections: set[str]) -
         fresh_b = await greedy(fresh, "fresh-b")
     weights_a, weights_b = cuda_weights(model_a), cuda_weights(model_b)
     log("starting the engine on model A (sleep mode on)...")
-    async with VLLMEngine.launch(
-        model_a, name="a", enable_sleep_mode=True, **engine_args()
-    ) as engine:
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(VLLMEngine.launch(
+            model_a, name="a", enable_sleep_mode=True, **engine_args()
+        ))
+        # One pusher for the engine's updates, attached at its first and kept across them;
+        # closed before the engine (the stack closes in reverse).
+        pusher = WeightPusher([engine])
+        stack.push_async_callback(pusher.aclose)
         res.record("env", "vllm", __import__("vllm").__version__)
         res.record("env", "native_versions", engine.native_versions)
         fresh_a = await greedy(engine, "fresh-a")
         res.check("correctness", "models differ", fresh_a != fresh_b)
         if "correctness" in sections:
-            await _correctness(res, engine, weights_a, weights_b, fresh_a, fresh_b)
+            await _correctness(res, engine, pusher, weights_a, weights_b, fresh_a, fresh_b)
         if "hybrid" in sections:
-            await _hybrid(res, engine, model_a, weights_b, fresh_b)
+            await _hybrid(res, engine, pusher, model_a, weights_b, fresh_b)
         if "manager" in sections:
             await _manager_load(res, engine, weights_a)
 
 
 async def _correctness(
-    res: Results, engine: VLLMEngine, weights_a: dict[str, torch.Tensor],
+    res: Results, engine: VLLMEngine, pusher: WeightPusher, weights_a: dict[str, torch.Tensor],
     weights_b: dict[str, torch.Tensor], fresh_a: list[Any], fresh_b: list[Any],
 ) -> None:
     s = "correctness"
-    report = await engine.update_weights(weights_b, global_steps=1)
+    report = await pusher.update(weights_b, global_steps=1)
     assert report.push is not None
     res.record(s, "tiny push", {"bytes": report.push.bytes, "buckets": report.push.buckets})
     res.check(s, "push B: greedy equals a fresh engine on B", await greedy(engine, "b") == fresh_b)
     res.record(s, "tiny update ms", {k: round(v * 1e3, 2) for k, v in asdict(report).items()
                                       if k.endswith("seconds")})
-    await engine.update_weights(weights_a, global_steps=2)
+    await pusher.update(weights_a, global_steps=2)
     outs = await asyncio.gather(*(engine.generate(f"lab{i}", prompt_ids=p, sampling_params={
         "max_tokens": 16, "ignore_eos": True}) for i, p in enumerate(PROBES)))
     res.check(s, "push A back: greedy equals A's again", await greedy(engine, "a2") == fresh_a)
@@ -199,7 +204,7 @@ async def _correctness(
         long = asyncio.create_task(
             engine.generate(f"span-{mode}", prompt_ids=prompt, sampling_params=params))
         await asyncio.sleep(0.5)
-        await engine.update_weights(weights_b, global_steps=steps + 1, mode=mode)  # type: ignore[arg-type]
+        await pusher.update(weights_b, global_steps=steps + 1, mode=mode)
         seg = await long
         labels = seg.global_steps
         switch = labels.index(steps + 1) if steps + 1 in labels else -1
@@ -211,7 +216,7 @@ async def _correctness(
             head = list(prompt) + list(seg.token_ids[:switch])
             cont_b = (await engine.generate(f"cont-b-{mode}", prompt_ids=head, sampling_params={
                 "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
-            await engine.update_weights(weights_a, global_steps=steps + 2)
+            await pusher.update(weights_a, global_steps=steps + 2)
             cont_a = (await engine.generate(f"cont-a-{mode}", prompt_ids=head, sampling_params={
                 "max_tokens": 16, "temperature": 0.0, "ignore_eos": True})).token_ids
             after = seg.token_ids[switch:switch + 16]
@@ -226,7 +231,7 @@ async def _correctness(
                           {"after": after, "B": cont_b, "A": cont_a})
             res.record(s, f"{mode} switch position", switch)
         else:
-            await engine.update_weights(weights_a, global_steps=steps + 2)
+            await pusher.update(weights_a, global_steps=steps + 2)
         steps += 2
     # the prefix cache across an update in keep mode (no reset in vLLM: a new cache salt)
     cached = {}
@@ -235,7 +240,7 @@ async def _correctness(
     for name in ("cache-1", "cache-2"):
         cached[name] = (await engine.generate(name, prompt_ids=prompt,
                                               sampling_params=short)).num_cached_tokens
-    await engine.update_weights(weights_a, global_steps=steps + 1, mode="keep")
+    await pusher.update(weights_a, global_steps=steps + 1, mode="keep")
     for name in ("cache-3", "cache-4"):
         cached[name] = (await engine.generate(name, prompt_ids=prompt,
                                               sampling_params=short)).num_cached_tokens
@@ -244,23 +249,23 @@ async def _correctness(
     # a receiver-side failure (with backup) leaves the served weights untouched
     served = await greedy(engine, "before-fail")
     label = engine.global_steps
-    pusher = WeightPusher([engine], backup=True)
+    backed_up = WeightPusher([engine], backup=True)
     try:
         async with inject_fault(engine, "load", tensor="model.layers.1.mlp.down_proj.weight"):
-            await pusher.update(weights_b, global_steps=9)
+            await backed_up.update(weights_b, global_steps=9)
         failed = False
     except WeightSyncError as exc:
         failed = "down_proj" in str(exc)
     finally:
-        await pusher.aclose()
+        await backed_up.aclose()
     res.check(s, "receiver failure raises WeightSyncError naming the tensor", failed)
     res.check(s, "after the failure: old weights and label serve",
               await greedy(engine, "after-fail") == served and engine.global_steps == label)
 
 
 async def _hybrid(
-    res: Results, engine: VLLMEngine, model_a: Path, weights_b: dict[str, torch.Tensor],
-    fresh_b: list[Any],
+    res: Results, engine: VLLMEngine, pusher: WeightPusher, model_a: Path,
+    weights_b: dict[str, torch.Tensor], fresh_b: list[Any],
 ) -> None:
     from transformers import Qwen2ForCausalLM
 
@@ -281,16 +286,16 @@ async def _hybrid(
     res.record(s, "training step loss", float(loss))
     named = {k: v.detach() for k, v in trainer.state_dict().items()}
     try:
-        await engine.update_weights(named, global_steps=10)
+        await pusher.update(named, global_steps=10)
         refused = False
     except EngineSleepingError:
         refused = True
     res.check(s, "push while asleep is refused", refused)
     await engine.wake_up(["weights"])
-    report = await engine.update_weights(named, global_steps=10)
+    report = await pusher.update(named, global_steps=10)
     await engine.wake_up(["kv_cache", "scheduling"])
     res.record(s, "push after wake_up(weights) ms", round(report.seconds * 1e3, 2))
-    (digest,) = await engine.llm.collective_rpc("asyncroll_weight_digest")
+    (digest,) = await engine.collective_rpc("asyncroll_weight_digest")
     served = dict(digest)
     exact = all(
         served[n] == float(named[n].double().sum()) for n in ("model.embed_tokens.weight",
@@ -298,7 +303,7 @@ async def _hybrid(
     res.check(s, "the engine serves exactly the trained tensors (embed, lm_head sums)", exact)
     outs = await greedy(engine, "trained")
     res.check(s, "serves after wake-up", all(len(o) == 32 for o in outs))
-    await engine.update_weights(weights_b, global_steps=11)
+    await pusher.update(weights_b, global_steps=11)
     res.check(s, "then push B: greedy equals a fresh engine on B", await greedy(engine, "b3")
               == fresh_b)
     del trainer, optimizer
@@ -422,8 +427,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
     async with VLLMEngine.launch(folder, name=f"ours-{size}", load_format="dummy",
                                  **engine_args(gpu_memory_utilization=util)) as engine:
         if FINISH_RPC:  # the finish as an RPC of its own, as before 2026-11-28
-            engine.finish_in_receive = False
-        rpcs = 1 if engine.finish_in_receive else 2
+            engine.weights.finish_in_receive = False
+        rpcs = 1 if engine.weights.finish_in_receive else 2
         res.record(s, "RPCs to the workers an update", rpcs)
         # (load, bucket MiB, buffers, compiled load plan, one-copy, verify): the plan against
         # the old load_weights path, staged against one-copy, two buffers against three, the
@@ -453,7 +458,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                 called = time.perf_counter()
                 r = await pusher.update(tensors, global_steps=next(steps))
                 call_ms = (time.perf_counter() - called) * 1e3  # checks and fingerprints too
-                (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+                (worker,) = await engine.collective_rpc("asyncroll_last_receive_report")
                 assert r.push is not None
                 last["timeline"] = summarize_timeline(r.push.timeline, worker["timeline"],
                                                       buffers=buffers)
@@ -498,7 +503,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                                      if k.startswith("detail: "))
             if detail_lines:
                 log(f"  {label}: within the phases (median ms):\n{detail_lines}")
-            (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+            (worker,) = await engine.collective_rpc("asyncroll_last_receive_report")
             if planned:
                 res.record(s, f"{label} not planned", worker.get("unplannable"))
                 res.check(s, f"{label}: the plan replays the push",
@@ -509,7 +514,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
             drift = (after_first - free_gib()) / (torch.cuda.mem_get_info()[1] / GiB) * 100
             results[label]["gpu mem drift % of total"] = round(drift, 3)
             res.record(s, "results", results)
-            (digest,) = await engine.llm.collective_rpc("asyncroll_weight_digest")
+            (digest,) = await engine.collective_rpc("asyncroll_weight_digest")
             name = "model.embed_tokens.weight"
             res.check(s, f"{label}: engine serves the pushed tensors",
                       math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
@@ -605,7 +610,8 @@ def update_details(report: Any, worker: dict[str, Any], engine: Any) -> dict[str
         out["detail: End: last ack -> the sender saw it"] = last_sent.acked - last["acked"]
         out["detail: End: the sender sends the End"] = push.ended - last_sent.acked
         out["detail: End: sent -> the receive returned"] = r_end - push.ended
-    answered, returned = getattr(engine, "answered", 0.0), worker.get("returned") or 0.0
+    port = getattr(engine, "weights", None)  # the take's answer: ``VLLMWeightPort.answered``
+    answered, returned = getattr(port, "answered", 0.0), worker.get("returned") or 0.0
     if answered and returned:
         out["detail: back: the worker returned -> its answer reached the pusher"] = (
             answered - returned)
@@ -626,10 +632,10 @@ async def _changed_in_place(res: Results, s: str, label: str, engine: VLLMEngine
     for _ in range(2):
         for t in tensors.values():
             t.neg_()
-        (before,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+        (before,) = await engine.collective_rpc("asyncroll_last_receive_report")
         await pusher.update(tensors, global_steps=next(steps))
-        (after,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
-        (digest,) = await engine.llm.collective_rpc("asyncroll_weight_digest")
+        (after,) = await engine.collective_rpc("asyncroll_last_receive_report")
+        (digest,) = await engine.collective_rpc("asyncroll_weight_digest")
         early = after.get("early_reads", 0) - before.get("early_reads", 0)
         served = math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9)
         verified = after.get("verified", [0, 0])[0]
@@ -644,7 +650,7 @@ async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:
     times = []
     for _ in range(n + 5):
         t0 = time.perf_counter()
-        await engine.llm.collective_rpc("asyncroll_ping")
+        await engine.collective_rpc("asyncroll_ping")
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times[5:])
 
@@ -665,7 +671,7 @@ async def _verify_cost(res: Results, s: str, engine: VLLMEngine,
             called = time.perf_counter()
             r = await pusher.update(tensors, global_steps=next(steps))
             call_ms = (time.perf_counter() - called) * 1e3
-            (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+            (worker,) = await engine.collective_rpc("asyncroll_last_receive_report")
             delivery = r.deliveries.get(engine.name)
             runs[flag].append({
                 "update_ms": (r.push_seconds + r.finish_seconds) * 1e3,
@@ -727,8 +733,8 @@ async def _plan_bitwise(res: Results, s: str, engine: VLLMEngine,
         try:
             await pusher.update(other, global_steps=next(steps))
             await pusher.update(tensors, global_steps=next(steps))
-            (report,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
-            (digest,) = await engine.llm.collective_rpc("asyncroll_weight_hash")
+            (report,) = await engine.collective_rpc("asyncroll_last_receive_report")
+            (digest,) = await engine.collective_rpc("asyncroll_weight_hash")
             hashes.append((digest, report.get("planned", 0)))
         finally:
             await pusher.aclose()
@@ -764,7 +770,7 @@ async def vllm_ipc_baseline(
         **engine_args(gpu_memory_utilization=util,
                       worker_extension_cls="_baseline_ext.BaselineWorkerExtension"),
     ) as engine:
-        llm = engine.llm
+        llm = vllm_client(engine)
         await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         loop = asyncio.get_running_loop()
 
@@ -794,7 +800,7 @@ async def vllm_ipc_baseline(
             except Exception as exc:  # report, keep going with the other variants
                 res.record(s, f"{label} failed", repr(exc)[:500])
                 log(f"  {label} failed: {exc!r}"[:400])
-        (digest,) = await llm.collective_rpc("asyncroll_weight_digest")
+        (digest,) = await engine.collective_rpc("asyncroll_weight_digest")
         name = "model.embed_tokens.weight"
         res.check(s, "vLLM ipc: engine serves the pushed tensors",
                   math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
@@ -835,7 +841,7 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
         first = launched[0]
         # What the scheduler runs at once: without arguments, AsyncLLM takes vLLM's bare
         # fallbacks (128 sequences, 2048 tokens a step), not its serving or offline defaults.
-        scheduler = first.llm.vllm_config.scheduler_config
+        scheduler = vllm_client(first).vllm_config.scheduler_config
         res.record("rollout", "scheduler", {"max_num_seqs": scheduler.max_num_seqs,
                                             "max_num_batched_tokens":
                                                 scheduler.max_num_batched_tokens})

@@ -20,6 +20,7 @@ from pathlib import Path
 from gpu_e2e import engine_args
 
 from asyncroll import EngineDeadError, VLLMEngine
+from asyncroll.testing import vllm_client
 from asyncroll.testing.tiny_model import make_tiny_model
 from asyncroll.vllm import compat
 
@@ -32,12 +33,15 @@ async def main() -> None:
     )
     t = time.perf_counter()
     for _ in range(20):
-        await engine.read_ranges()
+        await engine.weights.read_ranges()
     print(f"read_ranges round trip {(time.perf_counter() - t) / 20 * 1e3:.3f} ms")
-    processes = compat.engine_core_processes(engine.llm)
+    processes = compat.engine_core_processes(vllm_client(engine))
     print("engine core processes:", [p.pid for p in processes])
     os.kill(processes[0].pid, signal.SIGSTOP)  # it can no longer answer
-    calls = [asyncio.ensure_future(engine.resume()), asyncio.ensure_future(engine.read_ranges())]
+    calls = [
+        asyncio.ensure_future(engine.resume()),
+        asyncio.ensure_future(engine.weights.read_ranges()),
+    ]
     await asyncio.sleep(0.5)  # a check, not a test: time for both calls to be sent
     os.kill(processes[0].pid, signal.SIGKILL)
     t = time.perf_counter()

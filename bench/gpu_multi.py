@@ -61,6 +61,7 @@ from gpu_e2e import (
 )
 
 from asyncroll import DistributedWeightPusher, VLLMEngine, WeightPusher
+from asyncroll.testing import vllm_client
 
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
@@ -185,7 +186,7 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
             # The workers forget their load plans: the next push's pieces fail there, and
             # every rank pushes whole tensors again, at once; the push after uses pieces.
             if engine is not None:
-                await engine.llm.collective_rpc("asyncroll_drop_load_plan")
+                await engine.collective_rpc("asyncroll_drop_load_plan")
             await pusher.update(weights_a, global_steps=next(steps))
             checks["plan dropped: the update retried whole"] = not pusher.pieces
             if engine is not None:
@@ -278,7 +279,7 @@ async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: in
                 folder, name=f"vllm-ipc-tp2-{size}", load_format="dummy",
                 weight_transfer_config=WeightTransferConfig(backend="ipc"), **options))
             if engine is not None:
-                await engine.llm.init_weight_transfer_engine(
+                await vllm_client(engine).init_weight_transfer_engine(
                     WeightTransferInitRequest(init_info={}))
         except Exception as exc:  # rank 0 only; the other rank learns it in agree()
             failed = f"engine: {exc!r}"
@@ -346,13 +347,14 @@ async def ipc_update(engine: Any, weights: dict[str, torch.Tensor], packed: bool
     errors: list[str] = []
     loop = asyncio.get_running_loop()
     device = torch.cuda.current_device()
+    llm = vllm_client(engine) if engine is not None else None  # vLLM's client, rank 0 only
 
     def send(info: Any) -> None:  # vLLM calls it on rank 0 only
-        if errors or engine is None:
+        if errors or llm is None:
             return  # the update failed: the other rank's collectives still need ours
         request = WeightTransferUpdateRequest(update_info=asdict(info))
         try:
-            asyncio.run_coroutine_threadsafe(engine.llm.update_weights(request), loop).result()
+            asyncio.run_coroutine_threadsafe(llm.update_weights(request), loop).result()
         except Exception as exc:
             errors.append(f"update_weights: {exc!r}")
 
@@ -366,15 +368,15 @@ async def ipc_update(engine: Any, weights: dict[str, torch.Tensor], packed: bool
         except Exception as exc:  # e.g. a tensor over the packed buffer: on every rank alike
             errors.append(f"trainer_send_weights (rank {dist.get_rank()}): {exc!r}")
 
-    if engine is not None:
+    if llm is not None:
         try:
-            await engine.llm.start_weight_update()
+            await llm.start_weight_update()
         except Exception as exc:
             errors.append(f"start_weight_update: {exc!r}")
     await asyncio.to_thread(trainer_send)
-    if engine is not None:
+    if llm is not None:
         try:
-            await engine.llm.finish_weight_update()  # after a failure too: closes the update
+            await llm.finish_weight_update()  # after a failure too: closes the update
         except Exception as exc:
             errors.append(f"finish_weight_update: {exc!r}")
     return errors[0] if errors else None
@@ -386,7 +388,7 @@ async def served(engine: Any, expected: dict[str, float]) -> dict[str, Any]:
     worker, a sharded one (row-parallel ``down_proj``) summed over the workers."""
     norm, split = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
     try:
-        digests = [dict(d) for d in await engine.llm.collective_rpc("asyncroll_weight_digest")]
+        digests = [dict(d) for d in await engine.collective_rpc("asyncroll_weight_digest")]
         return {
             "workers": len(digests),
             f"{norm} on every worker": all(

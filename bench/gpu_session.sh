@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh tests     # the CUDA tests of the trainer and the update's pause
 #   bash bench/gpu_session.sh third     # 4 GPUs: inflight updates on the rollout benchmark, the
 #                                       # CUDA tests (inflight's too), fsdp_hybrid and the demo
+#   bash bench/gpu_session.sh sixth     # 1 GPU: the weight port against fe4e6f5 (in .old), 7B
+#                                       # push and correctness/hybrid/manager, same run
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -144,6 +146,23 @@ phase_fifth() {  # 1 GPU: two engines, updated all at once or one at a time; the
   run rollout-rolling 0 python3 bench/gpu_e2e.py --sections rollout --rollout-engines 2 \
     --policies none,keep,keep-roll,inflight,inflight-roll --rounds 2 --out "$W/results/two"
   run push-7b 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/push"
+}
+
+phase_sixth() {  # 1 GPU: issue 41's same-run A/B of the weight port against the tree the issue
+  # was filed on (fe4e6f5, in .old): the 7B push, then correctness, hybrid and manager, each
+  # tree in turn; and the CUDA tests of the update path
+  mkdir -p "$W/results/new" "$W/results/old"
+  local old="env PYTHONPATH=/root/site2:/root/site:/root/site3:$PWD/.old:$PWD/.old/bench"
+  run push-7b-new 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/new"
+  [ -d .old ] && run push-7b-old 0 $old python3 .old/bench/gpu_e2e.py --sections push \
+    --sizes 7b --out "$W/results/old"
+  run checks-new 0 python3 bench/gpu_e2e.py --sections correctness,hybrid,manager \
+    --out "$W/results/new"
+  [ -d .old ] && run checks-old 0 $old python3 .old/bench/gpu_e2e.py \
+    --sections correctness,hybrid,manager --out "$W/results/old"
+  run pytest-cuda 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py \
+    tests/test_trainer_device.py tests/test_update_pause.py tests/test_weights.py
 }
 
 for phase in "$@"; do

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from asyncroll import AsyncServerManager, ResumeMode, VLLMEngine
 from asyncroll.interfaces import INFLIGHT_MODES, RESUME_MODES
 from asyncroll.testing import make_tiny_model
+from asyncroll.testing.probes import PROBES_EXTENSION
 from asyncroll.weights import WeightPusher, check_resume_mode
 
 CONCURRENCY = 32
@@ -277,8 +278,8 @@ async def run_policy(
                             if isinstance(value, float):
                                 inside[key].append(value)
                     if mode in INFLIGHT_MODES:  # what the receive RPC did between two steps
-                        worker = (await engine.call_vllm(engine.llm.collective_rpc(
-                            "asyncroll_last_receive_report")))[0] or {}
+                        worker = (await engine.collective_rpc(
+                            "asyncroll_last_receive_report"))[0] or {}
                         for key in ("seconds", "load_seconds", "wait_seconds", "sync_seconds",
                                     "verify_seconds"):
                             receives[key].append(float(worker.get(key, 0.0)))
@@ -327,8 +328,7 @@ async def engine_stalls(engine: VLLMEngine, since: float, windows: list[float]) 
     ``asyncroll_step_times``). Per update, the longest gap between two steps that overlaps the
     update; beside it the median gap of the whole run (a step's own time)."""
     try:
-        times = (await engine.call_vllm(
-            engine.llm.collective_rpc("asyncroll_step_times", kwargs={"since": since})))[0]
+        times = (await engine.collective_rpc("asyncroll_step_times", kwargs={"since": since}))[0]
     except Exception as exc:  # an older worker: no stamps
         return {"step_gaps": f"unavailable: {exc}"}
     gaps = [(a, b) for a, b in itertools.pairwise(times)]
@@ -369,7 +369,9 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         model = make_tiny_model(Path(folder) / "m", seed=0)
         weights = load_file(str(model / "model.safetensors"))
-        async with VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True) as engine:
+        # the probes extension: the workers' step times and receive reports
+        async with VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True,
+                                     worker_extension_cls=PROBES_EXTENSION) as engine:
             await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
             gc.collect()
             gc.freeze()  # start-up's objects live forever: keep full collections off the loop

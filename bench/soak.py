@@ -272,7 +272,7 @@ class SoakResult:
     wall_seconds: float = 0.0
     update_seconds: list[float] = field(default_factory=list)
     stages: list[dict[str, float]] = field(default_factory=list)
-    """Per update: seconds of pause, push, finish, cache reset, resume."""
+    """Per update: seconds of pause, push, finish (the commit), resume."""
     before: Resources | None = None
     after: Resources | None = None
     failures: list[str] = field(default_factory=list)

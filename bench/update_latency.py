@@ -1,7 +1,8 @@
 """Weight-update latency into a real vLLM CPU engine, pause to resume, split by stage.
 
-One run measures, for each model size: asyncroll's update (pause, push, finish, cache reset,
-resume) vs a baseline that sends the weights as one safetensors blob through vLLM's own
+One run measures, for each model size: asyncroll's update (pause, push, finish: the commit,
+which includes the new prefix-cache epoch, resume; one ``WeightPusher`` for the engine's life)
+vs a baseline that sends the weights as one safetensors blob through vLLM's own
 ``collective_rpc`` (what many RL stacks do) vs the physical limit of a staged push (two memcpys
 of the payload at this machine's measured copy rate).
 
@@ -20,8 +21,9 @@ import torch
 import uvloop
 from safetensors.torch import load_file, save
 
-from asyncroll import VLLMEngine
-from asyncroll.testing import make_tiny_model
+from asyncroll import VLLMEngine, WeightPusher
+from asyncroll.testing import make_tiny_model, vllm_client
+from asyncroll.testing.probes import PROBES_EXTENSION
 
 MODELS = {
     "tiny (0.4M)": {},
@@ -51,21 +53,27 @@ def memcpy_gbps(nbytes: int) -> float:
 async def measure(path: Path, repeats: int) -> dict[str, float]:
     weights = load_file(str(path / "model.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True) as engine:
-        await engine.update_weights(weights, global_steps=1)  # connect, warm up
-        reports = []
-        for i in range(repeats):
-            reports.append(await engine.update_weights(weights, global_steps=2 + i))
-            print(f"  push {i + 1}/{repeats}: {reports[-1].seconds * 1e3:.1f} ms", flush=True)
-        blob = save(weights)
-        baseline = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            await engine.pause("abort")
-            await engine.llm.collective_rpc("asyncroll_load_serialized", args=(blob,))
-            await engine.llm.reset_prefix_cache()
-            await engine.resume()
-            baseline.append(time.perf_counter() - start)
+    # the probes extension: the baseline's ``asyncroll_load_serialized``
+    async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True,
+                                 worker_extension_cls=PROBES_EXTENSION) as engine:
+        pusher = WeightPusher([engine])  # attached once, kept for the engine's life
+        try:
+            await pusher.update(weights, global_steps=1)  # connect, warm up
+            reports = []
+            for i in range(repeats):
+                reports.append(await pusher.update(weights, global_steps=2 + i))
+                print(f"  push {i + 1}/{repeats}: {reports[-1].seconds * 1e3:.1f} ms", flush=True)
+            blob = save(weights)
+            baseline = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                await engine.pause("abort")
+                await engine.collective_rpc("asyncroll_load_serialized", args=(blob,))
+                await vllm_client(engine).reset_prefix_cache()
+                await engine.resume()
+                baseline.append(time.perf_counter() - start)
+        finally:
+            await pusher.aclose()
     med = statistics.median
     return {
         "bytes": nbytes,
@@ -94,14 +102,14 @@ async def main() -> None:
             result["limit"] = 2 * result["bytes"] / (copy_rate * 1e9)
             rows.append((label, result))
     ms = 1e3
-    print("\n| model | MiB | total ms | pause | push (pack) | finish | cache reset | resume "
+    print("\n| model | MiB | total ms | pause | push (pack) | finish (commit) | resume "
           "| baseline rpc ms | baseline / ours | 2-copy limit ms | ours / limit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, r in rows:
         print(
             f"| {label} | {r['bytes'] / 2**20:.1f} | {r['total'] * ms:.1f} | {r['pause'] * ms:.1f}"
             f" | {r['push'] * ms:.1f} ({r['pack'] * ms:.1f}) | {r['finish'] * ms:.1f}"
-            f" | {r['reset'] * ms:.1f} | {r['resume'] * ms:.1f} | {r['baseline'] * ms:.1f}"
+            f" | {r['resume'] * ms:.1f} | {r['baseline'] * ms:.1f}"
             f" | {r['baseline'] / r['total']:.2f}x | {r['limit'] * ms:.2f}"
             f" | {r['total'] / r['limit']:.0f}x |"
         )

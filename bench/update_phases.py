@@ -15,10 +15,13 @@ receive RPCs sent before the sender's first step (ours), or after it (baseline, 
 2026-11-27).
 
 Then the update as the trainer sees it while the engine generates (``--busy`` requests
-decoding): ``update()`` returns once it has each engine's report of what its workers took.
-Ours: the receive RPC brings it back; baseline: asking the workers once the engines resumed
-(before 2026-11-27), an RPC that a busy engine answers only between two steps. Alternating,
-on one engine, in one run.
+decoding): ``update()`` returns once it has each engine's report of what its workers took,
+which the take RPC brings back (``weights.take`` returns the ``Delivery``; the report's
+``deliveries``). Until the weight port (``engine.weights``) this part was an A/B against
+asking the workers once the engines resumed (the baseline before 2026-11-27, an RPC that a
+busy engine answers only between two steps, switched in by patching
+``VLLMEngine.last_delivery``); that path no longer exists, so the A/B is gone and only ours is
+measured.
 
     .venv/bin/python bench/update_phases.py [--layers 4] [--repeats 30] [--busy 32] [--json F]
 """
@@ -27,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import statistics
@@ -46,8 +48,7 @@ from safetensors.torch import load_file
 
 from asyncroll import VLLMEngine, WeightPusher
 from asyncroll.testing import make_tiny_model
-from asyncroll.types import Delivery
-from asyncroll.vllm.engine import _summed
+from asyncroll.testing.probes import PROBES_EXTENSION
 from asyncroll.weights import SenderChannel
 
 
@@ -62,8 +63,9 @@ async def measure(layers: int, repeats: int, busy: int, device: str) -> dict[str
         # stalled vLLM 0.24's start-up there); the model's own dtype, as the pushed weights
         gpu = ({"enforce_eager": True, "async_scheduling": False, "gpu_memory_utilization": 0.25}
                if device.startswith("cuda") else {})
+        # the probes extension: the worker's report of each push, the no-op round trip
         async with VLLMEngine.launch(path, max_model_len=512, skip_tokenizer_init=True,
-                                     **gpu) as engine:
+                                     worker_extension_cls=PROBES_EXTENSION, **gpu) as engine:
             pusher = WeightPusher([engine])
             steps = itertools.count(1)
             try:
@@ -72,7 +74,7 @@ async def measure(layers: int, repeats: int, busy: int, device: str) -> dict[str
                 rows = []
                 for i in range(repeats):
                     report = await pusher.update(weights, global_steps=next(steps))
-                    (worker,) = await engine.llm.collective_rpc("asyncroll_last_receive_report")
+                    (worker,) = await engine.collective_rpc("asyncroll_last_receive_report")
                     row = update_phases(report, worker)
                     row["update: push + finish"] = (report.push_seconds
                                                     + report.finish_seconds) * 1e3
@@ -106,17 +108,11 @@ async def _by_order(pusher: WeightPusher, weights: dict[str, Any], steps: Iterat
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-async def _asked(engine: VLLMEngine) -> Delivery | None:
-    """The baseline: ask the workers what they took (one more RPC into the engine)."""
-    return _summed(
-        await engine.call_vllm(engine.llm.collective_rpc("asyncroll_last_receive_report"))
-    )
-
-
 async def _while_busy(engine: VLLMEngine, pusher: WeightPusher, weights: dict[str, Any],
                       steps: Iterator[int], repeats: int, busy: int) -> dict[str, float]:
-    """``update()`` as its caller waits for it, ``busy`` requests decoding all along:
-    the report known from the receive (ours) or asked for after the resume (baseline)."""
+    """``update()`` as its caller waits for it, ``busy`` requests decoding all along; the
+    report of what the workers took comes back with their take (no A/B any more: module
+    doc)."""
     params = {"max_tokens": 400, "ignore_eos": True}
     stop = asyncio.Event()
 
@@ -128,20 +124,16 @@ async def _while_busy(engine: VLLMEngine, pusher: WeightPusher, weights: dict[st
                                   sampling_params=params)
 
     callers = [asyncio.create_task(decode(i)) for i in range(busy)]
-    times: dict[str, list[float]] = {"ours (known)": [], "baseline (asked)": []}
+    times: dict[str, list[float]] = {"ours (known)": []}
     try:
         while engine.statistics().in_flight < busy:  # noqa: ASYNC110 - no event says so
             await asyncio.sleep(0.01)
-        for i in range(2 * repeats):
-            variant = "baseline (asked)" if i % 2 else "ours (known)"
-            patch = (mock.patch.object(VLLMEngine, "last_delivery", _asked) if i % 2
-                     else contextlib.nullcontext())
-            with patch:
-                called = time.perf_counter()
-                await pusher.update(weights, global_steps=next(steps), mode="keep")
-                times[variant].append((time.perf_counter() - called) * 1e3)
-            print(f"  busy update {i + 1}/{2 * repeats} ({variant}): "
-                  f"{times[variant][-1]:.2f} ms", file=sys.stderr, flush=True)
+        for i in range(repeats):
+            called = time.perf_counter()
+            await pusher.update(weights, global_steps=next(steps), mode="keep")
+            times["ours (known)"].append((time.perf_counter() - called) * 1e3)
+            print(f"  busy update {i + 1}/{repeats}: {times['ours (known)'][-1]:.2f} ms",
+                  file=sys.stderr, flush=True)
     finally:
         stop.set()
         await engine.pause("abort")  # the callers' requests end; they see ``stop`` and return
@@ -174,9 +166,7 @@ def main() -> None:
     print(f"update, idle engine: receive RPCs first (ours) {ours:.2f} ms, the sender first"
           f" (baseline) {baseline:.2f} ms: ours / baseline {ours / baseline:.2f}")
     busy = result[f"update() call ms with {args.busy} requests decoding (median)"]
-    ours, baseline = busy["ours (known)"], busy["baseline (asked)"]
-    print(f"update() with {args.busy} requests decoding: ours {ours:.2f} ms, baseline (asking"
-          f" after the resume) {baseline:.2f} ms: ours / baseline {ours / baseline:.2f}")
+    print(f"update() with {args.busy} requests decoding: {busy['ours (known)']:.2f} ms")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

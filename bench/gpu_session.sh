@@ -12,8 +12,9 @@
 #   bash bench/gpu_session.sh tests     # the CUDA tests of the trainer and the update's pause
 #   bash bench/gpu_session.sh third     # 4 GPUs: inflight updates on the rollout benchmark, the
 #                                       # CUDA tests (inflight's too), fsdp_hybrid and the demo
-#   bash bench/gpu_session.sh sixth     # 1 GPU: the weight port against fe4e6f5 (in .old), 7B
-#                                       # push and correctness/hybrid/manager, same run
+#   bash bench/gpu_session.sh sixth     # 1 GPU: the weight port against fe4e6f5 (in .old): 7B
+#   bash bench/gpu_session.sh seventh   # push; correctness/hybrid/manager; then the CUDA tests
+#   bash bench/gpu_session.sh eighth    # of the update path and the demo
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -148,21 +149,30 @@ phase_fifth() {  # 1 GPU: two engines, updated all at once or one at a time; the
   run push-7b 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/push"
 }
 
-phase_sixth() {  # 1 GPU: issue 41's same-run A/B of the weight port against the tree the issue
-  # was filed on (fe4e6f5, in .old): the 7B push, then correctness, hybrid and manager, each
-  # tree in turn; and the CUDA tests of the update path
+OLD_ENV="env PYTHONPATH=/root/site2:/root/site:/root/site3:$PWD/.old:$PWD/.old/bench"
+# Issue 41's same-run A/B of the weight port against the tree the issue was filed on (fe4e6f5,
+# unpacked in .old: git archive fe4e6f5 asyncroll bench examples), on 1 GPU, in three calls.
+
+phase_sixth() {  # the 7B push, each tree in turn
   mkdir -p "$W/results/new" "$W/results/old"
-  local old="env PYTHONPATH=/root/site2:/root/site:/root/site3:$PWD/.old:$PWD/.old/bench"
   run push-7b-new 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/new"
-  [ -d .old ] && run push-7b-old 0 $old python3 .old/bench/gpu_e2e.py --sections push \
+  [ -d .old ] && run push-7b-old 0 $OLD_ENV python3 .old/bench/gpu_e2e.py --sections push \
     --sizes 7b --out "$W/results/old"
+}
+
+phase_seventh() {  # correctness, hybrid and manager, each tree in turn
+  mkdir -p "$W/results/new" "$W/results/old"
   run checks-new 0 python3 bench/gpu_e2e.py --sections correctness,hybrid,manager \
     --out "$W/results/new"
-  [ -d .old ] && run checks-old 0 $old python3 .old/bench/gpu_e2e.py \
+  [ -d .old ] && run checks-old 0 $OLD_ENV python3 .old/bench/gpu_e2e.py \
     --sections correctness,hybrid,manager --out "$W/results/old"
+}
+
+phase_eighth() {  # the CUDA tests of the update path, the demo
   run pytest-cuda 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
-    python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py \
+    python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py tests/test_receive.py \
     tests/test_trainer_device.py tests/test_update_pause.py tests/test_weights.py
+  run demo 0 python3 examples/demo.py --steps 15 --plot "$W/results/demo.png"
 }
 
 for phase in "$@"; do

@@ -188,7 +188,7 @@ async def _correctness(
     res.record(s, "tiny push", {"bytes": report.push.bytes, "buckets": report.push.buckets})
     res.check(s, "push B: greedy equals a fresh engine on B", await greedy(engine, "b") == fresh_b)
     res.record(s, "tiny update ms", {k: round(v * 1e3, 2) for k, v in asdict(report).items()
-                                      if k.endswith("seconds")})
+                                      if k.endswith("seconds") and isinstance(v, float)})
     await pusher.update(weights_a, global_steps=2)
     outs = await asyncio.gather(*(engine.generate(f"lab{i}", prompt_ids=p, sampling_params={
         "max_tokens": 16, "ignore_eos": True}) for i, p in enumerate(PROBES)))

@@ -160,11 +160,11 @@ phase_sixth() {  # the 7B push, each tree in turn
     --sizes 7b --out "$W/results/old"
 }
 
-phase_seventh() {  # correctness, hybrid and manager, each tree in turn
+phase_seventh() {  # correctness, hybrid and manager, each tree in turn (ONLY=new: this tree's)
   mkdir -p "$W/results/new" "$W/results/old"
   run checks-new 0 python3 bench/gpu_e2e.py --sections correctness,hybrid,manager \
     --out "$W/results/new"
-  [ -d .old ] && run checks-old 0 $OLD_ENV python3 .old/bench/gpu_e2e.py \
+  [ -d .old ] && [ "${ONLY:-}" != new ] && run checks-old 0 $OLD_ENV python3 .old/bench/gpu_e2e.py \
     --sections correctness,hybrid,manager --out "$W/results/old"
 }
 

@@ -907,7 +907,12 @@ class VLLMWeightPort:
         # (an abort update clears no cache: the epoch is all that keeps old KV out of reach).
         engine._cache_epoch += 1
         if taken is not None and not taken.finished:
-            await engine.call_vllm(self._llm.finish_weight_update(weight_version=label))
+            # vLLM 0.24 labels nothing (the engine does: see the module doc) and takes no label.
+            finish = (
+                self._llm.finish_weight_update(weight_version=label)
+                if engine.native_versions else self._llm.finish_weight_update()
+            )
+            await engine.call_vllm(finish)
         elif label is not None:
             await engine.call_vllm(self._llm.update_weight_version(label))
         engine._label_lags = False

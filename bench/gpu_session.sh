@@ -160,6 +160,13 @@ phase_sixth() {  # the 7B push, each tree in turn
     --sizes 7b --out "$W/results/old"
 }
 
+phase_sixth_reversed() {  # the 7B push again, the old tree first (the order's share of a gap)
+  mkdir -p "$W/results/new2" "$W/results/old2"
+  [ -d .old ] && run push-7b-old2 0 $OLD_ENV python3 .old/bench/gpu_e2e.py --sections push \
+    --sizes 7b --out "$W/results/old2"
+  run push-7b-new2 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/new2"
+}
+
 phase_seventh() {  # correctness, hybrid and manager, each tree in turn (ONLY=new: this tree's)
   mkdir -p "$W/results/new" "$W/results/old"
   run checks-new 0 python3 bench/gpu_e2e.py --sections correctness,hybrid,manager \

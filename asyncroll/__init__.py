@@ -40,26 +40,11 @@ from asyncroll.errors import (
     UnchangedWeightsWarning,
     WeightSyncError,
 )
-from asyncroll.interfaces import (
-    Delivery,
-    Engine,
-    ReceivingEngine,
-    ResumeMode,
-    UpdatableEngine,
-    UpdateReport,
-    WeightChannel,
-    WeightUpdater,
-)
+from asyncroll.interfaces import Delivery, ResumeMode, UpdateReport
 from asyncroll.manager import AsyncServerManager
-from asyncroll.metrics import MetricsServer, serve_metrics
+from asyncroll.metrics import serve_metrics
 from asyncroll.mismatch import MismatchStats, MismatchSummary, summarize_mismatch
-from asyncroll.transport import (
-    PushReport,
-    WeightReceiver,
-    WeightSender,
-    open_weight_sender,
-    plan_buckets,
-)
+from asyncroll.transport import PushReport
 from asyncroll.types import (
     EngineStatistics,
     FinishReason,
@@ -70,7 +55,7 @@ from asyncroll.types import (
     TokenOutput,
 )
 from asyncroll.vllm import VLLMEngine
-from asyncroll.weights import SenderChannel, VersionedUpdater, WeightPusher
+from asyncroll.weights import WeightPusher
 
 __all__ = [
     "AgentLoop",
@@ -81,7 +66,6 @@ __all__ = [
     "AsyncrollError",
     "Delivery",
     "DistributedWeightPusher",
-    "Engine",
     "EngineDeadError",
     "EngineError",
     "EngineGenerateError",
@@ -95,19 +79,16 @@ __all__ = [
     "MalformedToolCall",
     "ManagerClosedError",
     "ManagerStatistics",
-    "MetricsServer",
     "MismatchStats",
     "MismatchSummary",
     "NoEngineAvailableError",
     "PauseMode",
     "PushReport",
     "ReceiverFailedError",
-    "ReceivingEngine",
     "ResponseBuilder",
     "ResumeMode",
     "Sample",
     "Segment",
-    "SenderChannel",
     "SingleTurnAgentLoop",
     "StopReason",
     "TokenOutput",
@@ -123,18 +104,10 @@ __all__ = [
     "TransportError",
     "TransportTimeoutError",
     "UnchangedWeightsWarning",
-    "UpdatableEngine",
     "UpdateReport",
     "VLLMEngine",
-    "VersionedUpdater",
-    "WeightChannel",
     "WeightPusher",
-    "WeightReceiver",
-    "WeightSender",
     "WeightSyncError",
-    "WeightUpdater",
-    "open_weight_sender",
-    "plan_buckets",
     "register_agent_loop",
     "run_agent_loops",
     "serve_metrics",

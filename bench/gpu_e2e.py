@@ -60,7 +60,6 @@ from safetensors.torch import load_file
 from asyncroll import (
     AsyncServerManager,
     EngineSleepingError,
-    SenderChannel,
     VLLMEngine,
     WeightPusher,
     WeightSyncError,
@@ -68,6 +67,7 @@ from asyncroll import (
 from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.faults import FAULTS_EXTENSION, inject_fault
 from asyncroll.transport import CudaIpcBackend
+from asyncroll.weights import SenderChannel
 
 GiB = 1 << 30
 FINISH_RPC = False

@@ -192,3 +192,24 @@ def test_a_reprocessing_load_keeps_a_shadow_that_each_push_updates_and_a_failure
     assert reads == [1] and ended == [1]
     assert torch.equal(restored[0]["up.bias"], torch.full((16,), 2.0))
     assert torch.equal(restored[0]["down.weight"], checkpoint["down.weight"])
+
+
+def test_backups_reuse_their_memory_and_restore_the_weights_of_the_update_before() -> None:
+    """The backup of a direct load is copied into the same tensors update after update (no
+    allocation per update), and a failure restores what the previous update left, not what
+    the first backup saw."""
+    model, rollback = Tiny(), Rollback()
+    rollback.begin(model, backup=True, direct=True, checkpoint=lambda: None)
+    first = {n: t for n, t in rollback._saved.items()}  # the memory kept
+    model.load_weights(weights(8).items())  # the first update lands
+    rollback.loaded(list(weights(8).items()))
+    rollback.commit(lambda pending: False)
+    landed = {n: t.clone() for n, t in model.state_dict().items()}
+    rollback.begin(model, backup=True, direct=True, checkpoint=lambda: None)
+    assert all(rollback._saved[n] is t for n, t in first.items())
+    rollback.loading()
+    model.load_weights(weights(9).items())  # the second fails midway
+    assert rollback.abort(model)
+    assert all(torch.equal(t, landed[n]) for n, t in model.state_dict().items())
+    rollback.begin(model, backup=False, direct=True, checkpoint=lambda: None)
+    assert rollback._saved == {}  # no backup: its memory goes

@@ -53,6 +53,11 @@ class Rollback:
         self.mixed = False
         """A push failed without a backup: the served weights are partly loaded."""
         self._backup: dict[str, torch.Tensor] | None = None
+        """The backup of the update in progress (direct loads): ``_saved``, filled at ``begin``."""
+        self._saved: dict[str, torch.Tensor] = {}
+        """Where backups go, kept from one update to the next: each ``begin`` copies the
+        served state in with one fused copy, where a clone per tensor allocated and launched a
+        copy for each of them every update."""
         self._keeps_copies = False
 
     def begin(
@@ -72,8 +77,9 @@ class Rollback:
         self._keeps_copies = backup and not direct
         if not backup:
             self.shadow = None  # it would go stale: this push does not keep copies
+            self._saved = {}  # nor its memory
         elif direct:
-            self._backup = _clone_state(model)
+            self._backup = self._saved = _copy_state(model, self._saved)
         elif self.shadow is None and not self.unknown:
             self.shadow = checkpoint()
 
@@ -159,5 +165,17 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-def _clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in _state(model).items()}
+def _copy_state(
+    model: torch.nn.Module, saved: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers copied into ``saved`` (one fused copy), or into new
+    tensors where ``saved`` does not match them (a first backup, a changed model)."""
+    state = {name: tensor.detach() for name, tensor in _state(model).items()}
+    if saved.keys() != state.keys() or any(
+        s.shape != t.shape or s.dtype != t.dtype or s.device != t.device
+        for s, t in zip(saved.values(), (state[n] for n in saved), strict=True)
+    ):
+        return {name: tensor.clone() for name, tensor in state.items()}
+    with torch.no_grad():
+        torch._foreach_copy_(list(saved.values()), [state[name] for name in saved])
+    return saved

@@ -105,15 +105,12 @@ class PushCheck:
         """
         started = time.perf_counter()
         try:
-            self._verify(model, plan, report, received)
+            self._compare(model, plan, report, received)
         finally:
             self.seconds = time.perf_counter() - started
 
-    def _verify(
-        self,
-        model: torch.nn.Module,
-        plan: LoadPlan | None,
-        report: ReceiveReport,
+    def _compare(
+        self, model: torch.nn.Module, plan: LoadPlan | None, report: ReceiveReport,
         received: Received,
     ) -> None:
         pushed = report.fingerprints

@@ -70,11 +70,8 @@ from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.lazy import Makes
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.update_check import check_update
-from asyncroll.weights import (
-    WeightPusher,
-    check_global_steps,
-    check_resume_mode,
-)
+from asyncroll.validation import check_global_steps, check_resume_mode
+from asyncroll.weights import WeightPusher
 
 __all__ = ["TORCHRUN_VARIABLES", "DistributedWeightPusher", "torchrun_hidden"]
 

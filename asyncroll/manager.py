@@ -48,18 +48,15 @@ from asyncroll.types import (
     TokenOutput,
 )
 from asyncroll.validation import (
+    check_global_steps,
     check_prompt,
     check_request_id,
+    check_resume_mode,
     claimed,
     refuse_live,
     resolve_sampling_params,
 )
-from asyncroll.weights import (
-    WeightPusher,
-    check_global_steps,
-    check_resume_mode,
-    materialize,
-)
+from asyncroll.weights import WeightPusher, materialize
 
 __all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 

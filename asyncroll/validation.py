@@ -1,4 +1,5 @@
-"""Checks that run before a request reaches an engine: the one place that says what is valid.
+"""Checks that run before a request or an update reaches an engine: the one place that says what
+is valid.
 
 Every check here is pure and synchronous. A request that fails one raises
 ``InvalidRequestError`` naming the parameter, the value and what is allowed, and never reaches
@@ -25,14 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncroll.errors import InvalidRequestError
+from asyncroll.interfaces import RESUME_MODES, ResumeMode
 
 __all__ = [
     "ENGINE_REQUEST_ID_LEN",
+    "MAX_GLOBAL_STEPS",
     "MAX_REQUEST_ID_LEN",
     "SAMPLING_KEYS",
     "SEED_RANGE",
+    "check_commit",
+    "check_global_steps",
     "check_prompt",
     "check_request_id",
+    "check_resume_mode",
+    "check_take",
     "claimed",
     "refuse_live",
     "resolve_sampling_params",
@@ -77,6 +84,56 @@ class _Limits:
 
 _Check = Callable[[str, Any, _Limits], Any]
 """Checks one sampling argument and returns the value to pass to vLLM."""
+
+
+MAX_GLOBAL_STEPS = 2**63 - 1
+"""Versions travel as signed 64-bit integers (msgpack to the workers)."""
+
+
+def check_global_steps(global_steps: object) -> int | None:
+    """Return ``global_steps`` if it is None or a non-negative int vLLM can carry, else raise."""
+    if global_steps is None:
+        return None
+    if isinstance(global_steps, bool) or not isinstance(global_steps, int):
+        raise InvalidRequestError(
+            f"global_steps must be an int or None, not {type(global_steps).__name__} "
+            f"({global_steps!r})"
+        )
+    if not 0 <= global_steps <= MAX_GLOBAL_STEPS:
+        raise InvalidRequestError(
+            f"global_steps must be in [0, 2**63 - 1], got {global_steps}"
+        )
+    return global_steps
+
+
+def check_resume_mode(mode: object, *, what: str = "mode") -> ResumeMode:
+    """Return ``mode`` if it is a ``ResumeMode``, else raise ``InvalidRequestError``."""
+    if mode not in RESUME_MODES:
+        raise InvalidRequestError(f"{what} must be one of {', '.join(RESUME_MODES)}, not {mode!r}")
+    return mode
+
+
+def check_take(version: object, push: object, mode: object) -> ResumeMode:
+    """The arguments of a weight port's ``take``: ``version`` a ``global_steps`` or -1 (the
+    label stays), ``push`` a sender's push id (0: the next), ``mode`` a ``ResumeMode``;
+    returns the mode, else raises ``InvalidRequestError``."""
+    if version != -1:
+        check_global_steps(version)
+    if isinstance(push, bool) or not isinstance(push, int) or not 0 <= push <= MAX_GLOBAL_STEPS:
+        raise InvalidRequestError(f"push must be a push id (an int >= 0), not {push!r}")
+    return check_resume_mode(mode)
+
+
+def check_commit(global_steps: object, current: int | None, *, engine: str) -> int | None:
+    """The argument of a weight port's ``commit``: a ``global_steps`` (or None: the label
+    stays) no lower than the engine's ``current``; else ``InvalidRequestError``."""
+    checked = check_global_steps(global_steps)
+    if checked is not None and current is not None and checked < current:
+        raise InvalidRequestError(
+            f"global_steps {checked} is lower than {engine}'s {current}: versions never go"
+            " backwards"
+        )
+    return checked
 
 
 def check_request_id(request_id: object, *, max_len: int = MAX_REQUEST_ID_LEN) -> str:

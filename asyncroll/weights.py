@@ -48,7 +48,6 @@ from asyncroll.errors import (
 from asyncroll.fingerprints import Fingerprinter, fingerprints
 from asyncroll.interfaces import (
     INFLIGHT_MODES,
-    RESUME_MODES,
     Delivery,
     ReceivingEngine,
     ResumeMode,
@@ -75,15 +74,13 @@ from asyncroll.transport.plan import ALIGN
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.types import PauseMode
 from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
+from asyncroll.validation import check_global_steps, check_resume_mode
 
 __all__ = [
-    "MAX_GLOBAL_STEPS",
     "SenderChannel",
     "UpdateReport",
     "VersionedUpdater",
     "WeightPusher",
-    "check_global_steps",
-    "check_resume_mode",
     "default_buffers",
 ]
 
@@ -107,33 +104,6 @@ def default_buffers(backend: str, *, one_copy: bool = False) -> int:
     for a one-copy pusher, whose pushes never pack a bucket (its buffers only keep the
     receivers' handshake; a third would be 512 MiB of GPU memory for nothing)."""
     return 2 if one_copy else DEFAULT_BUFFERS[backend]
-
-
-MAX_GLOBAL_STEPS = 2**63 - 1
-"""Versions travel as signed 64-bit integers (msgpack to the workers)."""
-
-
-def check_global_steps(global_steps: object) -> int | None:
-    """Return ``global_steps`` if it is None or a non-negative int vLLM can carry, else raise."""
-    if global_steps is None:
-        return None
-    if isinstance(global_steps, bool) or not isinstance(global_steps, int):
-        raise InvalidRequestError(
-            f"global_steps must be an int or None, not {type(global_steps).__name__} "
-            f"({global_steps!r})"
-        )
-    if not 0 <= global_steps <= MAX_GLOBAL_STEPS:
-        raise InvalidRequestError(
-            f"global_steps must be in [0, 2**63 - 1], got {global_steps}"
-        )
-    return global_steps
-
-
-def check_resume_mode(mode: object, *, what: str = "mode") -> ResumeMode:
-    """Return ``mode`` if it is a ``ResumeMode``, else raise ``InvalidRequestError``."""
-    if mode not in RESUME_MODES:
-        raise InvalidRequestError(f"{what} must be one of {', '.join(RESUME_MODES)}, not {mode!r}")
-    return mode
 
 
 class VersionedUpdater:
@@ -764,6 +734,8 @@ class WeightPusher(VersionedUpdater):
                 formed at the first push from this host's address and a port it binds.
             backup: Keep a copy of the weights during a push so a failed push restores them
                 (default: on for CPU machines, off with CUDA where it would double memory).
+                With a direct load the copy stays allocated from one update to the next, and
+                each update refills it with one fused copy (``asyncroll.receive.Rollback``).
             timeout: Bound on every wait for a peer.
             load: How workers load: ``layerwise`` (vLLM's layerwise reload: any model, and the
                 only way on the CPU build) or ``direct`` (``model.load_weights`` in place, as

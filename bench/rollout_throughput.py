@@ -38,7 +38,8 @@ from asyncroll import AsyncServerManager, ResumeMode, VLLMEngine
 from asyncroll.interfaces import INFLIGHT_MODES, RESUME_MODES
 from asyncroll.testing import make_tiny_model
 from asyncroll.testing.probes import PROBES_EXTENSION
-from asyncroll.weights import WeightPusher, check_resume_mode
+from asyncroll.validation import check_resume_mode
+from asyncroll.weights import WeightPusher
 
 CONCURRENCY = 32
 

@@ -42,7 +42,14 @@ from asyncroll.errors import (
 )
 from asyncroll.interfaces import INFLIGHT_MODES, ResumeMode
 from asyncroll.types import Delivery, EngineStatistics, PauseMode, Segment
-from asyncroll.validation import ENGINE_REQUEST_ID_LEN, check_request_id, claimed, refuse_live
+from asyncroll.validation import (
+    ENGINE_REQUEST_ID_LEN,
+    check_commit,
+    check_request_id,
+    check_take,
+    claimed,
+    refuse_live,
+)
 
 __all__ = ["CANCEL_WAIT_S", "EngineHost", "RayEngine", "RayWeightPort"]
 
@@ -555,6 +562,7 @@ class RayWeightPort:
     async def commit(self, global_steps: int | None) -> None:
         """Ends the hold here at once, and labels in the actor unless its take did."""
         engine = self._engine
+        global_steps = check_commit(global_steps, engine.global_steps, engine=engine.name)
         engine._holding = None
         engine._open_gate_if_ready()
         labelled, self._labelled = self._labelled, None
@@ -582,7 +590,7 @@ class RayWeightPort:
         sent: Callable[[], None] | None = None,
     ) -> Delivery | None:
         engine = self._engine
-        if mode in INFLIGHT_MODES:
+        if check_take(version, push, mode) in INFLIGHT_MODES:
             raise InvalidRequestError(f"{engine.name}: a Ray engine cannot commit an update"
                                       " between two steps (no inflight update)")
         engine._check_alive()

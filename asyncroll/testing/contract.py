@@ -542,6 +542,40 @@ async def the_weight_port_commits_the_weights_in_force(
     _assert_idle(engine)
 
 
+async def the_weight_port_refuses_bad_input(
+    engine: UpdatableEngine, updater: WeightUpdater, weights: Mapping[str, torch.Tensor]
+) -> None:
+    """A version that is not one, or one below the engine's, and (a ``ReceivingPort``) a bad
+    take are refused with ``InvalidRequestError`` before anything reaches the engine: the
+    label, the gate and the next update are as before."""
+    port = engine.weights
+    steps = engine.global_steps
+    bad: list[object] = ["3", -2, 2**63, True, 1.0]
+    if steps:
+        bad.append(steps - 1)
+    for value in bad:
+        try:
+            await port.commit(value)  # type: ignore[arg-type]
+        except InvalidRequestError:
+            continue
+        raise AssertionError(f"commit({value!r}) was not refused")
+    if isinstance(engine, ReceivingEngine):
+        version = steps or 0
+        takes: list[tuple[object, object, object]] = [
+            (version, 0, "stale"), ("1", 0, "keep"), (-2, 0, "keep"), (version, -1, "keep"),
+        ]
+        for version_, push, mode in takes:
+            try:
+                await engine.weights.take(version_, push=push, mode=mode)  # type: ignore[arg-type]
+            except InvalidRequestError:
+                continue
+            raise AssertionError(f"take({version_!r}, push={push!r}, mode={mode!r}) passed")
+    assert engine.global_steps == steps
+    _assert_idle(engine)
+    await updater.update(weights, global_steps=None)  # the next update goes through
+    assert engine.global_steps == steps
+
+
 UPDATE_CHECKS: dict[str, UpdateCheck] = {
     check.__name__: check
     for check in (
@@ -552,6 +586,7 @@ UPDATE_CHECKS: dict[str, UpdateCheck] = {
         an_update_refuses_sleeping_weights,
         hold_gates_admission_until_a_push_succeeds,
         the_weight_port_commits_the_weights_in_force,
+        the_weight_port_refuses_bad_input,
     )
 }
 

@@ -43,6 +43,7 @@ from asyncroll.interfaces import Delivery, ResumeMode, UpdateReport
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
 from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
+    check_commit,
     check_prompt,
     check_request_id,
     claimed,
@@ -485,6 +486,7 @@ class FakeWeightPort:
     async def commit(self, global_steps: int | None) -> None:
         """End a hold and label the weights ``global_steps`` (None keeps the label)."""
         engine = self._engine
+        global_steps = check_commit(global_steps, engine.global_steps, engine=engine.name)
         engine._check_alive()
         engine._holding = None
         engine._sync_gate()

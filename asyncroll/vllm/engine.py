@@ -49,8 +49,10 @@ from asyncroll.interfaces import INFLIGHT_MODES, Delivery, ResumeMode
 from asyncroll.types import EngineStatistics, FinishReason, PauseMode, Segment
 from asyncroll.validation import (
     ENGINE_REQUEST_ID_LEN,
+    check_commit,
     check_prompt,
     check_request_id,
+    check_take,
     claimed,
     refuse_live,
     resolve_sampling_params,
@@ -839,6 +841,7 @@ class VLLMWeightPort:
         run on the new weights with the old KV before the preemption (its tokens still
         labelled new)."""
         engine = self._engine
+        mode = check_take(version, push, mode)
         inflight = mode in INFLIGHT_MODES
         if inflight and not engine.commits_in_step:
             raise InvalidRequestError(
@@ -897,8 +900,14 @@ class VLLMWeightPort:
         """End a hold, end the update in vLLM (unless the take finished it) and label the
         weights ``global_steps`` (None keeps the label), in a new prefix-cache epoch. Called
         while paused (or after an inflight take), after a successful push; with no take
-        before it, it commits the weights in force (a hold ends, the label moves)."""
+        before it, it commits the weights in force (a hold ends, the label moves).
+
+        Raises:
+            InvalidRequestError: ``global_steps`` is not a version, or lower than the
+                engine's; nothing changed.
+        """
         engine = self._engine
+        global_steps = check_commit(global_steps, engine.global_steps, engine=engine.name)
         taken, self._taken = self._taken, None
         engine._holding = None
         engine._open_gate_if_ready()

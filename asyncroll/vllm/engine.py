@@ -1008,7 +1008,7 @@ def _log_failed_preemption(call: asyncio.Future[Any]) -> None:
 
 
 def _summed(reports: Sequence[Any]) -> Delivery | None:
-    """The workers' deliveries (``asyncroll.vllm.worker._delivery``) as one, or None if one is
+    """The workers' deliveries (``asyncroll.vllm.worker.delivery_of``) as one, or None if one is
     missing or they are of different pushes."""
     if not reports or not all(isinstance(r, dict) for r in reports):
         return None

@@ -511,7 +511,7 @@ def _outside_device_context() -> Iterator[Callable[[], contextlib.AbstractContex
 
 
 def delivery_of(engine: object) -> dict[str, Any] | None:
-    """What the worker took in its last push (``VLLMEngine.last_delivery`` sums the workers')."""
+    """What the worker took in its last push (the port's ``take`` sums the workers')."""
     report = getattr(engine, "last_report", None)
     if report is None:
         return None
@@ -631,12 +631,12 @@ class AsyncrollWorkerExtension:
         finish: bool = False,
         inflight: bool = False,
     ) -> str | dict[str, Any] | None:
-        """vLLM's ``start_weight_update`` then ``update_weights``, in one RPC (the engine's
-        ``begin_update`` and ``receive``): the workers join a push one round trip sooner.
+        """vLLM's ``start_weight_update`` then ``update_weights``, in one RPC (the weight
+        port's ``take``): the workers join a push one round trip sooner.
         ``finish``: then ``finish_weight_update`` too, in the same RPC (the delivery then says
         ``finished``): the engine's commit needs no RPC to the workers of its own.
 
-        Returns why this worker failed the push, or what it took (``_delivery``; None with
+        Returns why this worker failed the push, or what it took (``delivery_of``; None with
         another weight-transfer engine than asyncroll's): the
         engine's report of the update needs no RPC of its own, which a busy engine would
         answer only between two steps. It does not raise: when one worker of several raises

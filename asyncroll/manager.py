@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -24,6 +25,15 @@ from typing import Any
 
 import torch
 
+from asyncroll.adapters import (
+    AdapterConfig,
+    AdapterReport,
+    AdapterRevision,
+    Revisions,
+    adapter_tensors,
+    check_adapter,
+    check_adapter_name,
+)
 from asyncroll.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -41,6 +51,7 @@ from asyncroll.interfaces import (
 )
 from asyncroll.metrics import STALENESS_BOUNDS, Histogram, UpdateMetrics, staleness_runs
 from asyncroll.routing import EngineLoad, StickyTable, choose_engine
+from asyncroll.transport.aio import shielded
 from asyncroll.types import (
     FinishReason,
     ManagerStatistics,
@@ -197,6 +208,10 @@ class AsyncServerManager:
         self._recent_updates: deque[UpdateReport] = deque(maxlen=RECENT_UPDATES)
         self._update_metrics = UpdateMetrics()
         self._staleness = Histogram(STALENESS_BOUNDS)
+        self._revisions = Revisions()
+        """LoRA adapters' revisions held by the engines, and the calls pinned to each."""
+        self._adapter_pusher: WeightPusher | None = None
+        """Pushes adapters where no ``WeightPusher`` of the manager's can (``rolling``)."""
         self._closed = False
         self._live: set[str] = set()
 
@@ -272,6 +287,7 @@ class AsyncServerManager:
         prompt_ids: Sequence[int],
         sampling_params: Mapping[str, Any] | None = None,
         session_key: str | None = None,
+        adapter: str | None = None,
     ) -> TokenOutput:
         """Generate one complete output, resuming it across weight updates and engine deaths.
 
@@ -285,9 +301,12 @@ class AsyncServerManager:
             session_key: Calls sharing a key go to the same engine while it is not much busier
                 than the others, so its prefix cache hits. Pass one per conversation. Without
                 one, only the segments of this call stick together.
+            adapter: A LoRA adapter pushed with ``update_adapter``: the call runs under its
+                newest revision and keeps it to the end, through resumes; its tokens carry
+                that revision's ``global_steps``.
 
         Raises:
-            InvalidRequestError: bad input; no engine saw it.
+            InvalidRequestError: bad input (an adapter never pushed, too); no engine saw it.
             NoEngineAvailableError: every engine is dead.
             ManagerClosedError: the manager was closed.
         """
@@ -299,17 +318,33 @@ class AsyncServerManager:
         except InvalidRequestError:
             self._num_rejected += 1
             raise
-        with claimed(self._live, request_id):
+        with claimed(self._live, request_id), self._pinned(adapter) as revision:
             try:
-                output = await self._generate(request_id, prompt, params, session_key)
+                output = await self._generate(request_id, prompt, params, session_key, revision)
             except InvalidRequestError:  # an engine's own check refused it
                 self._num_rejected += 1
                 raise
-        self._count_staleness(output.global_steps)
+        if revision is None:
+            self._count_staleness(output.global_steps, self._global_steps)
+        else:
+            newest = self._revisions.newest(revision.adapter)
+            self._count_staleness(
+                output.global_steps, newest.global_steps if newest is not None else None
+            )
         return output
 
-    def _count_staleness(self, steps: tuple[int | None, ...]) -> None:
-        published = self._global_steps
+    def _pinned(
+        self, adapter: str | None
+    ) -> contextlib.AbstractContextManager[AdapterRevision | None]:
+        if adapter is None:
+            return contextlib.nullcontext()
+        try:
+            return self._revisions.pinned(adapter)
+        except InvalidRequestError:
+            self._num_rejected += 1
+            raise
+
+    def _count_staleness(self, steps: tuple[int | None, ...], published: int | None) -> None:
         if published is None or not steps:
             return
         first = steps[0]
@@ -325,6 +360,7 @@ class AsyncServerManager:
         prompt: list[int],
         params: dict[str, Any],
         session_key: str | None,
+        revision: AdapterRevision | None = None,
     ) -> TokenOutput:
         budget: int = params["max_tokens"]
         min_tokens = int(params.get("min_tokens") or 0)
@@ -333,7 +369,9 @@ class AsyncServerManager:
         self._num_requests += 1
         for attempt in itertools.count():
             await self._gate.wait()
-            last = await self._route_when_able(session_key, last, trajectory.last_version())
+            last = await self._route_when_able(
+                session_key, last, trajectory.last_version(), revision
+            )
             engine = self._engines[last]
             remaining = budget - len(trajectory.token_ids)
             if attempt:  # a resubmission prefills the prompt and the output so far again
@@ -348,6 +386,7 @@ class AsyncServerManager:
                     f"{request_id}@{attempt}",
                     prompt + trajectory.token_ids,
                     segment_params,
+                    revision,
                 )
             except EngineDeadError:
                 self._num_failovers += 1
@@ -522,6 +561,153 @@ class AsyncServerManager:
         self._update_metrics.observe(report)
         return report
 
+    async def update_adapter(
+        self,
+        adapter: str,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        config: AdapterConfig,
+        global_steps: int | None,
+    ) -> AdapterReport:
+        """Push a new revision of LoRA ``adapter`` into every live engine; no engine pauses.
+
+        The tensors go through asyncroll's transport straight into each engine's LoRA (no
+        file), as a new revision beside those in use (``asyncroll.adapters``). Calls made
+        with ``adapter=`` from then on start on it; calls already running keep the revision
+        they started on. Superseded revisions no call uses are dropped first; where every
+        revision that could go is still in use and the engines hold no more
+        (``max_cpu_loras``), the update waits for a call to end (``waited_seconds``).
+
+        Args:
+            adapter: The adapter's name (calls name it in ``generate``).
+            named_tensors: ``lora_A``/``lora_B`` tensors under PEFT's names
+                (``base_model.model.<module>.lora_A.weight``; the prefix is optional).
+            config: The adapter's rank and alpha.
+            global_steps: The trainer step of these tensors: it labels every token sampled
+                under the revision; at least the adapter's previous revision's.
+
+        Raises:
+            InvalidRequestError: before anything is sent: a bad name, tensors that are not a
+                LoRA of ``config``'s rank over modules the engines' LoRA covers at their
+                shapes, an engine started without LoRA, engines that hold too few revisions
+                for one per adapter and one more, a ``global_steps`` below the previous
+                revision's.
+            WeightSyncError: the push failed; no engine keeps the new revision, and every
+                revision in use serves on.
+        """
+        self._check_open()
+        adapter = check_adapter_name(adapter)
+        global_steps = check_global_steps(global_steps)
+        if not isinstance(config, AdapterConfig):
+            raise InvalidRequestError(f"config must be an AdapterConfig, not {config!r}")
+        tensors = adapter_tensors(named_tensors)
+        async with self._update_lock:
+            started = time.perf_counter()
+            previous = self._revisions.newest(adapter)
+            if (
+                previous is not None and previous.global_steps is not None
+                and global_steps is not None and global_steps < previous.global_steps
+            ):
+                raise InvalidRequestError(
+                    f"global_steps {global_steps} is lower than adapter {adapter!r}'s last"
+                    f" revision's ({previous.global_steps})"
+                )
+            engines = [engine for engine in self._engines if not engine.is_dead]
+            if not engines:
+                raise WeightSyncError("no live engine to push the adapter to")
+            missing = [e.name for e in engines if getattr(e, "adapters", None) is None]
+            if missing:
+                raise InvalidRequestError(f"engines {missing} take no LoRA adapters")
+            layouts = await asyncio.gather(*(e.adapters.layout() for e in engines))  # type: ignore[attr-defined]
+            for engine, layout in zip(engines, layouts, strict=True):
+                check_adapter(tensors, config, layout, engine=engine.name)
+            resident = min(layout.resident for layout in layouts)
+            needed = len(self._revisions.adapters() | {adapter}) + 1
+            if resident < needed:
+                raise InvalidRequestError(
+                    f"the engines hold {resident} LoRA revisions (max_cpu_loras); {needed} are"
+                    " needed: one per adapter, and one more for the next revision to arrive"
+                    " while calls finish on the last"
+                )
+            dropped, waited = await self._make_room(engines, resident)
+            revision = AdapterRevision.next(adapter, global_steps)
+            channel = self._adapter_channel(engines)
+            modules = {m.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for m in tensors}
+            pushed = time.perf_counter()
+            try:
+                push = await channel.push_adapter(
+                    engines, tensors, revision, config.peft_config(modules)
+                )
+            except BaseException as exc:
+                await shielded(self._forget(engines, revision))
+                if not isinstance(exc, Exception):
+                    raise
+                raise WeightSyncError(
+                    f"adapter {adapter!r} push (global_steps={global_steps}) failed; every"
+                    f" engine serves its previous revisions: {exc}"
+                ) from exc
+            self._revisions.add(revision)
+            ended = time.perf_counter()
+            return AdapterReport(
+                revision=revision,
+                engines=len(engines),
+                seconds=ended - started,
+                waited_seconds=waited,
+                push_seconds=ended - pushed,
+                dropped=tuple(r.revision for r in dropped),
+                tensors=len(tensors),
+                bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                push=push,
+                deliveries=channel.deliveries(),
+            )
+
+    @property
+    def adapters(self) -> dict[str, AdapterRevision]:
+        """Each adapter's newest revision (the one new calls start on)."""
+        return {name: self._revisions.newest(name) for name in self._revisions.adapters()}  # type: ignore[misc]
+
+    async def _make_room(
+        self, engines: Sequence[Engine], resident: int
+    ) -> tuple[list[AdapterRevision], float]:
+        """Drop superseded revisions no call uses; wait for calls to end while the engines
+        would hold more than ``resident`` with one more."""
+        dropped: list[AdapterRevision] = []
+        waited = 0.0
+        while True:
+            for revision in self._revisions.droppable():
+                self._revisions.drop(revision)
+                await self._forget(engines, revision)
+                dropped.append(revision)
+            if len(self._revisions) < resident:
+                return dropped, waited
+            began = time.perf_counter()
+            logger.info("adapter update waits: every revision that could go is in use")
+            await self._revisions.unpinned()
+            waited += time.perf_counter() - began
+
+    async def _forget(self, engines: Sequence[Engine], revision: AdapterRevision) -> None:
+        async def drop(engine: Any) -> None:
+            try:
+                await engine.adapters.drop(revision)
+            except Exception:  # a dead engine holds nothing
+                logger.warning("%s: could not drop %s", engine.name, revision.lora_name,
+                               exc_info=True)
+
+        await asyncio.gather(*(drop(e) for e in engines if not e.is_dead))
+
+    def _adapter_channel(self, engines: Sequence[Engine]) -> Any:
+        """The manager's pusher's channel (one receiver an engine: a second pusher would
+        attach again at each switch), or an adapter pusher of its own (``rolling``)."""
+        if isinstance(self._weights, WeightPusher):
+            return self._weights.channel
+        if self._weights is None and not self.rolling:
+            backup = True if self.resume_mode in INFLIGHT_MODES else None
+            self._weights = WeightPusher(_receiving(self._engines), backup=backup)
+            return self._weights.channel
+        if self._adapter_pusher is None:
+            self._adapter_pusher = WeightPusher(_receiving(list(engines)))
+        return self._adapter_pusher.channel
+
     def _group_updater(self, group: list[Engine]) -> WeightUpdater:
         key = tuple(e.name for e in group)
         updater = self._group_updaters.get(key)
@@ -556,7 +742,8 @@ class AsyncServerManager:
         if self._closed:
             return
         self._closed = True
-        for updater in [*self._retired, self._weights, *self._group_updaters.values()]:
+        updaters = [*self._retired, self._weights, *self._group_updaters.values()]
+        for updater in [*updaters, self._adapter_pusher]:
             if updater is not None:
                 await updater.aclose()
 
@@ -587,23 +774,38 @@ class AsyncServerManager:
         return prompt, params
 
     async def _route_when_able(
-        self, session_key: str | None, last: int | None, floor: int | None
+        self,
+        session_key: str | None,
+        last: int | None,
+        floor: int | None,
+        revision: AdapterRevision | None = None,
     ) -> int:
         """``_route``, waiting while no engine can serve the call only because a rolling
         update has paused those that could (they have the weights it needs, or will)."""
         while True:
             try:
-                return self._route(session_key, last, floor=floor)
+                return self._route(session_key, last, floor=floor, revision=revision)
             except NoEngineAvailableError:
                 if not self._updating:
                     raise
                 await self._roll_moved.wait()
 
-    def _route(self, session_key: str | None, last: int | None, *, floor: int | None) -> int:
+    def _route(
+        self,
+        session_key: str | None,
+        last: int | None,
+        *,
+        floor: int | None,
+        revision: AdapterRevision | None = None,
+    ) -> int:
         """Pick an engine index. Sticky to the session's engine (or, without a session key, to
         the engine of this request's previous segment). Engines behind ``floor`` (the version
-        of the output's last token) are skipped, so an output never moves to older weights."""
-        alive = [_can_serve(engine, floor) for engine in self._engines]
+        of the output's last token) are skipped, so an output never moves to older weights;
+        with an adapter ``revision``, engines that do not hold it (added since it was pushed)."""
+        if revision is None:
+            alive = [_can_serve(engine, floor) for engine in self._engines]
+        else:
+            alive = [not e.is_dead and _holds(e, revision) for e in self._engines]
         # A rolling update: not to an engine it paused, and to one that has the new weights
         # once one does, where any such can serve (else as without the roll).
         for keep in (
@@ -626,12 +828,22 @@ class AsyncServerManager:
         return index
 
     async def _dispatch(
-        self, engine: Engine, request_id: str, prompt: list[int], params: dict[str, Any]
+        self,
+        engine: Engine,
+        request_id: str,
+        prompt: list[int],
+        params: dict[str, Any],
+        revision: AdapterRevision | None = None,
     ) -> Segment:
         if not self._in_flight[engine.name]:
             self._busy_since[engine.name] = time.perf_counter()
         self._in_flight[engine.name] += 1
         try:
+            if revision is not None:
+                segment: Segment = await engine.generate(  # type: ignore[call-arg]
+                    request_id, prompt_ids=prompt, sampling_params=params, adapter=revision
+                )
+                return segment
             return await engine.generate(request_id, prompt_ids=prompt, sampling_params=params)
         finally:
             self._in_flight[engine.name] -= 1
@@ -666,6 +878,11 @@ class AsyncServerManager:
             num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=trajectory.num_cached,
         )
+
+
+def _holds(engine: Engine, revision: AdapterRevision) -> bool:
+    adapters = getattr(engine, "adapters", None)
+    return adapters is not None and bool(adapters.holds(revision))
 
 
 def _can_serve(engine: Engine, floor: int | None) -> bool:

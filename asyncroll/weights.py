@@ -34,8 +34,8 @@ import itertools
 import logging
 import time
 import warnings
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -75,6 +75,9 @@ from asyncroll.transport.sender import open_weight_sender
 from asyncroll.types import PauseMode
 from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
 from asyncroll.validation import check_global_steps, check_resume_mode
+
+if TYPE_CHECKING:
+    from asyncroll.adapters import AdapterRevision
 
 __all__ = [
     "SenderChannel",
@@ -462,6 +465,38 @@ class SenderChannel:
                 sender.close()
             raise
 
+    async def push_adapter(
+        self,
+        engines: Sequence[Any],
+        tensors: Mapping[str, torch.Tensor],
+        revision: AdapterRevision,
+        config: Mapping[str, Any],
+    ) -> PushReport:
+        """Push an adapter's tensors (checked: ``asyncroll.adapters.check_adapter``) into every
+        engine as ``revision`` (``VLLMAdapterPort.take``): no engine pauses, nothing served
+        is written."""
+        if self._one_copy and not all(t.is_cuda and t.is_contiguous() for t in tensors.values()):
+            raise InvalidRequestError(
+                "one_copy=True reads the trainer's tensors in place: the adapter's must be"
+                " contiguous CUDA tensors (push it staged otherwise)"
+            )
+        self._fingerprints = self._fingerprinter(tensors) if self._verify else None
+        sender = await self._connected(engines, tensors)
+        version = revision.global_steps if revision.global_steps is not None else -1
+
+        async def take(engine: Any, push: int, sent: Callable[[], None]) -> Delivery | None:
+            delivery: Delivery | None = await engine.adapters.take(
+                revision, config, push=push, sent=sent
+            )
+            return delivery
+
+        try:
+            return await self._transfer(engines, sender, tensors, version, take=take)
+        except BaseException:
+            if isinstance(sender, BroadcastSender):
+                sender.close()
+            raise
+
     async def abort(self, engines: Sequence[Any]) -> list[str]:
         """End the update in every engine's workers; the names of engines left holding."""
 
@@ -504,6 +539,7 @@ class SenderChannel:
         version: int,
         *,
         mode: ResumeMode = "keep",
+        take: Callable[[Any, int, Callable[[], None]], Awaitable[Delivery | None]] | None = None,
     ) -> PushReport:
         """Every engine's take, then the push, failing as soon as any of them fails (a dead
         worker's engine fails its take long before the sender's ack deadline).
@@ -545,15 +581,20 @@ class SenderChannel:
                 **options,
             )
 
-        async def take(engine: ReceivingEngine, left: asyncio.Event) -> None:
-            delivery = await engine.weights.take(version, push=push_id, mode=mode, sent=left.set)
+        async def taken(engine: ReceivingEngine, left: asyncio.Event) -> None:
+            if take is not None:  # an adapter's revision (``push_adapter``)
+                delivery = await take(engine, push_id, left.set)
+            else:
+                delivery = await engine.weights.take(
+                    version, push=push_id, mode=mode, sent=left.set
+                )
             if delivery is not None:
                 self._delivered[engine.name] = delivery
 
         tasks: list[asyncio.Future[Any]] = []
         if not receivers_first:
             tasks.append(asyncio.ensure_future(pushed()))
-        takes = [asyncio.ensure_future(take(e, s)) for e, s in zip(engines, sent, strict=True)]
+        takes = [asyncio.ensure_future(taken(e, s)) for e, s in zip(engines, sent, strict=True)]
         tasks += takes
         if receivers_first:
             tasks.append(asyncio.ensure_future(pushed()))

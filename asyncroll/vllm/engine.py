@@ -58,10 +58,13 @@ from asyncroll.validation import (
     resolve_sampling_params,
 )
 from asyncroll.vllm import compat, sockets
+from asyncroll.vllm.adapters import VLLMAdapterPort
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.async_llm import AsyncLLM
+
+    from asyncroll.adapters import AdapterRevision
 
 __all__ = ["VLLMEngine", "VLLMWeightPort", "parse_version", "version_label", "vllm_client"]
 
@@ -140,6 +143,7 @@ class VLLMEngine:
         self._num_rejected = 0
         self._holding: str | None = None
         self._weights = VLLMWeightPort(self)
+        self._adapters = VLLMAdapterPort(self)
         self.native_versions = compat.labels_versions(llm)
         """vLLM labels weight versions itself (0.32+); else this adapter does (see module doc)."""
         self._version_marks: dict[str, list[tuple[int | None, int]]] = {}
@@ -315,6 +319,7 @@ class VLLMEngine:
         *,
         prompt_ids: Sequence[int],
         sampling_params: Mapping[str, Any] | None = None,
+        adapter: AdapterRevision | None = None,
     ) -> Segment:
         """Generate one segment for one request.
 
@@ -327,6 +332,8 @@ class VLLMEngine:
             sampling_params: vLLM sampling arguments (``max_tokens``, ``temperature``...; see
                 ``asyncroll.validation.SAMPLING_KEYS``); never mutated. ``max_tokens`` defaults
                 to the rest of the context.
+            adapter: A LoRA revision the engine holds (``adapters``): the request runs under
+                it, and its tokens carry the revision's ``global_steps``.
 
         Returns:
             The tokens, their log probs and per-token ``global_steps``; ``finish_reason`` is
@@ -342,6 +349,10 @@ class VLLMEngine:
             check_request_id(request_id, max_len=ENGINE_REQUEST_ID_LEN)
             params = self._sampling_params(prompt_ids, sampling_params)
             refuse_live(request_id, self._live)
+            if adapter is not None and not self._adapters.holds(adapter):
+                raise InvalidRequestError(
+                    f"{self.name} does not hold adapter revision {adapter.lora_name}"
+                )
         except InvalidRequestError:
             self._num_rejected += 1
             raise
@@ -355,7 +366,9 @@ class VLLMEngine:
             self._in_flight += 1
             self._num_requests += 1
             try:
-                return await self._run(request_id, prompt, params, self._global_steps)
+                return await self._run(
+                    request_id, prompt, params, self._global_steps, adapter=adapter
+                )
             finally:
                 self._in_flight -= 1
 
@@ -496,6 +509,11 @@ class VLLMEngine:
         return call.result()
 
     @property
+    def adapters(self) -> VLLMAdapterPort:
+        """The engine's LoRA revisions (``asyncroll.adapters``; ``enable_lora=True``)."""
+        return self._adapters
+
+    @property
     def weights(self) -> VLLMWeightPort:
         """The engine's update surface (``asyncroll.interfaces.ReceivingPort``)."""
         return self._weights
@@ -628,20 +646,35 @@ class VLLMEngine:
             raise InvalidRequestError(f"vLLM rejected sampling_params: {exc}") from exc
 
     async def _run(
-        self, request_id: str, prompt: list[int], params: Any, dispatched_at: int | None
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        dispatched_at: int | None,
+        *,
+        adapter: AdapterRevision | None = None,
     ) -> Segment:
         from vllm.inputs import TokensPrompt
 
         last: RequestOutput | None = None
-        marks = [(dispatched_at, 0)]
-        self._version_marks[request_id] = marks
-        if self._label_lags:
+        lora_request = None
+        if adapter is None:
+            marks = [(dispatched_at, 0)]
+            self._version_marks[request_id] = marks
+            if self._label_lags:
+                self._labelled_here.add(request_id)
+        else:  # the revision labels every token: its weights sampled them all
+            from vllm.lora.request import LoRARequest
+
+            marks = [(adapter.global_steps, 0)]
             self._labelled_here.add(request_id)
+            lora_request = LoRARequest(adapter.lora_name, adapter.revision, adapter.lora_path)
         salt = f"{self._cache_salt}-{self._cache_epoch}"
         self._in_transit.add(request_id)  # until vLLM's add_request returns (_request_added)
         self._landed.clear()
         stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params, request_id
+            TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params, request_id,
+            lora_request=lora_request,
         )
         try:
             async with contextlib.aclosing(stream):

@@ -50,6 +50,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
 from asyncroll.errors import PieceNotPlannedError
+from asyncroll.receive.adapter import AdapterTake
 from asyncroll.receive.check import PushCheck, check_delivered
 from asyncroll.receive.load_plan import LoadPlan, PlanStatistics
 from asyncroll.receive.rollback import Rollback
@@ -58,6 +59,7 @@ from asyncroll.transport.broadcast import BroadcastReceiver
 from asyncroll.transport.plan import Part
 from asyncroll.transport.receiver import PlaceFn, ReceiveReport
 from asyncroll.vllm.compat import worker_runs_the_session
+from asyncroll.vllm.lora import store_of
 
 __all__ = [
     "BACKEND_NAME",
@@ -346,6 +348,20 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self._plan.end_push()  # the last push's unused copies: their sources may be gone
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
+
+    def receive_adapter(self, push: int) -> AdapterTake:
+        """Receive one adapter push into memory of its own, checked (``AdapterTake``); the
+        served weights are not touched."""
+        assert self._receiver is not None, "init_weight_transfer_engine first"
+        device = torch.device(self.device) if self.device is not None else torch.device("cpu")
+        take = AdapterTake(device)
+        with _outside_device_context():
+            if isinstance(self._receiver, BroadcastReceiver):
+                self.last_report = self._receiver.receive(take.load, after=take.check)
+            else:
+                self.last_report = self._receiver.receive(take.load, push=push)
+                take.check(self.last_report)
+        return take
 
     def _active_plan(self) -> LoadPlan | None:
         """The load plan, where the push in progress loads through it."""
@@ -697,6 +713,40 @@ class AsyncrollWorkerExtension:
             if reset is not None:
                 reset()
         return bool(whole)
+
+    def asyncroll_adapter_layout(self) -> dict[str, Any] | None:
+        """What this worker's LoRA serves (``asyncroll.vllm.lora``); None: LoRA is off."""
+        store = store_of(self)
+        return None if store is None else store.layout()
+
+    def asyncroll_take_adapter(
+        self, update_info: dict[str, Any], revision: int, config: dict[str, Any]
+    ) -> str | dict[str, Any]:
+        """Receive an adapter push and register it as LoRA ``revision`` (the adapter port's
+        ``take``). It runs between two engine steps; nothing served changes but the set of
+        revisions. Returns what the worker took, or why it failed (as
+        ``asyncroll_take_update``, it does not raise)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        store = store_of(self)
+        try:
+            if store is None:
+                return "the engine was started without LoRA (enable_lora=True)"
+            if not isinstance(engine, AsyncrollWeightTransferEngine):
+                return "no asyncroll weight-transfer engine in this worker"
+            take = engine.receive_adapter(int(update_info.get("push", 0)))
+            store.add(revision, take.tensors, config)
+            report = engine.last_report
+            assert report is not None
+            return {"version": report.version, "tensors": report.tensors,
+                    "bytes": report.bytes, "verified": list(take.verified)}
+        except Exception as exc:
+            logger.warning("rank %s failed the adapter push: %r", getattr(self, "rank", "?"), exc)
+            return f"{type(exc).__name__}: {exc}"
+
+    def asyncroll_drop_adapter(self, revision: int) -> bool:
+        """Forget adapter revision ``revision``; True if this worker held it."""
+        store = store_of(self)
+        return store is not None and store.drop(revision)
 
     def asyncroll_shutdown_weight_transfer_engine(self) -> None:
         """Release the receiver's mappings (vLLM 0.24 has no call for it)."""

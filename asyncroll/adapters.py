@@ -1,0 +1,331 @@
+"""LoRA adapters pushed through asyncroll's transport, served by revision (no engine pause).
+
+An adapter update makes a new *revision* of the adapter: a LoRA of its own in every engine
+(vLLM's ``lora_int_id``), added between two engine steps next to the revisions already there.
+Nothing is overwritten in place, so no forward pass can see half an update, and no engine is
+paused. The manager (``AsyncServerManager.update_adapter``) owns the revisions:
+
+- a call made with ``adapter=name`` starts on that adapter's newest revision and keeps it to
+  its end, through every resume (it is *pinned* to it); its tokens carry that revision's
+  ``global_steps``;
+- every engine holds at most ``resident`` revisions (vLLM's ``max_cpu_loras``, set by the user:
+  at least the number of adapters plus the staleness allowed); a revision is dropped only when
+  no live call is pinned to it, superseded ones first;
+- an update that would need to drop a pinned revision waits for its calls to end (they run
+  on: the newest revision takes the new calls), and says how long it waited;
+- each revision has a name of its own in vLLM (``name@revision``), so vLLM's prefix cache,
+  keyed by the LoRA's name, never serves one revision's KV to another.
+
+This module is pure (torch only): the tensors' names and shapes checked against what an engine
+serves (``AdapterLayout``), and the revision table (``Revisions``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncroll.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from asyncroll.interfaces import Delivery
+    from asyncroll.transport import PushReport
+
+__all__ = [
+    "AdapterConfig",
+    "AdapterLayout",
+    "AdapterReport",
+    "AdapterRevision",
+    "Revisions",
+    "adapter_tensors",
+    "check_adapter",
+    "check_adapter_name",
+]
+
+_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
+"""A PEFT LoRA tensor: ``base_model.model.<module>.lora_A.weight`` (the prefix and PEFT's
+adapter name, ``lora_A.default.weight``, optional)."""
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_revision_ids = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterConfig:
+    """A LoRA adapter's shape: its rank, its scale (``alpha / rank``), the modules it covers.
+
+    Args:
+        rank: Rows of every ``lora_A`` (columns of every ``lora_B``).
+        alpha: PEFT's ``lora_alpha``; the update is ``B @ A * alpha / rank``.
+    """
+
+    rank: int
+    alpha: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise InvalidRequestError(f"rank must be an int of at least 1, not {self.rank!r}")
+        if (
+            isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float)
+            or not math.isfinite(self.alpha) or self.alpha <= 0
+        ):
+            raise InvalidRequestError(f"alpha must be a positive number, not {self.alpha!r}")
+
+    def peft_config(self, modules: Iterable[str]) -> dict[str, Any]:
+        """PEFT's ``adapter_config.json`` for these tensors (``modules``: their leaf names)."""
+        return {
+            "peft_type": "LORA",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": sorted(set(modules)),
+            "bias": "none",
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterRevision:
+    """One pushed version of one adapter, as every engine serves it."""
+
+    adapter: str
+    revision: int
+    """vLLM's ``lora_int_id``: unique in this process, so across every engine it feeds."""
+    global_steps: int | None
+    """The trainer step the revision's tensors come from: it labels every token sampled
+    under it."""
+
+    @property
+    def lora_name(self) -> str:
+        """vLLM's name for it, unique per revision (vLLM keys its prefix cache by it)."""
+        return f"{self.adapter}@{self.revision}"
+
+    @property
+    def lora_path(self) -> str:
+        """Not a path: vLLM wants one; asyncroll's workers serve the revision from memory."""
+        return f"asyncroll://{self.adapter}/{self.revision}"
+
+    @classmethod
+    def next(cls, adapter: str, global_steps: int | None) -> AdapterRevision:
+        return cls(adapter=adapter, revision=next(_revision_ids), global_steps=global_steps)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterLayout:
+    """What an engine's LoRA serves (read once from its workers and its checkpoint)."""
+
+    max_rank: int
+    """vLLM's ``max_lora_rank``."""
+    slots: int
+    """vLLM's ``max_loras``: distinct revisions in one step."""
+    resident: int
+    """vLLM's ``max_cpu_loras``: revisions an engine holds."""
+    modules: frozenset[str]
+    """Leaf names of the modules the engine's LoRA covers (``q_proj``, ``down_proj``...)."""
+    shapes: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Module path (``model.layers.0.self_attn.q_proj``) -> its weight's (out, in)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterReport:
+    """One adapter update, pushed to every live engine."""
+
+    revision: AdapterRevision
+    engines: int
+    seconds: float
+    """From the call to the last engine holding the revision."""
+    waited_seconds: float
+    """Spent waiting for room: every revision that could go was pinned by a live call."""
+    push_seconds: float
+    dropped: tuple[int, ...]
+    """Revisions dropped to make room (superseded ones no call used any more)."""
+    tensors: int
+    bytes: int
+    push: PushReport | None
+    deliveries: Mapping[str, Delivery] = field(default_factory=dict)
+
+
+def adapter_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """The tensors under PEFT's names (``base_model.model.<module>.lora_A.weight``): a PEFT
+    state dict, or names without the ``base_model.model.`` prefix.
+
+    Raises:
+        InvalidRequestError: a name that is no LoRA tensor, one given twice, a tensor that is
+            not a floating matrix, or a module with an A and no B (or the reverse).
+    """
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    out: dict[str, torch.Tensor] = {}
+    halves: dict[str, set[str]] = {}
+    for name, tensor in items:
+        match = _NAME.match(name) if isinstance(name, str) else None
+        if match is None:
+            raise InvalidRequestError(
+                f"{name!r} is not a LoRA tensor (want <module>.lora_A.weight or"
+                " <module>.lora_B.weight, PEFT's names)"
+            )
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:
+            raise InvalidRequestError(f"{name!r}: a LoRA tensor is a 2-d torch.Tensor")
+        if not tensor.is_floating_point():
+            raise InvalidRequestError(f"{name!r}: dtype {tensor.dtype} is not floating point")
+        module, half = match["module"], match["ab"]
+        peft = f"base_model.model.{module}.lora_{half}.weight"
+        if peft in out:
+            raise InvalidRequestError(f"{name!r}: {module}'s lora_{half} is given twice")
+        out[peft] = tensor.detach()
+        halves.setdefault(module, set()).add(half)
+    if not out:
+        raise InvalidRequestError("no adapter tensors to push")
+    lonely = sorted(m for m, h in halves.items() if h != {"A", "B"})
+    if lonely:
+        raise InvalidRequestError(f"modules with only one of lora_A, lora_B: {lonely[:4]}")
+    return out
+
+
+def check_adapter_name(name: object) -> str:
+    """An adapter's name: 1-64 letters, digits and ``_.:-``.
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    if not isinstance(name, str) or not _ADAPTER_NAME.match(name):
+        raise InvalidRequestError(
+            f"an adapter's name is 1-64 letters, digits and _.:- ; not {name!r}"
+        )
+    return name
+
+
+def modules_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Module path -> (lora_A, lora_B), from ``adapter_tensors``'s names."""
+    pairs: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+        pairs.setdefault(module, [tensor, tensor])[0 if ".lora_A." in name else 1] = tensor
+    return {module: (a, b) for module, (a, b) in pairs.items()}
+
+
+def check_adapter(
+    tensors: Mapping[str, torch.Tensor], config: AdapterConfig, layout: AdapterLayout,
+    *, engine: str,
+) -> None:
+    """The adapter fits what ``engine`` serves, before anything is sent.
+
+    Raises:
+        InvalidRequestError: a rank other than the config's, or above the engine's
+            ``max_lora_rank``; a module the engine's LoRA does not cover; a shape that does
+            not fit the module's weight; a value that is not finite.
+    """
+    if config.rank > layout.max_rank:
+        raise InvalidRequestError(
+            f"rank {config.rank} is above {engine}'s max_lora_rank {layout.max_rank}"
+        )
+    for module, (a, b) in modules_of(tensors).items():
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf not in layout.modules:
+            raise InvalidRequestError(
+                f"{module}: {engine}'s LoRA does not cover {leaf!r} (it covers"
+                f" {sorted(layout.modules)})"
+            )
+        if a.shape[0] != config.rank or b.shape[1] != config.rank:
+            raise InvalidRequestError(
+                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not of"
+                f" rank {config.rank} (A is rank x in, B is out x rank)"
+            )
+        shape = layout.shapes.get(module)
+        if shape is None:
+            raise InvalidRequestError(f"{module}: no such module in {engine}'s checkpoint")
+        out_features, in_features = shape
+        if a.shape[1] != in_features or b.shape[0] != out_features:
+            raise InvalidRequestError(
+                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit its"
+                f" weight ({out_features} x {in_features}): want A {config.rank} x"
+                f" {in_features}, B {out_features} x {config.rank}"
+            )
+    bad = [n for n, t in tensors.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise InvalidRequestError(f"non-finite values in {bad[:4]}")
+
+
+class Revisions:
+    """The manager's table of revisions: which are held, which calls pin which.
+
+    Invariants: every held revision is held by every live engine; a revision some call is
+    pinned to stays held until the call ends; an adapter's newest revision is never dropped.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[int, AdapterRevision] = {}
+        self._newest: dict[str, AdapterRevision] = {}
+        self._pins: dict[int, int] = {}
+        self._unpinned = asyncio.Event()
+        """Set (and replaced) each time a revision's last call ends."""
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def held(self) -> tuple[AdapterRevision, ...]:
+        return tuple(self._held.values())
+
+    def newest(self, adapter: str) -> AdapterRevision | None:
+        return self._newest.get(adapter)
+
+    def pins(self, revision: AdapterRevision) -> int:
+        return self._pins.get(revision.revision, 0)
+
+    @contextmanager
+    def pinned(self, adapter: str) -> Iterator[AdapterRevision]:
+        """Pin a call to ``adapter``'s newest revision until the block ends.
+
+        Raises:
+            InvalidRequestError: no revision of ``adapter`` was pushed.
+        """
+        revision = self._newest.get(adapter)
+        if revision is None:
+            known = sorted(self._newest) or "none"
+            raise InvalidRequestError(
+                f"adapter {adapter!r} has no revision (update_adapter pushes one); known: {known}"
+            )
+        key = revision.revision
+        self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            yield revision
+        finally:
+            self._pins[key] -= 1
+            if not self._pins[key]:
+                del self._pins[key]
+                self._unpinned.set()
+                self._unpinned = asyncio.Event()
+
+    def droppable(self) -> list[AdapterRevision]:
+        """Held revisions that may go, oldest first: superseded ones no call is pinned to.
+        (An adapter's newest revision stays: new calls start on it until the next arrives.)"""
+        newest = {r.revision for r in self._newest.values()}
+        return [
+            r for key, r in sorted(self._held.items())
+            if key not in newest and not self._pins.get(key)
+        ]
+
+    def adapters(self) -> set[str]:
+        return set(self._newest)
+
+    async def unpinned(self) -> None:
+        """Return when some revision's last call ends."""
+        await self._unpinned.wait()
+
+    def add(self, revision: AdapterRevision) -> None:
+        self._held[revision.revision] = revision
+        self._newest[revision.adapter] = revision
+
+    def drop(self, revision: AdapterRevision) -> None:
+        self._held.pop(revision.revision, None)
+        if self._newest.get(revision.adapter) == revision:
+            del self._newest[revision.adapter]

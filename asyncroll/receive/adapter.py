@@ -1,0 +1,91 @@
+"""An adapter push, received whole into memory of its own: one worker's side, without vLLM.
+
+A full-weight push loads into the served parameters; an adapter push loads into nothing that
+serves. Its tensors are copied out of the transport's buffers (which the next bucket reuses,
+or which are the trainer's own storages in a one-copy push) into memory the revision owns,
+one copy per bucket, then checked against the sender's fingerprints. The caller (the vLLM
+adapter) builds the revision from them only once every tensor arrived and matched, so a push
+that fails leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from asyncroll.errors import WeightSyncError
+from asyncroll.fingerprints import Fingerprinter
+from asyncroll.transport.receiver import ReceiveReport
+
+__all__ = ["AdapterTake"]
+
+Batch = Sequence[tuple[str, torch.Tensor]]
+
+
+class AdapterTake:
+    """Collects one adapter push (``load`` per bucket, then ``check``); ``tensors`` holds it.
+
+    Args:
+        device: Where the revision's tensors live (the worker's device).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.verified = (0, 0)
+        """Tensors checked against the sender's fingerprints, and those the push sent none for."""
+        self._fingerprinter = Fingerprinter()
+
+    def load(self, batch: Batch) -> None:
+        """Copy one bucket out of the transport's memory (valid only during the call)."""
+        self.tensors.update(_copied(batch, self.device))
+
+    def check(self, report: ReceiveReport) -> None:
+        """Everything that arrived is whole and as the trainer fingerprinted it.
+
+        Raises:
+            WeightSyncError: nothing arrived, or a tensor differs from what was pushed.
+        """
+        if not self.tensors:
+            raise WeightSyncError(f"push {report.push}: the adapter push delivered no tensor")
+        pushed = report.fingerprints or {}
+        found = {n: t for n, t in self.tensors.items() if n in pushed}
+        wrong = self._fingerprinter.differing(
+            found, pushed, {n: t.dtype for n, t in found.items()}
+        ) if found else []
+        self.verified = (len(found), len(self.tensors) - len(found))
+        if wrong:
+            raise WeightSyncError(
+                f"push {report.push}: {len(wrong)} adapter tensors differ from what was pushed"
+                f" (fingerprints): {sorted(wrong)[:5]}"
+            )
+
+
+def _copied(batch: Batch, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The batch's tensors in new memory on ``device``: one copy of the span they share in
+    one storage (a staging slot, or a one-copy push's storage), else a copy each."""
+    if not batch:
+        return []
+    storages = {t.untyped_storage().data_ptr() for _, t in batch}
+    if len(storages) != 1 or not all(t.is_contiguous() for _, t in batch):
+        return [(name, t.to(device, copy=True)) for name, t in batch]
+    try:
+        return _span_copied(batch, device)
+    except RuntimeError:  # a view the span cannot give (an odd alignment): one copy each
+        return [(name, t.to(device, copy=True)) for name, t in batch]
+
+
+def _span_copied(batch: Batch, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    first = batch[0][1]
+    start = min(t.storage_offset() * t.element_size() for _, t in batch)
+    end = max((t.storage_offset() + t.numel()) * t.element_size() for _, t in batch)
+    whole = torch.empty(0, dtype=torch.uint8, device=first.device)
+    whole.set_(first.untyped_storage())
+    span = torch.empty(end - start, dtype=torch.uint8, device=device)
+    span.copy_(whole[start:end], non_blocking=False)
+    view: Callable[[torch.Tensor], torch.Tensor] = lambda t: (  # noqa: E731
+        span[t.storage_offset() * t.element_size() - start:][: t.numel() * t.element_size()]
+        .view(t.dtype).view(t.shape)
+    )
+    return [(name, view(t)) for name, t in batch]

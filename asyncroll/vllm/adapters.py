@@ -1,0 +1,135 @@
+"""A ``VLLMEngine``'s adapter port (``engine.adapters``): LoRA revisions pushed by asyncroll.
+
+The engine's half of an adapter update (``asyncroll.adapters``): what its LoRA serves
+(``layout``), take a pushed revision (one RPC the EngineCore runs between two steps: the
+engine is never paused), drop one. The worker's half is ``asyncroll.vllm.lora``. The port
+keeps which revisions the engine holds, so a request never names one it does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from asyncroll.adapters import AdapterLayout, AdapterRevision
+from asyncroll.errors import InvalidRequestError, WeightSyncError
+from asyncroll.interfaces import Delivery
+from asyncroll.update_check import read_checkpoint_schema
+
+if TYPE_CHECKING:
+    from asyncroll.vllm.engine import VLLMEngine
+
+__all__ = ["VLLMAdapterPort"]
+
+
+class VLLMAdapterPort:
+    """Adapter revisions in one ``VLLMEngine`` (see the module doc)."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self._engine = engine
+        self._layout: AdapterLayout | None = None
+        self._held: dict[int, AdapterRevision] = {}
+
+    def __repr__(self) -> str:
+        return f"<VLLMAdapterPort {self._engine.name} held={sorted(self._held)}>"
+
+    @property
+    def held(self) -> tuple[AdapterRevision, ...]:
+        return tuple(self._held.values())
+
+    def holds(self, revision: AdapterRevision) -> bool:
+        return self._held.get(revision.revision) == revision
+
+    async def layout(self) -> AdapterLayout:
+        """What the engine's LoRA serves (asked once).
+
+        Raises:
+            InvalidRequestError: the engine was started without LoRA.
+        """
+        if self._layout is not None:
+            return self._layout
+        engine = self._engine
+        answers = await engine.collective_rpc("asyncroll_adapter_layout")
+        found = answers[0] if answers else None
+        if found is None:
+            raise InvalidRequestError(
+                f"{engine.name} was started without LoRA: start it with enable_lora=True"
+                " (and max_lora_rank, max_loras, max_cpu_loras)"
+            )
+        modules = frozenset(found["modules"])
+        schema = await asyncio.to_thread(read_checkpoint_schema, engine.model_path)
+        shapes: dict[str, tuple[int, int]] = {}
+        for name, spec in (schema.tensors.items() if schema is not None else ()):
+            module = name.removesuffix(".weight")
+            if module != name and len(spec.shape) == 2 and module.rsplit(".", 1)[-1] in modules:
+                shapes[module] = (int(spec.shape[0]), int(spec.shape[1]))
+        self._layout = AdapterLayout(
+            max_rank=int(found["max_rank"]),
+            slots=int(found["slots"]),
+            resident=int(found["resident"]),
+            modules=modules,
+            shapes=shapes,
+        )
+        return self._layout
+
+    async def take(
+        self,
+        revision: AdapterRevision,
+        config: Mapping[str, Any],
+        *,
+        push: int = 0,
+        sent: Callable[[], None] | None = None,
+    ) -> Delivery | None:
+        """Take a push as ``revision``: every worker receives it, checks it and registers it,
+        in one RPC that runs between two engine steps. ``sent()`` once the RPC has left.
+
+        Raises:
+            WeightSyncError: a worker failed (it registered nothing; what the engine held and
+                served is unchanged).
+        """
+        from asyncroll.vllm.engine import _summed
+
+        engine = self._engine
+        engine._check_alive()
+        kwargs = {
+            "update_info": {"version": _version(revision), "push": push},
+            "revision": revision.revision,
+            "config": dict(config),
+        }
+        call = asyncio.ensure_future(
+            engine._llm.collective_rpc("asyncroll_take_adapter", kwargs=kwargs)
+        )
+        rpc = asyncio.ensure_future(engine.call_vllm(call))
+        try:
+            if sent is not None:  # on its socket after two loop turns (``VLLMWeightPort.take``)
+                for _ in range(2):
+                    await asyncio.sleep(0)
+                sent()
+            answers = await rpc
+        finally:
+            if not rpc.done():
+                rpc.cancel()
+        failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
+        if failed:
+            await self._forget(revision)  # a worker that took it must not keep it alone
+            rank, why = failed[0]
+            raise WeightSyncError(
+                f"{engine.name}: the adapter push failed in {len(failed)} of {len(answers)}"
+                f" workers; rank {rank}: {why}"
+            )
+        self._held[revision.revision] = revision
+        return _summed(answers)
+
+    async def drop(self, revision: AdapterRevision) -> None:
+        """Forget ``revision`` (no request may be using it)."""
+        self._held.pop(revision.revision, None)
+        await self._forget(revision)
+
+    async def _forget(self, revision: AdapterRevision) -> None:
+        if not self._engine.is_dead:
+            await self._engine.collective_rpc("asyncroll_drop_adapter", args=(revision.revision,))
+
+
+def _version(revision: AdapterRevision) -> int:
+    return revision.global_steps if revision.global_steps is not None else -1

@@ -1,0 +1,196 @@
+"""LoRA adapters pushed through asyncroll's transport into a real vLLM engine's LoRA, by revision.
+
+One engine with LoRA on (tiny model A, rank up to 8, three revisions a step, four held) serves
+the module. A pushed adapter must sample what vLLM samples with the same adapter loaded from a
+PEFT folder; a call keeps its revision through pushes; bad adapters never reach the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import ENGINE_ARGS, until_decoding
+
+from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine
+from asyncroll.adapters import AdapterConfig
+from asyncroll.testing import vllm_client
+from asyncroll.testing.contract import LateAction, retry_if_late
+from asyncroll.testing.lora import random_adapter, write_peft_adapter
+
+pytestmark = pytest.mark.engine
+
+CONFIG = AdapterConfig(rank=8, alpha=16)
+LORA_ARGS: dict[str, Any] = {
+    **ENGINE_ARGS,
+    "enable_lora": True,
+    "max_lora_rank": 8,
+    "max_loras": 3,
+    "max_cpu_loras": 4,
+}
+PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12]
+GREEDY = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+async def lora_engine(tiny_model_a: Path) -> AsyncIterator[VLLMEngine]:
+    async with VLLMEngine.launch(tiny_model_a, name="lora", **LORA_ARGS) as engine:
+        yield engine
+
+
+@pytest.fixture
+async def manager(lora_engine: VLLMEngine) -> AsyncIterator[AsyncServerManager]:
+    async with AsyncServerManager([lora_engine]) as manager:
+        yield manager
+    for revision in lora_engine.adapters.held:  # the next test starts with none
+        await lora_engine.adapters.drop(revision)
+
+
+def adapter(model: Path, seed: int) -> dict[str, torch.Tensor]:
+    return random_adapter(model, CONFIG, seed=seed, scale=0.5)
+
+
+async def outputs(
+    manager: AsyncServerManager, adapter: str | None, params: dict[str, Any] = GREEDY
+) -> list[tuple[int, ...]]:
+    results = await asyncio.gather(*(
+        manager.generate(f"lora-{next(_ids)}", prompt_ids=p, sampling_params=params,
+                         adapter=adapter)
+        for p in PROMPTS
+    ))
+    return [r.token_ids for r in results]
+
+
+async def vllms_own(engine: VLLMEngine, folder: Path, lora_id: int) -> list[tuple[int, ...]]:
+    """Greedy outputs with the adapter vLLM loads itself from a PEFT folder."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    client = vllm_client(engine)
+    request = LoRARequest(f"peft-{lora_id}", lora_id, str(folder))
+    found = []
+    for prompt in PROMPTS:
+        last = None
+        async for out in client.generate(
+            TokensPrompt(prompt_token_ids=prompt), SamplingParams(**GREEDY),
+            f"peft-{next(_ids)}", lora_request=request,
+        ):
+            last = out
+        assert last is not None
+        found.append(tuple(last.outputs[0].token_ids))
+    return found
+
+
+async def test_a_pushed_adapter_samples_what_vllm_samples_with_it_from_a_peft_folder(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, tiny_model_a: Path, tmp_path: Path
+) -> None:
+    tensors = adapter(tiny_model_a, seed=1)
+    base = await outputs(manager, None)
+    report = await manager.update_adapter("math", tensors, config=CONFIG, global_steps=3)
+    assert report.revision.global_steps == 3 and report.tensors == len(tensors)
+    assert report.deliveries[lora_engine.name].verified == len(tensors)
+    pushed = await outputs(manager, "math")
+    reference = await vllms_own(lora_engine, write_peft_adapter(tmp_path, tensors, CONFIG), 900)
+    assert pushed == reference
+    assert pushed != base  # the adapter changes what is sampled
+    assert await outputs(manager, None) == base  # and only under it
+
+
+async def test_each_call_runs_under_its_own_adapter(
+    manager: AsyncServerManager, tiny_model_a: Path
+) -> None:
+    await manager.update_adapter("a", adapter(tiny_model_a, 2), config=CONFIG, global_steps=1)
+    await manager.update_adapter("b", adapter(tiny_model_a, 3), config=CONFIG, global_steps=5)
+    alone_a, alone_b = await outputs(manager, "a"), await outputs(manager, "b")
+    assert alone_a != alone_b
+    mixed = await asyncio.gather(outputs(manager, "a"), outputs(manager, "b"))
+    assert mixed == [alone_a, alone_b]
+    result = await manager.generate("steps-b", prompt_ids=PROMPTS[0], sampling_params=GREEDY,
+                                    adapter="b")
+    assert set(result.global_steps) == {5}
+
+
+@retry_if_late
+async def _keeps_its_revision(manager: AsyncServerManager, model: Path) -> None:
+    long = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    first = await manager.update_adapter("p", adapter(model, 10), config=CONFIG, global_steps=1)
+    alone = await manager.generate(f"alone-{next(_ids)}", prompt_ids=PROMPTS[1],
+                                   sampling_params=long, adapter="p")
+    call = asyncio.ensure_future(manager.generate(
+        f"spanning-{next(_ids)}", prompt_ids=PROMPTS[1], sampling_params=long, adapter="p"))
+    await until_decoding(manager, [call])
+    reports = [
+        await manager.update_adapter("p", adapter(model, 11 + i), config=CONFIG,
+                                     global_steps=2 + i)
+        for i in range(3)
+    ]
+    if call.done():
+        raise LateAction("the call ended before the third push")
+    result = await call
+    assert result.token_ids == alone.token_ids  # as if the first revision were the only one
+    assert set(result.global_steps) == {1}
+    assert manager.adapters["p"] == reports[-1].revision
+    # The first revision stayed while the call used it; once it ended, the next push drops it.
+    assert first.revision.revision not in {r for rep in reports for r in rep.dropped}
+    after = await manager.update_adapter("p", adapter(model, 20), config=CONFIG, global_steps=9)
+    assert first.revision.revision in after.dropped
+    fresh = await manager.generate(f"fresh-{next(_ids)}", prompt_ids=PROMPTS[1],
+                                   sampling_params=long, adapter="p")
+    assert set(fresh.global_steps) == {9} and fresh.token_ids != alone.token_ids
+
+
+async def test_a_call_keeps_its_revision_through_three_pushes(
+    manager: AsyncServerManager, tiny_model_a: Path
+) -> None:
+    await _keeps_its_revision(manager, tiny_model_a)
+
+
+async def test_bad_adapters_are_refused_before_anything_is_sent(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, tiny_model_a: Path
+) -> None:
+    good = adapter(tiny_model_a, 4)
+    await manager.update_adapter("ok", good, config=CONFIG, global_steps=2)
+    served = await outputs(manager, "ok")
+    held = lora_engine.adapters.held
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    q_b = q_a.replace("lora_A", "lora_B")
+    wide = AdapterConfig(rank=16, alpha=16)
+    cases: list[tuple[str, Any, AdapterConfig, Any]] = [
+        ("rank above max_lora_rank", random_adapter(tiny_model_a, wide), wide, 3),
+        ("a rank other than the config's", good, AdapterConfig(rank=4, alpha=8), 3),
+        ("a module the LoRA does not cover", {
+            **good,
+            "base_model.model.model.embed_tokens.lora_A.weight": torch.zeros(8, 512),
+            "base_model.model.model.embed_tokens.lora_B.weight": torch.zeros(128, 8),
+        }, CONFIG, 3),
+        ("a shape that does not fit", {**good, q_a: torch.zeros(8, 64)}, CONFIG, 3),
+        ("a NaN", {**good, q_b: torch.full_like(good[q_b], float("nan"))}, CONFIG, 3),
+        ("an A without its B", {q_a: good[q_a]}, CONFIG, 3),
+        ("not a LoRA name", {"model.layers.0.self_attn.q_proj.weight": good[q_a]}, CONFIG, 3),
+        ("global_steps below the last revision's", good, CONFIG, 1),
+    ]
+    for what, tensors, config, steps in cases:
+        with pytest.raises(InvalidRequestError):
+            await manager.update_adapter("ok", tensors, config=config, global_steps=steps)
+        assert lora_engine.adapters.held == held, what
+    with pytest.raises(InvalidRequestError, match="no revision"):
+        await manager.generate("no-such", prompt_ids=PROMPTS[0], sampling_params=GREEDY,
+                               adapter="never-pushed")
+    with pytest.raises(InvalidRequestError):
+        await manager.update_adapter("bad name!", good, config=CONFIG, global_steps=3)
+    assert await outputs(manager, "ok") == served
+
+
+async def test_an_engine_started_without_lora_refuses_adapters(engine: VLLMEngine) -> None:
+    async with AsyncServerManager([engine]) as manager:
+        with pytest.raises(InvalidRequestError, match="without LoRA"):
+            await manager.update_adapter(
+                "x", random_adapter(engine.model_path, CONFIG), config=CONFIG, global_steps=1
+            )

@@ -48,6 +48,7 @@ __all__ = [
     "adapter_tensors",
     "check_adapter",
     "check_adapter_name",
+    "decoder_shapes",
 ]
 
 _NAME = re.compile(
@@ -201,6 +202,34 @@ def check_adapter_name(name: object) -> str:
             f"an adapter's name is 1-64 letters, digits and _.:- ; not {name!r}"
         )
     return name
+
+
+def decoder_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """Module path -> (out, in) of every linear layer of a Llama-family decoder (Llama, Qwen2,
+    Qwen3, Mistral), from its Hugging Face ``config.json``: for an engine that loaded no
+    checkpoint (``load_format="dummy"``). Empty for a config without those fields."""
+    try:
+        hidden = int(config["hidden_size"])
+        inter = int(config["intermediate_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        layers = int(config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return {}
+    per_layer = {
+        "self_attn.q_proj": (heads * head_dim, hidden),
+        "self_attn.k_proj": (kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, heads * head_dim),
+        "mlp.gate_proj": (inter, hidden),
+        "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+    return {
+        f"model.layers.{i}.{module}": shape
+        for i in range(layers) for module, shape in per_layer.items()
+    }
 
 
 def modules_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -629,17 +629,17 @@ class AsyncServerManager:
                     " needed: one per adapter, and one more for the next revision to arrive"
                     " while calls finish on the last"
                 )
-            dropped, waited = await self._make_room(engines, resident)
+            dropped, waited = await self._make_room(resident)
             revision = AdapterRevision.next(adapter, global_steps)
             channel = self._adapter_channel(engines)
             modules = {m.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for m in tensors}
             pushed = time.perf_counter()
             try:
                 push = await channel.push_adapter(
-                    engines, tensors, revision, config.peft_config(modules)
+                    engines, tensors, revision, config.peft_config(modules), drop=dropped
                 )
             except BaseException as exc:
-                await shielded(self._forget(engines, revision))
+                await shielded(self._forget(engines, [revision, *dropped]))
                 if not isinstance(exc, Exception):
                     raise
                 raise WeightSyncError(
@@ -666,32 +666,32 @@ class AsyncServerManager:
         """Each adapter's newest revision (the one new calls start on)."""
         return {name: self._revisions.newest(name) for name in self._revisions.adapters()}  # type: ignore[misc]
 
-    async def _make_room(
-        self, engines: Sequence[Engine], resident: int
-    ) -> tuple[list[AdapterRevision], float]:
-        """Drop superseded revisions no call uses; wait for calls to end while the engines
-        would hold more than ``resident`` with one more."""
-        dropped: list[AdapterRevision] = []
+    async def _make_room(self, resident: int) -> tuple[list[AdapterRevision], float]:
+        """The superseded revisions no call uses (the engines drop them as they take the
+        next); first, while those would leave no room for one more of ``resident``, wait for
+        calls to end."""
         waited = 0.0
         while True:
-            for revision in self._revisions.droppable():
-                self._revisions.drop(revision)
-                await self._forget(engines, revision)
-                dropped.append(revision)
-            if len(self._revisions) < resident:
+            dropped = self._revisions.droppable()
+            if len(self._revisions) - len(dropped) < resident:
+                for revision in dropped:
+                    self._revisions.drop(revision)
                 return dropped, waited
             began = time.perf_counter()
             logger.info("adapter update waits: every revision that could go is in use")
             await self._revisions.unpinned()
             waited += time.perf_counter() - began
 
-    async def _forget(self, engines: Sequence[Engine], revision: AdapterRevision) -> None:
+    async def _forget(
+        self, engines: Sequence[Engine], revisions: Sequence[AdapterRevision]
+    ) -> None:
         async def drop(engine: Any) -> None:
-            try:
-                await engine.adapters.drop(revision)
-            except Exception:  # a dead engine holds nothing
-                logger.warning("%s: could not drop %s", engine.name, revision.lora_name,
-                               exc_info=True)
+            for revision in revisions:
+                try:
+                    await engine.adapters.drop(revision)
+                except Exception:  # a dead engine holds nothing
+                    logger.warning("%s: could not drop %s", engine.name, revision.lora_name,
+                                   exc_info=True)
 
         await asyncio.gather(*(drop(e) for e in engines if not e.is_dead))
 

@@ -471,10 +471,12 @@ class SenderChannel:
         tensors: Mapping[str, torch.Tensor],
         revision: AdapterRevision,
         config: Mapping[str, Any],
+        *,
+        drop: Sequence[AdapterRevision] = (),
     ) -> PushReport:
         """Push an adapter's tensors (checked: ``asyncroll.adapters.check_adapter``) into every
         engine as ``revision`` (``VLLMAdapterPort.take``): no engine pauses, nothing served
-        is written."""
+        is written. ``drop``: revisions each engine forgets in the same call."""
         if self._one_copy and not all(t.is_cuda and t.is_contiguous() for t in tensors.values()):
             raise InvalidRequestError(
                 "one_copy=True reads the trainer's tensors in place: the adapter's must be"
@@ -486,7 +488,7 @@ class SenderChannel:
 
         async def take(engine: Any, push: int, sent: Callable[[], None]) -> Delivery | None:
             delivery: Delivery | None = await engine.adapters.take(
-                revision, config, push=push, sent=sent
+                revision, config, push=push, sent=sent, drop=drop
             )
             return delivery
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from asyncroll.adapters import (
     adapter_tensors,
     check_adapter,
     check_adapter_name,
+    decoder_shapes,
 )
 
 LAYOUT = AdapterLayout(
@@ -131,3 +134,23 @@ async def test_a_pinned_revision_is_never_droppable_and_its_last_call_wakes_a_wa
 def test_a_call_on_an_adapter_never_pushed_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="no revision"), Revisions().pinned("x"):
         pass
+
+
+def test_decoder_shapes_from_a_config_match_the_checkpoint_of_the_same_config(
+    tmp_path: Path,
+) -> None:
+    from asyncroll.testing import TINY_CONFIG, make_tiny_model
+    from asyncroll.update_check import read_checkpoint_schema
+
+    for family in ("qwen2", "qwen3", "llama"):
+        model = make_tiny_model(tmp_path / family, family=family)
+        config = json.loads((model / "config.json").read_text())
+        schema = read_checkpoint_schema(model)
+        assert schema is not None
+        from_checkpoint = {
+            n.removesuffix(".weight"): tuple(spec.shape)
+            for n, spec in schema.tensors.items() if n.endswith("_proj.weight")
+        }
+        assert decoder_shapes(config) == from_checkpoint, family
+    assert decoder_shapes({"hidden_size": 8}) == {}
+    assert TINY_CONFIG["num_hidden_layers"] * 7 == len(from_checkpoint)

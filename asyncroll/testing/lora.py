@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from asyncroll.adapters import AdapterConfig
+from asyncroll.adapters import AdapterConfig, decoder_shapes
 from asyncroll.update_check import read_checkpoint_schema
 
 __all__ = ["LINEAR_MODULES", "random_adapter", "write_peft_adapter"]
@@ -29,18 +29,23 @@ def random_adapter(
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """A seeded random LoRA over ``modules`` of every layer, at the checkpoint's shapes, under
-    PEFT's names. Both halves are non-zero (PEFT starts B at zero: that would change nothing)."""
+    PEFT's names. Both halves are non-zero (PEFT starts B at zero: that would change nothing).
+    Made on the host, then moved to ``device``."""
     schema = read_checkpoint_schema(model_path)
-    if schema is None:
-        raise ValueError(f"no safetensors checkpoint in {model_path}")
+    if schema is not None:
+        shapes = {
+            name.removesuffix(".weight"): (spec.shape[0], spec.shape[1])
+            for name, spec in schema.tensors.items()
+            if name.endswith(".weight") and len(spec.shape) == 2
+        }
+    else:  # a config alone (an engine started with load_format="dummy")
+        shapes = decoder_shapes(json.loads((Path(model_path) / "config.json").read_text()))
     wanted = set(modules)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, spec in sorted(schema.tensors.items()):
-        module = name.removesuffix(".weight")
-        if module == name or module.rsplit(".", 1)[-1] not in wanted or len(spec.shape) != 2:
+    for module, (out_features, in_features) in sorted(shapes.items()):
+        if module.rsplit(".", 1)[-1] not in wanted:
             continue
-        out_features, in_features = spec.shape
         a = torch.randn(config.rank, in_features, generator=generator) * scale
         b = torch.randn(out_features, config.rank, generator=generator) * scale
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(dtype).to(device)

@@ -9,10 +9,12 @@ keeps which revisions the engine holds, so a request never names one it does not
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncroll.adapters import AdapterLayout, AdapterRevision
+from asyncroll.adapters import AdapterLayout, AdapterRevision, decoder_shapes
 from asyncroll.errors import InvalidRequestError, WeightSyncError
 from asyncroll.interfaces import Delivery
 from asyncroll.update_check import read_checkpoint_schema
@@ -30,6 +32,8 @@ class VLLMAdapterPort:
         self._engine = engine
         self._layout: AdapterLayout | None = None
         self._held: dict[int, AdapterRevision] = {}
+        self.last_seconds: dict[str, float] = {}
+        """Where the first worker's last take went (drop, receive, register; benchmarks)."""
 
     def __repr__(self) -> str:
         return f"<VLLMAdapterPort {self._engine.name} held={sorted(self._held)}>"
@@ -64,6 +68,14 @@ class VLLMAdapterPort:
             module = name.removesuffix(".weight")
             if module != name and len(spec.shape) == 2 and module.rsplit(".", 1)[-1] in modules:
                 shapes[module] = (int(spec.shape[0]), int(spec.shape[1]))
+        if not shapes:  # no checkpoint (load_format="dummy"): the config's decoder shapes
+            config = Path(engine.model_path) / "config.json"
+            if config.is_file():
+                shapes = {
+                    module: shape
+                    for module, shape in decoder_shapes(json.loads(config.read_text())).items()
+                    if module.rsplit(".", 1)[-1] in modules
+                }
         self._layout = AdapterLayout(
             max_rank=int(found["max_rank"]),
             slots=int(found["slots"]),
@@ -80,9 +92,12 @@ class VLLMAdapterPort:
         *,
         push: int = 0,
         sent: Callable[[], None] | None = None,
+        drop: Sequence[AdapterRevision] = (),
     ) -> Delivery | None:
         """Take a push as ``revision``: every worker receives it, checks it and registers it,
         in one RPC that runs between two engine steps. ``sent()`` once the RPC has left.
+        ``drop``: revisions no request uses any more, forgotten first in the same RPC (they
+        are gone whether the push succeeds or not).
 
         Raises:
             WeightSyncError: a worker failed (it registered nothing; what the engine held and
@@ -96,7 +111,10 @@ class VLLMAdapterPort:
             "update_info": {"version": _version(revision), "push": push},
             "revision": revision.revision,
             "config": dict(config),
+            "drop": [r.revision for r in drop],
         }
+        for gone in drop:
+            self._held.pop(gone.revision, None)
         call = asyncio.ensure_future(
             engine._llm.collective_rpc("asyncroll_take_adapter", kwargs=kwargs)
         )
@@ -119,6 +137,7 @@ class VLLMAdapterPort:
                 f" workers; rank {rank}: {why}"
             )
         self._held[revision.revision] = revision
+        self.last_seconds = answers[0].get("seconds", {})
         return _summed(answers)
 
     async def drop(self, revision: AdapterRevision) -> None:

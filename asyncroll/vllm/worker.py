@@ -720,25 +720,36 @@ class AsyncrollWorkerExtension:
         return None if store is None else store.layout()
 
     def asyncroll_take_adapter(
-        self, update_info: dict[str, Any], revision: int, config: dict[str, Any]
+        self,
+        update_info: dict[str, Any],
+        revision: int,
+        config: dict[str, Any],
+        drop: list[int] | None = None,
     ) -> str | dict[str, Any]:
-        """Receive an adapter push and register it as LoRA ``revision`` (the adapter port's
-        ``take``). It runs between two engine steps; nothing served changes but the set of
-        revisions. Returns what the worker took, or why it failed (as
-        ``asyncroll_take_update``, it does not raise)."""
+        """Forget the revisions in ``drop``, then receive an adapter push and register it as
+        LoRA ``revision`` (the adapter port's ``take``). It runs between two engine steps;
+        nothing served changes but the set of revisions. Returns what the worker took, or why
+        it failed (as ``asyncroll_take_update``, it does not raise)."""
         engine = getattr(self, "weight_transfer_engine", None)
         store = store_of(self)
         try:
             if store is None:
                 return "the engine was started without LoRA (enable_lora=True)"
+            called = time.perf_counter()
+            for gone in drop or ():
+                store.drop(gone)
             if not isinstance(engine, AsyncrollWeightTransferEngine):
                 return "no asyncroll weight-transfer engine in this worker"
+            dropped = time.perf_counter()
             take = engine.receive_adapter(int(update_info.get("push", 0)))
+            received = time.perf_counter()
             store.add(revision, take.tensors, config)
             report = engine.last_report
             assert report is not None
             return {"version": report.version, "tensors": report.tensors,
-                    "bytes": report.bytes, "verified": list(take.verified)}
+                    "bytes": report.bytes, "verified": list(take.verified),
+                    "seconds": {"drop": dropped - called, "receive": received - dropped,
+                                "register": time.perf_counter() - received}}
         except Exception as exc:
             logger.warning("rank %s failed the adapter push: %r", getattr(self, "rank", "?"), exc)
             return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,354 @@
+"""LoRA adapters pushed through asyncroll into vLLM's LoRA: correctness, push time, rollout.
+
+Sections (``--sections``; default all), results appended to ``OUT/gpu_lora.json``:
+
+- ``correctness``: an engine on a small random Qwen2 (a real checkpoint) takes a pushed
+  adapter; its greedy outputs must equal vLLM's own with the same adapter loaded from a PEFT
+  folder, token for token, and differ from the base model's.
+- ``push``: the ``--size`` shape (7b: Qwen2.5-7B, ``load_format="dummy"``), a rank-``--rank``
+  adapter on every linear layer, bf16. ``update_adapter`` on an idle engine, median of
+  ``--repeats``, against the one-copy limit (the adapter's bytes at the device's measured copy
+  rate) and vLLM's own path (``add_lora`` from a PEFT folder in /dev/shm, what peers do).
+- ``rollout`` (on the push section's engine): ``--callers`` concurrent calls under the adapter
+  over a fixed job list, with no pushes and with a push every ``--interval`` s, ``--rounds``
+  times in turn: tokens/s and its ratio, and each push's time under load (its RPC waits for
+  the step in progress).
+
+On a machine without CUDA it runs on the CPU build with the tiny model (``--size tiny``), a dry
+run of the same code.
+
+    python bench/gpu_lora.py --out /tmp/out --size 7b --rank 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+import torch
+
+from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll.adapters import AdapterConfig
+from asyncroll.testing import make_tiny_model, vllm_client
+from asyncroll.testing.lora import random_adapter, write_peft_adapter
+
+CUDA = torch.cuda.is_available()
+SHAPES: dict[str, dict[str, Any]] = {
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True),
+}
+SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+PROBES = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7], [900, 17, 1500]]
+MiB = 1 << 20
+SHM = Path("/dev/shm")
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+class Results:
+    def __init__(self, out: Path) -> None:
+        self.path = out / "gpu_lora.json"
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.failed = 0
+
+    def check(self, section: str, name: str, ok: bool, detail: Any = "") -> None:
+        self.data.setdefault(section, {}).setdefault("checks", {})[name] = {
+            "ok": bool(ok), "detail": detail}
+        self.failed += not ok
+        log(f"  [{'ok' if ok else 'FAILED'}] {section}: {name} {detail if not ok else ''}")
+
+    def record(self, section: str, key: str, value: Any) -> None:
+        self.data.setdefault(section, {})[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def engine_args(rank: int, **extra: Any) -> dict[str, Any]:
+    # As many revisions a step as held: calls pinned to older revisions are never held back
+    # by the scheduler's limit of distinct LoRAs a step.
+    args: dict[str, Any] = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 4,
+                            "max_cpu_loras": 4, "max_model_len": 4096}
+    if CUDA:
+        args |= {"enforce_eager": True, "async_scheduling": False,
+                 "gpu_memory_utilization": 0.5, "dtype": "bfloat16"}
+    else:
+        args |= {"max_model_len": 1024, "skip_tokenizer_init": True}
+    return args | extra
+
+
+def write_config(folder: Path, shape: dict[str, Any]) -> Path:
+    from transformers import Qwen2Config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Qwen2Config(**shape, max_position_embeddings=4096).save_pretrained(folder)
+    return folder
+
+
+def copy_rate_gbs() -> float:
+    """Best rate of one 1 GiB copy on the device (the host's memcpy on CPU)."""
+    device = "cuda" if CUDA else "cpu"
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        if CUDA:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        dst.copy_(src)
+        if CUDA:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return (1 << 30) / best / 1e9
+
+
+def probes(vocab_size: int) -> list[list[int]]:
+    return [[t % vocab_size for t in prompt] for prompt in PROBES]
+
+
+async def greedy(manager: AsyncServerManager, adapter: str | None, tag: str) -> list[tuple]:
+    params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    vocab = manager.engines[0].vocab_size
+    results = await asyncio.gather(*(
+        manager.generate(f"{tag}-{i}", prompt_ids=p, sampling_params=params, adapter=adapter)
+        for i, p in enumerate(probes(vocab))))
+    return [r.token_ids for r in results]
+
+
+async def vllms_own(engine: VLLMEngine, folder: Path, lora_id: int) -> list[tuple]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(f"peft-{lora_id}", lora_id, str(folder))
+    found = []
+    for i, prompt in enumerate(probes(engine.vocab_size)):
+        last = None
+        async for out in vllm_client(engine).generate(
+            TokensPrompt(prompt_token_ids=prompt),
+            SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+            f"peft-{lora_id}-{i}", lora_request=request,
+        ):
+            last = out
+        assert last is not None
+        found.append(tuple(last.outputs[0].token_ids))
+    return found
+
+
+async def correctness(res: Results, work: Path) -> None:
+    s = "correctness"
+    model = make_tiny_model(work / "small", **(SMALL if CUDA else {}), init_std=0.05)
+    config = AdapterConfig(rank=16, alpha=32)
+    tensors = random_adapter(model, config, seed=1, scale=0.3,
+                             device="cuda" if CUDA else "cpu")
+    async with VLLMEngine.launch(model, name="lora-small", **engine_args(16)) as engine:
+        async with AsyncServerManager([engine]) as manager:
+            base = await greedy(manager, None, "base")
+            report = await manager.update_adapter("a", tensors, config=config, global_steps=1)
+            pushed = await greedy(manager, "a", "pushed")
+            reference = await vllms_own(engine, write_peft_adapter(work / "peft", tensors,
+                                                                   config), 900)
+            res.check(s, "pushed adapter == vLLM's own from a PEFT folder", pushed == reference,
+                      {"pushed": pushed[:2], "vllm": reference[:2]})
+            res.check(s, "the adapter changes the outputs", pushed != base)
+            res.check(s, "every tensor verified",
+                      report.deliveries[engine.name].verified == len(tensors))
+            res.check(s, "base outputs unchanged", await greedy(manager, None, "again") == base)
+
+
+async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
+               then: Any = None) -> None:
+    """The idle push, then (``then(manager, folder)``) the rollout on the same engine."""
+    s = f"push {size} rank {rank}"
+    if size == "tiny":
+        folder = make_tiny_model(work / "tiny")
+        extra: dict[str, Any] = {}
+    else:
+        folder = write_config(work / size, SHAPES[size])
+        extra = {"load_format": "dummy"}
+    config = AdapterConfig(rank=rank, alpha=2 * rank)
+    device = "cuda" if CUDA else "cpu"
+    adapters = [random_adapter(folder, config, seed=i, device=device) for i in range(2)]
+    nbytes = sum(t.numel() * t.element_size() for t in adapters[0].values())
+    rate = copy_rate_gbs()
+    limit_ms = nbytes / rate / 1e6
+    res.record(s, "payload", {"MiB": round(nbytes / MiB, 1), "tensors": len(adapters[0]),
+                              "copy GB/s": round(rate, 1), "one-copy limit ms": round(limit_ms, 3)})
+    log(f"{s}: {nbytes / MiB:.0f} MiB in {len(adapters[0])} tensors; limit {limit_ms:.3f} ms")
+    async with VLLMEngine.launch(folder, name=f"lora-{size}", **engine_args(rank, **extra)) as e:
+        async with AsyncServerManager([e]) as manager:
+            runs = []
+            for i in range(repeats + 1):  # the first attaches the transport
+                report = await manager.update_adapter(
+                    "a", adapters[i % 2], config=config, global_steps=i)
+                runs.append({"ms": report.seconds * 1e3, "push ms": report.push_seconds * 1e3}
+                            | {f"worker {k} ms": v * 1e3
+                               for k, v in e.adapters.last_seconds.items()})
+            idle = {k: round(statistics.median(r[k] for r in runs[1:]), 3) for k in runs[1]}
+            idle["first (attach) ms"] = round(runs[0]["ms"], 1)
+            res.record(s, "asyncroll idle", idle)
+            # vLLM's own path: the adapter written once as a PEFT folder on tmpfs, then add_lora.
+            shm = SHM if SHM.is_dir() else work  # noqa: ASYNC240 (a stat, once)
+            peft = write_peft_adapter(Path(tempfile.mkdtemp(dir=shm)), adapters[0], config)
+            from vllm.lora.request import LoRARequest
+
+            own = []
+            try:
+                for i in range(3):
+                    started = time.perf_counter()
+                    await vllm_client(e).add_lora(LoRARequest(f"own-{i}", 5000 + i, str(peft)))
+                    own.append((time.perf_counter() - started) * 1e3)
+                    await vllm_client(e).remove_lora(5000 + i)
+            finally:
+                for file in peft.iterdir():
+                    file.unlink()
+                peft.rmdir()
+            ms = idle["ms"]
+            res.record(s, "vllm add_lora from /dev/shm ms", round(statistics.median(own), 2))
+            res.record(s, "ratios", {"asyncroll / limit": round(ms / limit_ms, 1),
+                                     "vllm add_lora / asyncroll": round(statistics.median(own)
+                                                                        / ms, 1)})
+            log(f"{s}: asyncroll {ms:.2f} ms (push {idle['push ms']:.2f}), vLLM add_lora"
+                f" {statistics.median(own):.1f} ms, limit {limit_ms:.3f} ms")
+            if then is not None:
+                await then(manager, folder)
+
+
+async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label: str,
+                  rank: int, callers: int, requests: int, interval: float,
+                  rounds: int) -> None:
+    """Calls under the adapter, with no pushes and with a push every ``interval`` s."""
+    s = f"rollout {label} rank {rank}"
+    config = AdapterConfig(rank=rank, alpha=2 * rank)
+    device = "cuda" if CUDA else "cpu"
+    adapters = [random_adapter(folder, config, seed=i, device=device) for i in range(2)]
+    rng = random.Random(0)
+    vocab = manager.engines[0].vocab_size
+    jobs = [([rng.randrange(2, min(500, vocab)) for _ in range(rng.randrange(16, 64))],
+             rng.randrange(64, 256)) for _ in range(requests)]
+    res.record(s, "workload", {"requests": requests, "callers": callers,
+                               "tokens": sum(n for _, n in jobs), "push every s": interval})
+    await manager.update_adapter("r", adapters[0], config=config, global_steps=0)
+    steps = iter(range(1, 1 << 30))
+
+    async def run(pushing: bool) -> dict[str, Any]:
+        queue = list(jobs)
+        pushes: list[float] = []
+        waits: list[float] = []
+        done = asyncio.Event()
+
+        async def caller() -> int:
+            tokens = 0
+            while queue:
+                prompt, n = queue.pop()
+                out = await manager.generate(
+                    f"r{next(steps)}", prompt_ids=prompt, adapter="r",
+                    sampling_params={"max_tokens": n, "ignore_eos": True, "temperature": 1.0})
+                tokens += len(out.token_ids)
+            return tokens
+
+        async def pusher() -> None:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), interval)
+                if done.is_set():
+                    return
+                step = next(steps)
+                report = await manager.update_adapter(
+                    "r", adapters[step % 2], config=config, global_steps=step)
+                pushes.append(report.seconds * 1e3)
+                waits.append(report.waited_seconds * 1e3)
+
+        started = time.perf_counter()
+        push_task = asyncio.ensure_future(pusher()) if pushing else None
+        tokens = sum(await asyncio.gather(*(caller() for _ in range(callers))))
+        seconds = time.perf_counter() - started
+        done.set()
+        if push_task is not None:
+            await push_task
+        found: dict[str, Any] = {"tokens/s": round(tokens / seconds, 1),
+                                 "seconds": round(seconds, 2)}
+        if pushes:
+            found |= {"pushes": len(pushes),
+                      "push ms median": round(statistics.median(pushes), 2),
+                      "push ms max": round(max(pushes), 2),
+                      "waited for room ms max": round(max(waits), 2)}
+        return found
+
+    await run(False)  # warm-up
+    table = []
+    for number in range(rounds):
+        row: dict[str, Any] = {"none": await run(False), "push": await run(True)}
+        row["ratio"] = round(row["push"]["tokens/s"] / row["none"]["tokens/s"], 3)
+        log(f"{s} round {number + 1}: {row}")
+        table.append(row)
+        res.record(s, "rounds", table)
+    res.record(s, "ratio median", statistics.median(r["ratio"] for r in table))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--sections", default="correctness,push,rollout")
+    parser.add_argument("--size", default="7b" if CUDA else "tiny")
+    parser.add_argument("--rank", type=int, default=64 if CUDA else 8)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--callers", type=int, default=256 if CUDA else 16)
+    parser.add_argument("--requests", type=int, default=1024 if CUDA else 64)
+    parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = Results(args.out)
+    res.record("env", "device", torch.cuda.get_device_name() if CUDA else "cpu")
+    sections = args.sections.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        def then(manager: AsyncServerManager, folder: Path) -> Any:
+            return rollout(res, manager, folder, args.size, args.rank, args.callers,
+                           args.requests, args.interval, args.rounds)
+
+        steps = {
+            "correctness": lambda: correctness(res, work),
+            "push": lambda: push(res, work, args.size, args.rank, args.repeats,
+                                 then if "rollout" in sections else None),
+        }
+        for name in sections:
+            if name == "rollout":
+                continue  # on the push's engine
+            started = time.perf_counter()
+            log(f"== {name}")
+            try:
+                await steps[name]()
+            except Exception:
+                res.check(name, "ran to the end", False, traceback.format_exc()[-3000:])
+            log(f"== {name}: {time.perf_counter() - started:.0f} s")
+    log(json.dumps(res.data, indent=1, default=str)[-5000:])
+    log(f"{res.failed} checks failed")
+    return 1 if res.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse_args())))

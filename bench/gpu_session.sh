@@ -15,6 +15,8 @@
 #   bash bench/gpu_session.sh sixth     # 1 GPU: the weight port against fe4e6f5 (in .old): 7B
 #   bash bench/gpu_session.sh seventh   # push; correctness/hybrid/manager; then the CUDA tests
 #   bash bench/gpu_session.sh eighth    # of the update path and the demo
+#   bash bench/gpu_session.sh ninth     # 1 GPU: LoRA adapters (bench/gpu_lora.py, tests/test_lora.py)
+#   bash bench/gpu_session.sh tenth     # 1 GPU: the update's CUDA tests and the inflight rollout
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -180,6 +182,22 @@ phase_eighth() {  # the CUDA tests of the update path, the demo
     python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py tests/test_receive.py \
     tests/test_trainer_device.py tests/test_update_pause.py tests/test_weights.py
   run demo 0 python3 examples/demo.py --steps 15 --plot "$W/results/demo.png"
+}
+
+phase_ninth() {  # 1 GPU: issue 45's LoRA (correctness, the 7B rank-64 push, rollout with pushes)
+  mkdir -p "$W/results/lora"
+  run lora-7b 0 python3 bench/gpu_lora.py --out "$W/results/lora" --size 7b --rank 64 \
+    --requests 512 --rounds 2
+  run pytest-lora 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_lora.py
+}
+
+phase_tenth() {  # 1 GPU: issue 42's kept backup: the CUDA tests of the update, the inflight rollout
+  run pytest-cuda 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py tests/test_receive.py \
+    tests/test_weights.py
+  run rollout-inflight 0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,keep,inflight --rounds 2 --out "$W/results"
 }
 
 for phase in "$@"; do

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncroll.errors import InvalidRequestError
+from asyncroll.update_check import nonfinite
 
 if TYPE_CHECKING:
     from asyncroll.interfaces import Delivery
@@ -151,6 +152,11 @@ class AdapterReport:
     bytes: int
     push: PushReport | None
     deliveries: Mapping[str, Delivery] = field(default_factory=dict)
+
+    @property
+    def pause_seconds(self) -> float:
+        """No engine pauses for an adapter (as ``UpdateReport.pause_seconds``)."""
+        return 0.0
 
 
 def adapter_tensors(
@@ -278,7 +284,7 @@ def check_adapter(
                 f" weight ({out_features} x {in_features}): want A {config.rank} x"
                 f" {in_features}, B {out_features} x {config.rank}"
             )
-    bad = [n for n, t in tensors.items() if not bool(torch.isfinite(t).all())]
+    bad = nonfinite(tensors)  # one host sync a device, not one a tensor
     if bad:
         raise InvalidRequestError(f"non-finite values in {bad[:4]}")
 

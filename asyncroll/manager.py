@@ -69,7 +69,7 @@ from asyncroll.validation import (
 )
 from asyncroll.weights import WeightPusher, materialize
 
-__all__ = ["AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
+__all__ = ["AdapterClient", "AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
 logger = logging.getLogger(__name__)
 
@@ -661,6 +661,15 @@ class AsyncServerManager:
                 deliveries=channel.deliveries(),
             )
 
+    def with_adapter(self, adapter: str) -> AdapterClient:
+        """A view of this manager whose ``generate`` runs every call under ``adapter`` (what
+        an agent loop or a recipe's rollouts take as their ``ServerManager``).
+
+        Raises:
+            InvalidRequestError: a bad adapter name.
+        """
+        return AdapterClient(self, check_adapter_name(adapter))
+
     @property
     def adapters(self) -> dict[str, AdapterRevision]:
         """Each adapter's newest revision (the one new calls start on)."""
@@ -877,6 +886,30 @@ class AsyncServerManager:
             engines=tuple(trajectory.engines),
             num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=trajectory.num_cached,
+        )
+
+
+class AdapterClient:
+    """``AsyncServerManager.with_adapter``: the manager's ``generate``, under one adapter."""
+
+    def __init__(self, manager: AsyncServerManager, adapter: str) -> None:
+        self.manager = manager
+        self.adapter = adapter
+
+    def __repr__(self) -> str:
+        return f"<AdapterClient {self.adapter!r} of {self.manager!r}>"
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        session_key: str | None = None,
+    ) -> TokenOutput:
+        return await self.manager.generate(
+            request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+            session_key=session_key, adapter=self.adapter,
         )
 
 

@@ -11,7 +11,9 @@ Invariants:
 - Only tokens the model sampled (``loss_mask`` 1) are trained on; tokens an agent loop inserted
   (tool results, mask 0) are context for the tokens after them, never targets.
 - ``named_parameters()`` yields Hugging Face checkpoint names in the engines' dtype, ready for
-  ``manager.update_weights``.
+  ``manager.update_weights``; with ``lora``, the base weights are frozen and
+  ``adapter_tensors()`` yields the adapter under PEFT's names, ready for
+  ``manager.update_adapter``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from asyncroll.adapters import AdapterConfig
 from asyncroll.errors import InvalidRequestError
 
 __all__ = [
@@ -34,6 +37,7 @@ __all__ = [
     "ReferenceTrainer",
     "TrainMetrics",
     "TrainSample",
+    "LORA_MODULES",
     "check_checkpoint",
     "resolve_device",
 ]
@@ -117,6 +121,8 @@ class ReferenceTrainer:
         micro_batch_tokens: int = 16384,
         gradient_checkpointing: bool = False,
         max_grad_norm: float | None = None,
+        lora: AdapterConfig | None = None,
+        adapter: str = "policy",
     ) -> None:
         """``device``: where the model, the optimiser and every tensor of the loss live (None:
         the current CUDA device when there is one, else the CPU). ``threads``: torch's CPU
@@ -127,6 +133,11 @@ class ReferenceTrainer:
         ``named_parameters`` yields each rank's ``DTensor`` shards, which
         ``DistributedWeightPusher`` gathers as it pushes. The wrapped model must end on
         ``device`` (FSDP2 moves it to its mesh's device).
+
+        ``lora``: train a LoRA adapter of that rank and alpha on every linear layer of the
+        decoder (``LORA_MODULES``), the base weights frozen, as PEFT does (A random, B zero:
+        the first adapter changes nothing). ``adapter`` names it for the engines
+        (``adapter``, ``adapter_tensors``).
 
         Raises:
             InvalidRequestError: ``model_path`` is not a checkpoint of a supported family
@@ -150,6 +161,11 @@ class ReferenceTrainer:
             model.gradient_checkpointing_enable(  # type: ignore[operator]
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        self._lora: dict[str, _LoRALinear] = {}
+        if lora is not None:
+            if wrap is not None:
+                raise InvalidRequestError("lora trains on one device: not with wrap (FSDP2)")
+            self._lora = _add_lora(model, lora)
         if wrap is None:
             model.to(self.device)
         else:
@@ -157,7 +173,10 @@ class ReferenceTrainer:
             _check_on_device(model, self.device)
         self.model = model
         self.model.train()
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+        self.adapter: tuple[str, AdapterConfig] | None = (adapter, lora) if lora else None
+        """The adapter trained, (name, config), or None (the whole model is trained)."""
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(trained, lr=lr)
         self.clip = clip
         self.micro_batch_tokens = micro_batch_tokens
         self.max_grad_norm = max_grad_norm
@@ -169,9 +188,28 @@ class ReferenceTrainer:
                 f"({self.precision}) steps={self.steps} clip={self.clip}>")
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights as the engines hold them (bf16, checkpoint names)."""
+        """The weights as the engines hold them (bf16, checkpoint names); with ``lora``, the
+        frozen base weights (the adapter is ``adapter_tensors``)."""
         for name, parameter in self.model.named_parameters():
-            yield name, parameter.detach().to(torch.bfloat16)
+            if self._lora and name.rsplit(".", 1)[-1] in ("lora_a", "lora_b"):
+                continue
+            yield name.replace(".base.", "."), parameter.detach().to(torch.bfloat16)
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter under PEFT's names (``base_model.model.<module>.lora_A.weight``),
+        bf16, for ``manager.update_adapter``.
+
+        Raises:
+            InvalidRequestError: the trainer trains the whole model (no ``lora``).
+        """
+        if not self._lora:
+            raise InvalidRequestError("this trainer trains the whole model: no adapter")
+        tensors = {}
+        for module, layer in self._lora.items():
+            prefix = f"base_model.model.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = layer.lora_a.detach().to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = layer.lora_b.detach().to(torch.bfloat16)
+        return tensors
 
     def step(self, samples: Sequence[TrainSample]) -> TrainMetrics:
         """One optimiser step on a batch of scored samples (blocking: run it in a thread).
@@ -204,7 +242,9 @@ class ReferenceTrainer:
                 loss = self._empty_loss()
             loss.backward()  # type: ignore[no-untyped-call]
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm
+            )
         self.optimizer.step()
         self.steps += 1
         return batch.metrics(parts)
@@ -275,6 +315,42 @@ class ReferenceTrainer:
 
 
 Precision = Literal["bf16-mixed", "fp32"]
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linear layers of a Llama / Qwen decoder block a LoRA adapter trains (``lora``)."""
+
+
+class _LoRALinear(torch.nn.Module):
+    """A frozen ``nn.Linear`` plus ``B @ A * alpha / rank`` (PEFT's LoRA, without dropout)."""
+
+    def __init__(self, base: torch.nn.Linear, config: AdapterConfig) -> None:
+        super().__init__()
+        self.base = base
+        base.requires_grad_(False)
+        self.scale = config.alpha / config.rank
+        self.lora_a = torch.nn.Parameter(torch.empty(config.rank, base.in_features))
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, config.rank))
+        torch.nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))  # as PEFT
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update: torch.Tensor = (x @ self.lora_a.t().to(x.dtype)) @ self.lora_b.t().to(x.dtype)
+        return self.base(x) + update * self.scale  # type: ignore[no-any-return]
+
+
+def _add_lora(model: torch.nn.Module, config: AdapterConfig) -> dict[str, _LoRALinear]:
+    """Freeze ``model`` and put a LoRA on each of its ``LORA_MODULES``; by module path."""
+    model.requires_grad_(False)
+    added: dict[str, _LoRALinear] = {}
+    for path, module in list(model.named_modules()):
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in LORA_MODULES and isinstance(module, torch.nn.Linear):
+            parent = model.get_submodule(path.rsplit(".", 1)[0])
+            layer = _LoRALinear(module, config)
+            setattr(parent, leaf, layer)
+            added[path] = layer
+    if not added:
+        raise InvalidRequestError(f"the model has none of {LORA_MODULES} to put a LoRA on")
+    return added
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
 """Hugging Face ``model_type``s the trainer loads and the examples, tests and benchmarks have

@@ -36,7 +36,7 @@ from safetensors import safe_open
 
 from asyncroll.errors import InvalidRequestError
 
-__all__ = ["Schema", "TensorSpec", "check_update", "read_checkpoint_schema"]
+__all__ = ["Schema", "TensorSpec", "check_update", "nonfinite", "read_checkpoint_schema"]
 
 MAX_LISTED = 5
 """Problems spelled out in the error; the rest are only counted."""
@@ -157,7 +157,7 @@ def check_update(
         )
         problems += [(name, text) for text in texts]
     if check_finite:
-        problems += [(name, "has NaN or inf values") for name in _nonfinite(tensors)]
+        problems += [(name, "has NaN or inf values") for name in nonfinite(tensors)]
     if problems:
         raise InvalidRequestError(_describe(problems, schema))
 
@@ -249,7 +249,7 @@ def _dtype_problems(
     return [f"dtype {given} given, {expected} expected (a floating parameter)"]
 
 
-def _nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+def nonfinite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of the floating tensors holding a NaN or an inf, one host sync per device."""
     groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
     for name, tensor in tensors.items():

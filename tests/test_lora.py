@@ -1,14 +1,18 @@
 """LoRA adapters pushed through asyncroll's transport into a real vLLM engine's LoRA, by revision.
 
-One engine with LoRA on (tiny model A, rank up to 8, three revisions a step, four held) serves
-the module. A pushed adapter must sample what vLLM samples with the same adapter loaded from a
-PEFT folder; a call keeps its revision through pushes; bad adapters never reach the engine.
+One engine with LoRA on (a tiny Qwen2 at weight scale 0.2, rank up to 8, three revisions a step,
+four held) serves the module. A pushed adapter must sample what vLLM samples with the same
+adapter loaded from a PEFT folder; a call keeps its revision through pushes; bad adapters never
+reach the engine; the reference trainer's adapter, pushed every step, raises the reward. (At
+the default scale of 0.02 the tiny model's frozen head cannot learn the band task through a
+LoRA of its linear layers: ``examples/_common.LORA_TINY_STD``.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +23,11 @@ from engine_helpers import ENGINE_ARGS, until_decoding
 
 from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine
 from asyncroll.adapters import AdapterConfig
-from asyncroll.testing import vllm_client
+from asyncroll.recipes import BandTask, run_fully_async
+from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.contract import LateAction, retry_if_late
 from asyncroll.testing.lora import random_adapter, write_peft_adapter
+from asyncroll.trainer import ReferenceTrainer
 
 pytestmark = pytest.mark.engine
 
@@ -39,8 +45,13 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-async def lora_engine(tiny_model_a: Path) -> AsyncIterator[VLLMEngine]:
-    async with VLLMEngine.launch(tiny_model_a, name="lora", **LORA_ARGS) as engine:
+def lora_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("lora-model"), seed=0, init_std=0.2)
+
+
+@pytest.fixture(scope="module")
+async def lora_engine(lora_model: Path) -> AsyncIterator[VLLMEngine]:
+    async with VLLMEngine.launch(lora_model, name="lora", **LORA_ARGS) as engine:
         yield engine
 
 
@@ -89,9 +100,9 @@ async def vllms_own(engine: VLLMEngine, folder: Path, lora_id: int) -> list[tupl
 
 
 async def test_a_pushed_adapter_samples_what_vllm_samples_with_it_from_a_peft_folder(
-    lora_engine: VLLMEngine, manager: AsyncServerManager, tiny_model_a: Path, tmp_path: Path
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path, tmp_path: Path
 ) -> None:
-    tensors = adapter(tiny_model_a, seed=1)
+    tensors = adapter(lora_model, seed=1)
     base = await outputs(manager, None)
     report = await manager.update_adapter("math", tensors, config=CONFIG, global_steps=3)
     assert report.revision.global_steps == 3 and report.tensors == len(tensors)
@@ -104,10 +115,10 @@ async def test_a_pushed_adapter_samples_what_vllm_samples_with_it_from_a_peft_fo
 
 
 async def test_each_call_runs_under_its_own_adapter(
-    manager: AsyncServerManager, tiny_model_a: Path
+    manager: AsyncServerManager, lora_model: Path
 ) -> None:
-    await manager.update_adapter("a", adapter(tiny_model_a, 2), config=CONFIG, global_steps=1)
-    await manager.update_adapter("b", adapter(tiny_model_a, 3), config=CONFIG, global_steps=5)
+    await manager.update_adapter("a", adapter(lora_model, 2), config=CONFIG, global_steps=1)
+    await manager.update_adapter("b", adapter(lora_model, 3), config=CONFIG, global_steps=5)
     alone_a, alone_b = await outputs(manager, "a"), await outputs(manager, "b")
     assert alone_a != alone_b
     mixed = await asyncio.gather(outputs(manager, "a"), outputs(manager, "b"))
@@ -147,15 +158,15 @@ async def _keeps_its_revision(manager: AsyncServerManager, model: Path) -> None:
 
 
 async def test_a_call_keeps_its_revision_through_three_pushes(
-    manager: AsyncServerManager, tiny_model_a: Path
+    manager: AsyncServerManager, lora_model: Path
 ) -> None:
-    await _keeps_its_revision(manager, tiny_model_a)
+    await _keeps_its_revision(manager, lora_model)
 
 
 async def test_bad_adapters_are_refused_before_anything_is_sent(
-    lora_engine: VLLMEngine, manager: AsyncServerManager, tiny_model_a: Path
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
 ) -> None:
-    good = adapter(tiny_model_a, 4)
+    good = adapter(lora_model, 4)
     await manager.update_adapter("ok", good, config=CONFIG, global_steps=2)
     served = await outputs(manager, "ok")
     held = lora_engine.adapters.held
@@ -163,7 +174,7 @@ async def test_bad_adapters_are_refused_before_anything_is_sent(
     q_b = q_a.replace("lora_A", "lora_B")
     wide = AdapterConfig(rank=16, alpha=16)
     cases: list[tuple[str, Any, AdapterConfig, Any]] = [
-        ("rank above max_lora_rank", random_adapter(tiny_model_a, wide), wide, 3),
+        ("rank above max_lora_rank", random_adapter(lora_model, wide), wide, 3),
         ("a rank other than the config's", good, AdapterConfig(rank=4, alpha=8), 3),
         ("a module the LoRA does not cover", {
             **good,
@@ -194,3 +205,36 @@ async def test_an_engine_started_without_lora_refuses_adapters(engine: VLLMEngin
             await manager.update_adapter(
                 "x", random_adapter(engine.model_path, CONFIG), config=CONFIG, global_steps=1
             )
+
+
+async def test_the_reference_trainers_adapter_is_served_as_trained_with_no_engine_pause(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
+) -> None:
+    """The fully-async recipe with a LoRA trainer: every step's adapter is pushed (no pause,
+    labelled with its step), the base weights stay frozen and unpushed, and the engine samples
+    with the trainer's own log probs. (Whether the tiny model then learns the band task varies
+    from run to run: examples/_common.LORA_TINY_STD and docs/performance.md.)"""
+    trainer = ReferenceTrainer(lora_model, device="cpu", lr=0.05, lora=CONFIG)
+    base = {n: t.clone() for n, t in trainer.named_parameters()}
+    task = BandTask()
+    records = await run_fully_async(manager, trainer, task, steps=6, max_staleness=2)
+    assert all(r.pause_seconds == 0 and r.staleness_max <= 2 for r in records)
+    assert manager.adapters["policy"].global_steps == 6
+    assert manager.global_steps == 0  # the base weights were never pushed
+    assert all(torch.equal(base[n], t) for n, t in trainer.named_parameters())  # frozen
+    trained = trainer.adapter_tensors()
+    assert any(t.abs().max() > 0 for n, t in trained.items() if "lora_B" in n)  # it moved
+    # The engine serves the trainer's adapter: its log probs of a sampled answer are the
+    # trainer's own, token by token.
+    prompt = task.prompt(random.Random(0))
+    out = await manager.generate("check", prompt_ids=prompt, adapter="policy",
+                                 sampling_params={"max_tokens": 8, "temperature": 1.0})
+    assert set(out.global_steps) == {6}
+    ids = torch.tensor([[*prompt, *out.token_ids]])
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():  # as pushed: the adapter goes in bf16
+            if parameter.requires_grad:
+                parameter.copy_(parameter.to(torch.bfloat16))
+        logits = trainer.model(input_ids=ids).logits[0].float().log_softmax(-1)
+    mine = [float(logits[len(prompt) - 1 + i, t]) for i, t in enumerate(out.token_ids)]
+    assert mine == pytest.approx(list(out.log_probs), abs=1e-3)

@@ -10,7 +10,13 @@ import time
 from collections.abc import Callable
 
 from asyncroll.manager import AsyncServerManager
-from asyncroll.recipes.protocols import RolloutSource, Trainer, train_step
+from asyncroll.recipes.protocols import (
+    RolloutSource,
+    Trainer,
+    policy_client,
+    push_policy,
+    train_step,
+)
 from asyncroll.recipes.report import StepRecord
 from asyncroll.recipes.rollout import open_rollouter
 from asyncroll.recipes.task import BandTask
@@ -47,10 +53,11 @@ async def run_fully_async(
         ExceptionGroup: a rollout, the trainer or a push failed; the rollouts are cancelled.
     """
     base = manager.global_steps or 0  # versions continue from the engines' current one
+    client = await policy_client(manager, trainer, global_steps=base)
     records = []
     last = time.perf_counter()
     async with open_rollouter(
-        manager, source, batch_groups=batch_groups, group_size=group_size,
+        client, source, batch_groups=batch_groups, group_size=group_size,
         max_staleness=max_staleness, concurrency=batch_groups * 2, seed=seed,
     ) as rollouter:
         for step in range(steps):
@@ -58,8 +65,7 @@ async def run_fully_async(
             began = time.perf_counter()
             metrics = await train_step(trainer, batch.samples)
             metrics_seconds = time.perf_counter() - began
-            weights = trainer.named_parameters()
-            report = await manager.update_weights(weights, global_steps=base + step + 1)
+            report = await push_policy(manager, trainer, global_steps=base + step + 1)
             await rollouter.set_trainer_version(step + 1)
             now = time.perf_counter()
             record = StepRecord.of(

@@ -13,7 +13,13 @@ import time
 from collections.abc import Callable
 
 from asyncroll.manager import AsyncServerManager
-from asyncroll.recipes.protocols import RolloutSource, Trainer, train_step
+from asyncroll.recipes.protocols import (
+    RolloutSource,
+    Trainer,
+    policy_client,
+    push_policy,
+    train_step,
+)
 from asyncroll.recipes.report import StepRecord
 from asyncroll.recipes.rollout import Batch, generate_batch
 from asyncroll.recipes.sources import as_rollout_source
@@ -45,11 +51,12 @@ async def run_one_step_off(
 
     async def rollout(k: int) -> Batch:
         return await generate_batch(
-            manager, source, rng, first_group=k * batch_groups, groups=batch_groups,
+            client, source, rng, first_group=k * batch_groups, groups=batch_groups,
             group_size=group_size,
         )
 
     base = manager.global_steps or 0  # versions continue from the engines' current one
+    client = await policy_client(manager, trainer, global_steps=base)
     records = []
     last = time.perf_counter()
     async with asyncio.TaskGroup() as tasks:
@@ -61,8 +68,7 @@ async def run_one_step_off(
             began = time.perf_counter()
             metrics = await train_step(trainer, batch.samples)
             metrics_seconds = time.perf_counter() - began
-            weights = trainer.named_parameters()
-            report = await manager.update_weights(weights, global_steps=base + step + 1)
+            report = await push_policy(manager, trainer, global_steps=base + step + 1)
             now = time.perf_counter()
             record = StepRecord.of(
                 step, batch, metrics, report, trainer_version=base + step,

@@ -24,7 +24,11 @@ from asyncroll.trainer import TrainMetrics, TrainSample
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RolloutSource", "Trainer", "train_step"]
+    from asyncroll.adapters import AdapterReport
+    from asyncroll.interfaces import UpdateReport
+    from asyncroll.manager import AsyncServerManager
+
+__all__ = ["RolloutSource", "Trainer", "policy_client", "push_policy", "train_step"]
 
 
 class Trainer(Protocol):
@@ -38,6 +42,10 @@ class Trainer(Protocol):
     def named_parameters(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The weights to push, as ``manager.update_weights`` takes them."""
         ...
+
+    # A trainer of a LoRA adapter also has ``adapter`` ((name, AdapterConfig), or None) and
+    # ``adapter_tensors()``: the recipes then push the adapter (``push_policy``) and roll out
+    # under it (``policy_client``). Not in the Protocol: most trainers have neither.
 
 
 class RolloutSource(Protocol):
@@ -70,3 +78,29 @@ async def train_step(trainer: Trainer, samples: Sequence[TrainSample]) -> TrainM
     except asyncio.CancelledError:
         await asyncio.wait([step])  # shield marks the step's own error as retrieved
         raise
+
+
+async def push_policy(
+    manager: AsyncServerManager, trainer: Trainer, *, global_steps: int
+) -> UpdateReport | AdapterReport:
+    """Push what ``trainer`` trains: its LoRA adapter (``manager.update_adapter``, no engine
+    pauses) where it trains one, else its weights (``manager.update_weights``)."""
+    adapter = getattr(trainer, "adapter", None)
+    if adapter is None:
+        return await manager.update_weights(trainer.named_parameters(), global_steps=global_steps)
+    name, config = adapter
+    tensors = trainer.adapter_tensors()  # type: ignore[attr-defined]
+    return await manager.update_adapter(name, tensors, config=config, global_steps=global_steps)
+
+
+async def policy_client(
+    manager: AsyncServerManager, trainer: Trainer, *, global_steps: int
+) -> ServerManager:
+    """What rollouts call: the manager, or, where ``trainer`` trains a LoRA adapter, the
+    manager's view that runs every call under it (``AsyncServerManager.with_adapter``), once
+    the adapter's first revision (``global_steps``) is in the engines."""
+    adapter = getattr(trainer, "adapter", None)
+    if adapter is None:
+        return manager
+    await push_policy(manager, trainer, global_steps=global_steps)
+    return manager.with_adapter(adapter[0])

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncroll.adapters import AdapterReport
 from asyncroll.interfaces import UpdateReport
 from asyncroll.mismatch import MismatchSummary, summarize_mismatch
 from asyncroll.recipes.rollout import Batch
@@ -51,7 +52,7 @@ class StepRecord:
         step: int,
         batch: Batch,
         metrics: TrainMetrics,
-        report: UpdateReport,
+        report: UpdateReport | AdapterReport,
         *,
         trainer_version: int,
         wall_seconds: float = float("nan"),

@@ -24,7 +24,7 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from asyncroll.manager import AsyncServerManager
+from asyncroll.agent_loop import ServerManager
 from asyncroll.recipes.protocols import RolloutSource
 from asyncroll.recipes.sources import as_rollout_source
 from asyncroll.recipes.task import BandTask
@@ -56,7 +56,7 @@ class Batch:
 
 
 async def generate_batch(
-    manager: AsyncServerManager,
+    manager: ServerManager,
     source: RolloutSource | BandTask,
     rng: random.Random,
     *,
@@ -83,7 +83,7 @@ class Rollouter:
 
     def __init__(
         self,
-        manager: AsyncServerManager,
+        manager: ServerManager,
         source: RolloutSource | BandTask,
         *,
         batch_groups: int,
@@ -146,7 +146,7 @@ class Rollouter:
 
 @contextlib.asynccontextmanager
 async def open_rollouter(
-    manager: AsyncServerManager,
+    manager: ServerManager,
     source: RolloutSource | BandTask,
     *,
     batch_groups: int,

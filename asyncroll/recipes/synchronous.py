@@ -14,7 +14,13 @@ from collections.abc import Callable
 from asyncroll.errors import InvalidRequestError
 from asyncroll.interfaces import UpdatableEngine
 from asyncroll.manager import AsyncServerManager
-from asyncroll.recipes.protocols import RolloutSource, Trainer, train_step
+from asyncroll.recipes.protocols import (
+    RolloutSource,
+    Trainer,
+    policy_client,
+    push_policy,
+    train_step,
+)
 from asyncroll.recipes.report import StepRecord
 from asyncroll.recipes.rollout import generate_batch
 from asyncroll.recipes.sources import as_rollout_source
@@ -51,11 +57,12 @@ async def run_synchronous(
         raise InvalidRequestError("hybrid mode sleeps and wakes engines: every engine must "
                                   "be an UpdatableEngine")
     base = manager.global_steps or 0  # versions continue from the engines' current one
+    client = await policy_client(manager, trainer, global_steps=base)
     records = []
     last = time.perf_counter()
     for step in range(steps):
         batch = await generate_batch(
-            manager, source, rng, first_group=step * batch_groups, groups=batch_groups,
+            client, source, rng, first_group=step * batch_groups, groups=batch_groups,
             group_size=group_size,
         )
         if hybrid:
@@ -65,8 +72,7 @@ async def run_synchronous(
         metrics_seconds = time.perf_counter() - began
         if hybrid:
             await asyncio.gather(*(e.wake_up(["weights"]) for e in engines))
-        weights = trainer.named_parameters()
-        report = await manager.update_weights(weights, global_steps=base + step + 1)
+        report = await push_policy(manager, trainer, global_steps=base + step + 1)
         if hybrid:
             await asyncio.gather(*(e.wake_up(["kv_cache", "scheduling"]) for e in engines))
         now = time.perf_counter()

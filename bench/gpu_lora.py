@@ -83,11 +83,15 @@ class Results:
         self.path.write_text(json.dumps(self.data, indent=1, default=str))
 
 
+REVISIONS = 4
+"""Revisions an engine holds (``--revisions``)."""
+
+
 def engine_args(rank: int, **extra: Any) -> dict[str, Any]:
     # As many revisions a step as held: calls pinned to older revisions are never held back
     # by the scheduler's limit of distinct LoRAs a step.
-    args: dict[str, Any] = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 4,
-                            "max_cpu_loras": 4, "max_model_len": 4096}
+    args: dict[str, Any] = {"enable_lora": True, "max_lora_rank": rank, "max_loras": REVISIONS,
+                            "max_cpu_loras": REVISIONS, "max_model_len": 4096}
     if CUDA:
         args |= {"enforce_eager": True, "async_scheduling": False,
                  "gpu_memory_utilization": 0.5, "dtype": "bfloat16"}
@@ -316,12 +320,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=1024 if CUDA else 64)
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--revisions", type=int, default=4,
+                        help="revisions an engine holds (max_loras = max_cpu_loras): calls"
+                             " outliving more pushes than this make a push wait")
     return parser.parse_args()
 
 
 async def main(args: argparse.Namespace) -> int:
+    global REVISIONS
+    REVISIONS = args.revisions
     args.out.mkdir(parents=True, exist_ok=True)
     res = Results(args.out)
+    res.record("env", "revisions held", REVISIONS)
     res.record("env", "device", torch.cuda.get_device_name() if CUDA else "cpu")
     sections = args.sections.split(",")
     with tempfile.TemporaryDirectory() as tmp:

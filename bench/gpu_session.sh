@@ -17,6 +17,8 @@
 #   bash bench/gpu_session.sh eighth    # of the update path and the demo
 #   bash bench/gpu_session.sh ninth     # 1 GPU: LoRA adapters (bench/gpu_lora.py, tests/test_lora.py)
 #   bash bench/gpu_session.sh tenth     # 1 GPU: the update's CUDA tests and the inflight rollout
+#   bash bench/gpu_session.sh eleventh  # 1 GPU: the 7B LoRA push and rollout, 8 revisions held
+#   bash bench/gpu_session.sh twelfth   # 1 GPU: the demo with --lora-rank; tests/test_lora.py
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -198,6 +200,18 @@ phase_tenth() {  # 1 GPU: issue 42's kept backup: the CUDA tests of the update, 
     tests/test_weights.py
   run rollout-inflight 0 python3 bench/gpu_e2e.py --sections rollout \
     --policies none,keep,inflight --rounds 2 --out "$W/results"
+}
+
+phase_eleventh() {  # 1 GPU: the 7B rank-64 push and the rollout with pushes, 8 revisions held
+  mkdir -p "$W/results/lora2"
+  run lora-7b-push 0 python3 bench/gpu_lora.py --out "$W/results/lora2" --size 7b --rank 64 \
+    --sections push,rollout --requests 512 --rounds 3 --revisions 8
+}
+
+phase_twelfth() {  # 1 GPU: the demo trains a LoRA adapter; tests/test_lora.py on CUDA
+  run demo-lora 0 python3 examples/demo.py --lora-rank 8 --steps 30 --plot "$W/results/demo-lora.png"
+  run pytest-lora 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_lora.py
 }
 
 for phase in "$@"; do

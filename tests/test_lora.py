@@ -237,4 +237,5 @@ async def test_the_reference_trainers_adapter_is_served_as_trained_with_no_engin
                 parameter.copy_(parameter.to(torch.bfloat16))
         logits = trainer.model(input_ids=ids).logits[0].float().log_softmax(-1)
     mine = [float(logits[len(prompt) - 1 + i, t]) for i, t in enumerate(out.token_ids)]
-    assert mine == pytest.approx(list(out.log_probs), abs=1e-3)
+    exact = lora_engine.weights.served_dtype == torch.float32  # (a GPU run serves bf16)
+    assert mine == pytest.approx(list(out.log_probs), abs=1e-3 if exact else 0.15)

@@ -108,10 +108,10 @@ def log(msg: str) -> None:
 
 
 class Results:
-    """Checks and measurements of one run, appended to OUT/gpu_e2e.json."""
+    """Checks and measurements of one run, appended to OUT/gpu_e2e.json (or ``name``)."""
 
-    def __init__(self, out: Path) -> None:
-        self.path = out / "gpu_e2e.json"
+    def __init__(self, out: Path, name: str = "gpu_e2e.json") -> None:
+        self.path = out / name
         self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.failed = 0
 

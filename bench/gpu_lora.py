@@ -40,6 +40,7 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 import torch
+from gpu_e2e import PROBES, SHAPES, Results, log, write_config
 
 from asyncroll import AsyncServerManager, VLLMEngine
 from asyncroll.adapters import AdapterConfig
@@ -47,40 +48,10 @@ from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.lora import random_adapter, write_peft_adapter
 
 CUDA = torch.cuda.is_available()
-SHAPES: dict[str, dict[str, Any]] = {
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-               tie_word_embeddings=False),
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                 tie_word_embeddings=True),
-}
 SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-PROBES = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7], [900, 17, 1500]]
 MiB = 1 << 20
 SHM = Path("/dev/shm")
-
-
-def log(message: str) -> None:
-    print(message, flush=True)
-
-
-class Results:
-    def __init__(self, out: Path) -> None:
-        self.path = out / "gpu_lora.json"
-        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
-        self.failed = 0
-
-    def check(self, section: str, name: str, ok: bool, detail: Any = "") -> None:
-        self.data.setdefault(section, {}).setdefault("checks", {})[name] = {
-            "ok": bool(ok), "detail": detail}
-        self.failed += not ok
-        log(f"  [{'ok' if ok else 'FAILED'}] {section}: {name} {detail if not ok else ''}")
-
-    def record(self, section: str, key: str, value: Any) -> None:
-        self.data.setdefault(section, {})[key] = value
-        self.path.write_text(json.dumps(self.data, indent=1, default=str))
 
 
 REVISIONS = 4
@@ -98,14 +69,6 @@ def engine_args(rank: int, **extra: Any) -> dict[str, Any]:
     else:
         args |= {"max_model_len": 1024, "skip_tokenizer_init": True}
     return args | extra
-
-
-def write_config(folder: Path, shape: dict[str, Any]) -> Path:
-    from transformers import Qwen2Config
-
-    folder.mkdir(parents=True, exist_ok=True)
-    Qwen2Config(**shape, max_position_embeddings=4096).save_pretrained(folder)
-    return folder
 
 
 def copy_rate_gbs() -> float:
@@ -330,7 +293,7 @@ async def main(args: argparse.Namespace) -> int:
     global REVISIONS
     REVISIONS = args.revisions
     args.out.mkdir(parents=True, exist_ok=True)
-    res = Results(args.out)
+    res = Results(args.out, "gpu_lora.json")
     res.record("env", "revisions held", REVISIONS)
     res.record("env", "device", torch.cuda.get_device_name() if CUDA else "cpu")
     sections = args.sections.split(",")

@@ -163,6 +163,35 @@ async def test_a_call_keeps_its_revision_through_three_pushes(
     await _keeps_its_revision(manager, lora_model)
 
 
+async def test_no_call_reads_a_prefix_another_revision_computed(
+    manager: AsyncServerManager, lora_model: Path
+) -> None:
+    prompt = [7, 8, 9, 10] * 70  # two full KV blocks and more
+    params = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    await manager.update_adapter("c", adapter(lora_model, 30), config=CONFIG, global_steps=1)
+    first = await manager.generate("c-1", prompt_ids=prompt, sampling_params=params, adapter="c")
+    again = await manager.generate("c-2", prompt_ids=prompt, sampling_params=params, adapter="c")
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0  # the cache works
+    await manager.update_adapter("c", adapter(lora_model, 31), config=CONFIG, global_steps=2)
+    other = await manager.generate("c-3", prompt_ids=prompt, sampling_params=params, adapter="c")
+    assert other.num_cached_tokens == 0  # the next revision computes its own prefix
+
+
+async def test_revisions_never_pile_up_in_the_engine(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
+) -> None:
+    tensors = [adapter(lora_model, 40), adapter(lora_model, 41)]
+    pushed: set[int] = set()
+    for step in range(8):
+        report = await manager.update_adapter(
+            "many", tensors[step % 2], config=CONFIG, global_steps=step)
+        pushed.add(report.revision.revision)
+        held = {r.revision for r in lora_engine.adapters.held}
+        assert len(held) <= 2  # the newest, and the one it superseded until the next push
+        in_vllm = set(await vllm_client(lora_engine).list_loras()) & pushed
+        assert in_vllm == held  # vLLM holds exactly those too
+
+
 async def test_bad_adapters_are_refused_before_anything_is_sent(
     lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
 ) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "adapter_tensors",
     "check_adapter",
     "check_adapter_name",
+    "check_finite",
     "decoder_shapes",
 ]
 
@@ -58,7 +59,9 @@ _NAME = re.compile(
 """A PEFT LoRA tensor: ``base_model.model.<module>.lora_A.weight`` (the prefix and PEFT's
 adapter name, ``lora_A.default.weight``, optional)."""
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_revision_ids = itertools.count(1)
+_revision_ids = itertools.count(1 << 20)
+"""vLLM's own dummy LoRAs (its warm-up, CUDA-graph capture) take ids from 1 up: ours start far
+above them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -256,7 +259,7 @@ def check_adapter(
     Raises:
         InvalidRequestError: a rank other than the config's, or above the engine's
             ``max_lora_rank``; a module the engine's LoRA does not cover; a shape that does
-            not fit the module's weight; a value that is not finite.
+            not fit the module's weight. (Values: ``check_finite``.)
     """
     if config.rank > layout.max_rank:
         raise InvalidRequestError(
@@ -284,7 +287,15 @@ def check_adapter(
                 f" weight ({out_features} x {in_features}): want A {config.rank} x"
                 f" {in_features}, B {out_features} x {config.rank}"
             )
-    bad = nonfinite(tensors)  # one host sync a device, not one a tensor
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every value is finite (one host sync a device, not one a tensor).
+
+    Raises:
+        InvalidRequestError: names the tensors holding a NaN or an inf.
+    """
+    bad = nonfinite(tensors)
     if bad:
         raise InvalidRequestError(f"non-finite values in {bad[:4]}")
 

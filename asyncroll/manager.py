@@ -33,6 +33,7 @@ from asyncroll.adapters import (
     adapter_tensors,
     check_adapter,
     check_adapter_name,
+    check_finite,
 )
 from asyncroll.errors import (
     EngineDeadError,
@@ -621,6 +622,13 @@ class AsyncServerManager:
             layouts = await asyncio.gather(*(e.adapters.layout() for e in engines))  # type: ignore[attr-defined]
             for engine, layout in zip(engines, layouts, strict=True):
                 check_adapter(tensors, config, layout, engine=engine.name)
+                if layout.slots < layout.resident:
+                    raise InvalidRequestError(
+                        f"{engine.name} holds {layout.resident} LoRA revisions but runs"
+                        f" {layout.slots} in a step: start it with max_loras = max_cpu_loras,"
+                        " or calls pinned to older revisions wait behind the newest's"
+                    )
+            await asyncio.to_thread(check_finite, tensors)  # reads every byte: off the loop
             resident = min(layout.resident for layout in layouts)
             needed = len(self._revisions.adapters() | {adapter}) + 1
             if resident < needed:

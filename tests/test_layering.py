@@ -20,6 +20,15 @@ def _module_name(path: Path) -> str:
 
 
 MODULES = {_module_name(path): path for path in sorted(ROOT.rglob("*.py"))}
+VLLM_PRIVATES: dict[str, set[str]] = {
+    # vLLM's worker LoRA manager has no public call that registers a LoRAModel built from
+    # memory, nor one to answer its own reload of an evicted LoRA: these two privates of its
+    # objects are vLLM's (our risk; run on 0.24 and 0.32: tests/test_lora.py).
+    "asyncroll.vllm.lora": {"_adapter_manager", "_load_adapter"},
+}
+"""Privates of vLLM's own objects (reached through a parameter, not an imported name) that a
+module of ``asyncroll/vllm/`` relies on, each with its reason."""
+
 SHIMS: set[str] = set()
 """Old import paths kept for users that only re-export (none now: ``asyncroll.engine`` and
 ``asyncroll.vllm_ext`` went in session 28)."""
@@ -141,7 +150,11 @@ def test_no_module_uses_another_modules_private_names(name: str) -> None:
         }
     )
     outside = _third_party_names(tree)  # their privates are their business (and our risk)
-    foreign = [r for r in reached if r.split(".")[0] not in outside]
+    allowed = VLLM_PRIVATES.get(name, set())
+    foreign = [
+        r for r in reached
+        if r.split(".")[0] not in outside and r.rsplit(".", 1)[-1] not in allowed
+    ]
     assert not taken, f"{name} imports private names: {taken}"
     assert not foreign or name in SHIMS, f"{name} reaches into other modules' privates: {foreign}"
 

@@ -1,6 +1,6 @@
 """LoRA adapters pushed through asyncroll's transport into a real vLLM engine's LoRA, by revision.
 
-One engine with LoRA on (a tiny Qwen2 at weight scale 0.2, rank up to 8, three revisions a step,
+One engine with LoRA on (a tiny Qwen2 at weight scale 0.2, rank up to 8, four revisions a step,
 four held) serves the module. A pushed adapter must sample what vLLM samples with the same
 adapter loaded from a PEFT folder; a call keeps its revision through pushes; bad adapters never
 reach the engine; the reference trainer's adapter, pushed every step, raises the reward. (At
@@ -36,7 +36,7 @@ LORA_ARGS: dict[str, Any] = {
     **ENGINE_ARGS,
     "enable_lora": True,
     "max_lora_rank": 8,
-    "max_loras": 3,
+    "max_loras": 4,
     "max_cpu_loras": 4,
 }
 PROMPTS = [[5, 6, 7, 8], [100, 200, 300], [42] * 12]
@@ -190,6 +190,19 @@ async def test_revisions_never_pile_up_in_the_engine(
         assert len(held) <= 2  # the newest, and the one it superseded until the next push
         in_vllm = set(await vllm_client(lora_engine).list_loras()) & pushed
         assert in_vllm == held  # vLLM holds exactly those too
+
+
+async def test_a_revision_vllm_evicted_comes_back_from_memory_unchanged(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
+) -> None:
+    # float32, as the engine serves: vLLM then folds alpha / rank into the very tensors it is
+    # given, and a rebuild from what the worker kept must not fold it in twice.
+    tensors = random_adapter(lora_model, CONFIG, seed=50, scale=0.5, dtype=torch.float32)
+    report = await manager.update_adapter("back", tensors, config=CONFIG, global_steps=1)
+    served = await outputs(manager, "back")
+    assert await vllm_client(lora_engine).remove_lora(report.revision.revision)  # evicted
+    assert report.revision.revision not in await vllm_client(lora_engine).list_loras()
+    assert await outputs(manager, "back") == served  # rebuilt from the worker's memory
 
 
 async def test_bad_adapters_are_refused_before_anything_is_sent(

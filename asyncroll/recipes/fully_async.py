@@ -14,6 +14,7 @@ from asyncroll.recipes.protocols import (
     RolloutSource,
     Trainer,
     policy_client,
+    policy_version,
     push_policy,
     train_step,
 )
@@ -52,7 +53,7 @@ async def run_fully_async(
     Raises:
         ExceptionGroup: a rollout, the trainer or a push failed; the rollouts are cancelled.
     """
-    base = manager.global_steps or 0  # versions continue from the engines' current one
+    base = policy_version(manager, trainer)  # versions continue from the engines' current one
     client = await policy_client(manager, trainer, global_steps=base)
     records = []
     last = time.perf_counter()

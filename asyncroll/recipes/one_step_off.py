@@ -17,6 +17,7 @@ from asyncroll.recipes.protocols import (
     RolloutSource,
     Trainer,
     policy_client,
+    policy_version,
     push_policy,
     train_step,
 )
@@ -55,7 +56,7 @@ async def run_one_step_off(
             group_size=group_size,
         )
 
-    base = manager.global_steps or 0  # versions continue from the engines' current one
+    base = policy_version(manager, trainer)  # versions continue from the engines' current one
     client = await policy_client(manager, trainer, global_steps=base)
     records = []
     last = time.perf_counter()

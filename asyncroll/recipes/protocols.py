@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from asyncroll.interfaces import UpdateReport
     from asyncroll.manager import AsyncServerManager
 
-__all__ = ["RolloutSource", "Trainer", "policy_client", "push_policy", "train_step"]
+__all__ = [
+    "RolloutSource", "Trainer", "policy_client", "policy_version", "push_policy", "train_step",
+]
 
 
 class Trainer(Protocol):
@@ -104,3 +106,15 @@ async def policy_client(
         return manager
     await push_policy(manager, trainer, global_steps=global_steps)
     return manager.with_adapter(adapter[0])
+
+
+def policy_version(manager: AsyncServerManager, trainer: Trainer) -> int:
+    """The version a recipe's steps count on from: the engines' weights', or, where
+    ``trainer`` trains an adapter, the newest of that and the adapter's last revision (a
+    second run on the same manager goes on from there)."""
+    base = manager.global_steps or 0
+    adapter = getattr(trainer, "adapter", None)
+    revision = manager.adapters.get(adapter[0]) if adapter is not None else None
+    if revision is not None and revision.global_steps is not None:
+        base = max(base, revision.global_steps)
+    return base

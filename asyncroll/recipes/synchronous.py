@@ -18,6 +18,7 @@ from asyncroll.recipes.protocols import (
     RolloutSource,
     Trainer,
     policy_client,
+    policy_version,
     push_policy,
     train_step,
 )
@@ -56,7 +57,7 @@ async def run_synchronous(
     if hybrid and len(engines) != len(manager.engines):
         raise InvalidRequestError("hybrid mode sleeps and wakes engines: every engine must "
                                   "be an UpdatableEngine")
-    base = manager.global_steps or 0  # versions continue from the engines' current one
+    base = policy_version(manager, trainer)  # versions continue from the engines' current one
     client = await policy_client(manager, trainer, global_steps=base)
     records = []
     last = time.perf_counter()

@@ -12,15 +12,28 @@ import asyncio
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from asyncroll.adapters import AdapterLayout, AdapterRevision, decoder_shapes
 from asyncroll.errors import InvalidRequestError, WeightSyncError
 from asyncroll.interfaces import Delivery
 from asyncroll.update_check import read_checkpoint_schema
+from asyncroll.vllm.deliveries import summed
 
-if TYPE_CHECKING:
-    from asyncroll.vllm.engine import VLLMEngine
+
+class _Engine(Protocol):
+    """What the port needs of its ``VLLMEngine`` (which imports this module)."""
+
+    name: str
+    model_path: str
+
+    @property
+    def is_dead(self) -> bool: ...
+
+    async def collective_rpc(
+        self, method: str, *, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> list[Any]: ...
+
 
 __all__ = ["VLLMAdapterPort"]
 
@@ -28,7 +41,7 @@ __all__ = ["VLLMAdapterPort"]
 class VLLMAdapterPort:
     """Adapter revisions in one ``VLLMEngine`` (see the module doc)."""
 
-    def __init__(self, engine: VLLMEngine) -> None:
+    def __init__(self, engine: _Engine) -> None:
         self._engine = engine
         self._layout: AdapterLayout | None = None
         self._held: dict[int, AdapterRevision] = {}
@@ -103,10 +116,7 @@ class VLLMAdapterPort:
             WeightSyncError: a worker failed (it registered nothing; what the engine held and
                 served is unchanged).
         """
-        from asyncroll.vllm.engine import _summed
-
         engine = self._engine
-        engine._check_alive()
         kwargs = {
             "update_info": {"version": _version(revision), "push": push},
             "revision": revision.revision,
@@ -115,13 +125,12 @@ class VLLMAdapterPort:
         }
         for gone in drop:
             self._held.pop(gone.revision, None)
-        call = asyncio.ensure_future(
-            engine._llm.collective_rpc("asyncroll_take_adapter", kwargs=kwargs)
-        )
-        rpc = asyncio.ensure_future(engine.call_vllm(call))
+        rpc = asyncio.ensure_future(engine.collective_rpc("asyncroll_take_adapter", kwargs=kwargs))
         try:
-            if sent is not None:  # on its socket after two loop turns (``VLLMWeightPort.take``)
-                for _ in range(2):
+            if sent is not None:
+                # The RPC's task, then the call it makes into vLLM, then that call's first
+                # step, which hands it to vLLM's socket: three loop turns see it out.
+                for _ in range(3):
                     await asyncio.sleep(0)
                 sent()
             answers = await rpc
@@ -138,7 +147,7 @@ class VLLMAdapterPort:
             )
         self._held[revision.revision] = revision
         self.last_seconds = answers[0].get("seconds", {})
-        return _summed(answers)
+        return summed(answers)
 
     async def drop(self, revision: AdapterRevision) -> None:
         """Forget ``revision`` (no request may be using it)."""

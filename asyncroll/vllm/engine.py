@@ -59,6 +59,7 @@ from asyncroll.validation import (
 )
 from asyncroll.vllm import compat, sockets
 from asyncroll.vllm.adapters import VLLMAdapterPort
+from asyncroll.vllm.deliveries import summed
 
 if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
@@ -927,7 +928,7 @@ class VLLMWeightPort:
             isinstance(answer, dict) and answer.get("finished") for answer in answers
         )
         self._taken = _Taken(finished=finished, marked=inflight)
-        return _summed(answers)
+        return summed(answers)
 
     async def commit(self, global_steps: int | None) -> None:
         """End a hold, end the update in vLLM (unless the take finished it) and label the
@@ -1038,23 +1039,6 @@ def _log_failed_preemption(call: asyncio.Future[Any]) -> None:
     if not call.cancelled() and call.exception() is not None:
         logger.warning("vLLM could not preempt the running requests after an inflight update:"
                        " they keep the old weights' KV (%r)", call.exception())
-
-
-def _summed(reports: Sequence[Any]) -> Delivery | None:
-    """The workers' deliveries (``asyncroll.vllm.worker.delivery_of``) as one, or None if one is
-    missing or they are of different pushes."""
-    if not reports or not all(isinstance(r, dict) for r in reports):
-        return None
-    if len({r["version"] for r in reports}) != 1:
-        return None
-    return Delivery(
-        version=reports[0]["version"],
-        workers=len(reports),
-        tensors=sum(r["tensors"] for r in reports),
-        bytes=sum(r["bytes"] for r in reports),
-        verified=sum(r["verified"][0] for r in reports),
-        not_verifiable=sum(r["verified"][1] for r in reports),
-    )
 
 
 def _segment(

@@ -111,9 +111,13 @@ class RevisionStore:
         if mapper is not None and hasattr(mapper, "get_rename_mapper"):
             mapper = mapper.get_rename_mapper()
         device = next(iter(tensors.values())).device
+        # vLLM folds alpha / rank into each lora_B in place (``optimize``) wherever the tensor
+        # it was given is already of its dtype: B goes in as a copy, so what the store keeps
+        # stays unscaled for a rebuild (``_load_adapter``) and is never scaled twice.
+        given = {n: t.clone() if ".lora_B." in n else t for n, t in tensors.items()}
         return LoRAModel.from_lora_tensors(
             lora_model_id=revision,
-            tensors=dict(tensors),
+            tensors=given,
             peft_helper=peft,
             device=str(device),
             dtype=manager.lora_config.lora_dtype,

@@ -142,7 +142,8 @@ def parser(default_steps: int = 30) -> argparse.ArgumentParser:
     parser.add_argument("--response-len", type=int, default=8,
                         help="tokens per response of the band task")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="let vLLM capture CUDA graphs (faster decoding, slower start)")
+                        help="let vLLM capture CUDA graphs, or compile on the CPU build (faster"
+                             " decoding, slower start)")
     parser.add_argument("--verbose", action="store_true",
                         help="show vLLM's own log lines and warnings (hidden by default)")
     parser.add_argument("--lora-rank", type=int, default=None,
@@ -226,7 +227,9 @@ def engine_arguments(setup: Setup, args: argparse.Namespace, *, hybrid: bool = F
         extra |= {"enable_lora": True, "max_lora_rank": slots,
                   "max_loras": LORA_REVISIONS, "max_cpu_loras": LORA_REVISIONS}
     if setup.engine_gpu is None:
-        return extra
+        # vLLM's CPU build compiles the model at start-up unless eager: half its 25-40 s start
+        # on two cores, for decoding a tiny model barely faster (--cuda-graphs: compile).
+        return extra | {"enforce_eager": not args.cuda_graphs}
     shared = setup.trainer_device == torch.device("cuda", setup.engine_gpu)
     extra |= {
         "async_scheduling": False,  # docs/gpu.md: vLLM 0.24's start-up stalled with it there

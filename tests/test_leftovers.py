@@ -41,7 +41,7 @@ async def test_rounds_of_engine_manager_and_push_leave_nothing_behind(
     for i in range(3):
         async with (
             VLLMEngine.launch(tiny_model_a, name=f"round-{i}", max_model_len=256,
-                              skip_tokenizer_init=True) as started,
+                              skip_tokenizer_init=True, enforce_eager=True) as started,
             AsyncServerManager([started]) as manager,
         ):
             await manager.update_weights(load_weights(tiny_model_a), global_steps=1)

@@ -20,7 +20,7 @@ async def scenario(model: Path) -> None:
     assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
     weights = load_file(str(model / "model.safetensors"))
     async with VLLMEngine.launch(model, max_model_len=512, dtype="float32",
-                                 skip_tokenizer_init=True) as engine:
+                                 skip_tokenizer_init=True, enforce_eager=True) as engine:
         for mode in ("abort", "keep"):
             async with AsyncServerManager([engine], resume_mode=mode) as manager:
                 updates = await updates_across(manager, weights, mode)

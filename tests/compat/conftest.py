@@ -34,6 +34,6 @@ async def tokenizer_engine(compat_model: Path) -> AsyncIterator[VLLMEngine]:
     from asyncroll import VLLMEngine
 
     async with VLLMEngine.launch(compat_model, name="with-tokenizer", max_model_len=CONTEXT,
-                                 dtype="float32") as engine:
+                                 dtype="float32", enforce_eager=True) as engine:
         assert engine.has_tokenizer
         yield engine

@@ -71,7 +71,7 @@ SourceFactory = Callable[
 ]
 """Makes the rollout source once the manager serves: (manager, model folder, exit stack)."""
 
-STARTUP = "25-100 s on a 2-core CPU machine, as measured; about a minute on one GPU"
+STARTUP = "20-100 s on a 2-core CPU machine, as measured; about a minute on one GPU"
 """How long an engine takes to start: the CPU range measured by this session's runs (the line
 "engine ready in" says each time); on an H200 the whole demo took 65-91 s."""
 

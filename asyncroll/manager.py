@@ -637,9 +637,9 @@ class AsyncServerManager:
                     " needed: one per adapter, and one more for the next revision to arrive"
                     " while calls finish on the last"
                 )
+            channel = self._adapter_channel(engines)
             dropped, waited = await self._make_room(resident)
             revision = AdapterRevision.next(adapter, global_steps)
-            channel = self._adapter_channel(engines)
             modules = {m.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for m in tensors}
             pushed = time.perf_counter()
             try:

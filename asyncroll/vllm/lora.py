@@ -50,6 +50,11 @@ class RevisionStore:
 
         def load(lora_request: Any) -> Any:
             held = self._held.get(lora_request.lora_int_id)
+            if held is None and str(lora_request.lora_path).startswith("asyncroll://"):
+                raise RuntimeError(  # not vLLM's "no such folder" about a made-up path
+                    f"LoRA revision {lora_request.lora_name} was dropped while a request still"
+                    " named it (the manager drops only revisions no call is pinned to)"
+                )
             if held is None:
                 return vllms_load(lora_request)
             return self._build(lora_request.lora_int_id, *held)

@@ -77,7 +77,7 @@ ENGINE_ARGS: dict[str, Any] = {
     "skip_tokenizer_init": True,
     "worker_extension_cls": "asyncroll.testing.faults.FaultInjectingExtension",
     "num_gpu_blocks_override": 1024,
-    "enforce_eager": True,
+    "enforce_eager": not torch.cuda.is_available(),
 }
 """How every test engine starts (with the fault-injection extension of asyncroll.testing.faults,
 for the tests that inject failures). float32, not the adapter's bf16 default: tests compare greedy
@@ -89,9 +89,10 @@ token-out. 1024 KV blocks of 128 tokens (131k tokens, 128 MiB, where VLLM_CPU_KV
 least, 1 GiB, makes 8192): far more than a test holds at once, and 0.9 GB less a worker, so that
 runs that start engines side by side fit in memory. The extension is named, not imported (its
 module imports vLLM); the shared engines' fixture checks the name against
-``asyncroll.testing.faults.FAULTS_EXTENSION``. Eager (no ``torch.compile`` of the model): the
-compile is half an engine's start on the 2-core machine (36 s against 16-19 s eager, measured
-2026-11-29), and every test engine starts alike, so their outputs still compare."""
+``asyncroll.testing.faults.FAULTS_EXTENSION``. Eager on the CPU build (no ``torch.compile`` of
+the model): the compile is half an engine's start on the 2-core machine (36 s against 16-19 s
+eager, measured 2026-11-29), and every test engine starts alike, so their outputs still
+compare. On a GPU the tests keep CUDA graphs: an update must leave them valid."""
 
 ENGINE_ARGS.update(json.loads(os.environ.get("ASYNCROLL_TEST_ENGINE_ARGS", "{}")))
 """More engine arguments from the environment (a GPU run sets ``async_scheduling``)."""

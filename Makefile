@@ -22,10 +22,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# --no-compile: byte-compiling every module of torch, vLLM and transformers took 182 s of
-	# this install against 69 s without (2026-11-29, 2 busy cores); Python compiles what it
-	# imports, on first import.
-	$(BIN)/pip install -q --no-compile -e ".[$(EXTRA),dev]"
+	# Byte-compiled here (not --no-compile, which made this install 69 s against 182 s): a test
+	# run starts hundreds of processes, and where PYTHONDONTWRITEBYTECODE is set each would
+	# compile torch and vLLM from source again (measured: a slower suite, 2026-11-29).
+	$(BIN)/pip install -q -e ".[$(EXTRA),dev]"
 	# PyPI's torchvision is a CUDA build; on a CPU torch it breaks transformers' Qwen2 import.
 	if [ "$(EXTRA)" = cpu ]; then $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true; fi
 	touch $(STAMP)

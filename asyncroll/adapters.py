@@ -85,13 +85,14 @@ class AdapterConfig:
         ):
             raise InvalidRequestError(f"alpha must be a positive number, not {self.alpha!r}")
 
-    def peft_config(self, modules: Iterable[str]) -> dict[str, Any]:
-        """PEFT's ``adapter_config.json`` for these tensors (``modules``: their leaf names)."""
+    def peft_config(self, names: Iterable[str]) -> dict[str, Any]:
+        """PEFT's ``adapter_config.json`` for the tensors of these (PEFT) names."""
+        modules = {n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in names}
         return {
             "peft_type": "LORA",
             "r": self.rank,
             "lora_alpha": self.alpha,
-            "target_modules": sorted(set(modules)),
+            "target_modules": sorted(modules),
             "bias": "none",
         }
 

@@ -640,11 +640,10 @@ class AsyncServerManager:
             channel = self._adapter_channel(engines)
             dropped, waited = await self._make_room(resident)
             revision = AdapterRevision.next(adapter, global_steps)
-            modules = {m.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for m in tensors}
             pushed = time.perf_counter()
             try:
                 push = await channel.push_adapter(
-                    engines, tensors, revision, config.peft_config(modules), drop=dropped
+                    engines, tensors, revision, config.peft_config(tensors), drop=dropped
                 )
             except BaseException as exc:
                 await shielded(self._forget(engines, [revision, *dropped]))

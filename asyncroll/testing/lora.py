@@ -62,10 +62,9 @@ def write_peft_adapter(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    modules = {n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in tensors}
     save_file(
         {n: t.detach().cpu().contiguous() for n, t in tensors.items()},
         str(out / "adapter_model.safetensors"),
     )
-    (out / "adapter_config.json").write_text(json.dumps(config.peft_config(modules), indent=1))
+    (out / "adapter_config.json").write_text(json.dumps(config.peft_config(tensors), indent=1))
     return out

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 
+import pytest
+from safetensors.torch import load_file
+
 from asyncroll.testing import make_tiny_model
+from asyncroll.testing.tiny_model import MOE_FAMILIES, TINY_MOE, checkpoint_shapes
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -54,3 +59,31 @@ def test_the_chat_template_renders_tools_and_calls(tmp_path: Path) -> None:
         "<|im_start|>user\n<tool_response>\nr\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_real_shapes_have_their_published_sizes_and_checkpoint_names() -> None:
+    """The shapes' parameter counts are the published ones (7.6B, 30.5B of which 128 experts a
+    layer, Mixtral's 46.7B), and mixtures name one tensor per expert as their checkpoints do."""
+    sizes = {name: checkpoint_shapes(name) for name in ("qwen2.5-7b", "qwen3-30b-a3b",
+                                                         "mixtral-8x7b")}
+    billions = {name: round(sum(math.prod(s) for s in shapes.values()) / 1e9, 1)
+                for name, shapes in sizes.items()}
+    assert billions == {"qwen2.5-7b": 7.6, "qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7}
+    assert sizes["qwen3-30b-a3b"]["model.layers.47.mlp.experts.127.down_proj.weight"] == (2048,
+                                                                                         768)
+    assert sizes["mixtral-8x7b"]["model.layers.0.block_sparse_moe.experts.7.w3.weight"] == (
+        14336, 4096)
+    assert not any(".experts.gate_up_proj" in name for shapes in sizes.values() for name in shapes)
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_a_tiny_mixture_is_written_one_tensor_per_expert(tmp_path: Path, family: str) -> None:
+    path = make_tiny_model(tmp_path, seed=3, family=family)
+    names = set(load_file(str(path / "model.safetensors")))
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    projections = ("w1", "w2", "w3") if family == "mixtral" else ("gate_proj", "up_proj",
+                                                                   "down_proj")
+    assert {f"model.layers.1.{moe}.experts.{e}.{p}.weight" for e in range(TINY_MOE["num_experts"])
+            for p in projections} <= names
+    assert f"model.layers.0.{moe}.gate.weight" in names
+    assert not any(name.endswith(("gate_up_proj", "experts.down_proj")) for name in names)

@@ -26,16 +26,29 @@ from asyncroll.errors import InvalidRequestError
 __all__ = [
     "CHAT_TEMPLATE",
     "FAMILIES",
+    "MOE_FAMILIES",
     "REASONING_DROPPING_TEMPLATE",
     "SHAPES",
     "TINY_CONFIG",
+    "TINY_MOE",
+    "checkpoint_shapes",
     "make_model",
     "make_tiny_model",
 ]
 
-Family = Literal["qwen2", "qwen3", "llama"]
-FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama")
-"""The architectures ``make_tiny_model`` and ``make_model`` write (Hugging Face ``model_type``)."""
+Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "mixtral"]
+FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+"""The architectures ``make_tiny_model`` and ``make_model`` write (Hugging Face ``model_type``).
+The mixtures of experts write their experts as their published checkpoints do, one tensor per
+expert and projection (``mlp.experts.3.gate_proj.weight``; Mixtral's
+``block_sparse_moe.experts.3.w1.weight``), which is what vLLM's loaders and a trainer's
+``state_dict`` name; transformers 5 fuses them in memory only."""
+
+MOE_FAMILIES: frozenset[Family] = frozenset({"qwen3_moe", "mixtral"})
+
+TINY_MOE: dict[str, Any] = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+"""The experts of a tiny mixture (``make_tiny_model(family="qwen3_moe")``): 8 of them, 2 a
+token, each 64 wide (a multiple of 32, as the CPU build's grouped GEMM wants)."""
 
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(family="qwen2", hidden_size=896, intermediate_size=4864,
@@ -50,6 +63,15 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": dict(family="qwen3", hidden_size=1024, intermediate_size=3072,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                          norm_topk_prob=True),
+    "mixtral-8x7b": dict(family="mixtral", hidden_size=4096, intermediate_size=14336,
+                         num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                         tie_word_embeddings=False),
     "qwen3-1.7b": dict(family="qwen3", hidden_size=2048, intermediate_size=6144,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, tie_word_embeddings=True),
@@ -92,15 +114,26 @@ def make_tiny_model(
         path: Folder to write; created if missing, files in it overwritten.
         seed: Seed of the weights. Same seed and shape, same bytes.
         init_std: Standard deviation of the random weights (larger makes sampling more peaked).
-        family: ``qwen2`` (the default), ``qwen3`` (q/k norms, head size 64 here) or ``llama``
-            (no biases): the same sizes in each family's architecture.
+        family: ``qwen2`` (the default), ``qwen3`` (q/k norms, head size 64 here), ``llama``
+            (no biases), or a mixture of experts: ``qwen3_moe`` (``TINY_MOE``: every layer's
+            MLP is 8 experts of width 64, 2 a token) or ``mixtral`` (the same experts, each
+            ``intermediate_size`` wide as Mixtral's config says: 64 unless given).
 
     Returns:
         The folder, ready for ``VLLMEngine.launch(path, skip_tokenizer_init=True)``; its
         tokenizer loads with ``transformers.AutoTokenizer.from_pretrained(path)``.
     """
+    experts: dict[str, Any] = {}
+    if family == "qwen3_moe":
+        experts = dict(TINY_MOE)
+    elif family == "mixtral":
+        experts = {"num_local_experts": TINY_MOE["num_experts"],
+                   "num_experts_per_tok": TINY_MOE["num_experts_per_tok"]}
+        if intermediate_size == TINY_CONFIG["intermediate_size"]:
+            intermediate_size = TINY_MOE["moe_intermediate_size"]
     config = _config(
         family,
+        **experts,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -119,7 +152,8 @@ def make_tiny_model(
         torch.random.set_rng_state(generator_state)
     tensors = {
         name: tensor.detach().to(torch.bfloat16).contiguous()
-        for name, tensor in sorted(model.state_dict().items())
+        for fused, value in sorted(model.state_dict().items())
+        for name, tensor in _checkpoint_tensors(family, fused, value)
     }
     out = _write_checkpoint(path, config, tensors, family)
     _write_tokenizer(out, vocab_size=vocab_size, max_len=max_position_embeddings)
@@ -142,6 +176,34 @@ def make_model(
     Raises:
         InvalidRequestError: an unknown shape name or family.
     """
+    config, family, shapes = _skeleton(shape, max_position_embeddings, init_std)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, size in shapes.items():
+        if name.endswith("norm.weight"):
+            value = torch.ones(size, dtype=torch.bfloat16)
+        elif name.endswith(".bias"):
+            value = torch.zeros(size, dtype=torch.bfloat16)
+        else:
+            value = (torch.randn(size, generator=generator) * init_std).to(torch.bfloat16)
+        tensors[name] = value
+    return _write_checkpoint(path, config, tensors, family)
+
+
+def checkpoint_shapes(shape: str | dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of ``shape`` holds (``SHAPES`` or a dict of config fields with
+    ``family``): name -> size, as ``make_model`` writes them and a trainer's ``state_dict``
+    names them (for drawing weights on a device without a file).
+
+    Raises:
+        InvalidRequestError: an unknown shape name or family.
+    """
+    return _skeleton(shape, 4096, 0.02)[2]
+
+
+def _skeleton(
+    shape: str | dict[str, Any], max_position_embeddings: int, init_std: float
+) -> tuple[Any, Family, dict[str, tuple[int, ...]]]:
     if isinstance(shape, str):
         if shape not in SHAPES:
             raise InvalidRequestError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -154,40 +216,66 @@ def make_model(
                      initializer_range=init_std, **fields)
     with torch.device("meta"):
         skeleton = _model_class(family)(config)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, tensor in sorted(skeleton.state_dict().items()):
-        if name.endswith("norm.weight"):
-            value = torch.ones(tensor.shape, dtype=torch.bfloat16)
-        elif name.endswith(".bias"):
-            value = torch.zeros(tensor.shape, dtype=torch.bfloat16)
-        else:
-            value = (torch.randn(tensor.shape, generator=generator) * init_std).to(torch.bfloat16)
-        tensors[name] = value
+    shapes = {
+        name: tuple(tensor.shape)
+        for fused, value in sorted(skeleton.state_dict().items())
+        for name, tensor in _checkpoint_tensors(family, fused, value)
+    }
     if getattr(config, "tie_word_embeddings", False):
-        tensors.pop("lm_head.weight", None)
-    return _write_checkpoint(path, config, tensors, family)
+        shapes.pop("lm_head.weight", None)
+    return config, family, shapes
 
 
 def _config(family: Family, **fields: Any) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers
 
     fields.setdefault("bos_token_id", 0)
     fields.setdefault("eos_token_id", 1)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
-        return Qwen3Config(**fields)
-    if family == "llama":
-        return LlamaConfig(**fields)
-    return Qwen2Config(**fields)
+    if family == "qwen3_moe":
+        fields.setdefault("norm_topk_prob", True)
+        fields.setdefault("mlp_only_layers", [])
+        fields.setdefault("decoder_sparse_step", 1)
+    name = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "llama": "LlamaConfig",
+            "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}[family]
+    return getattr(transformers, name)(**fields)
 
 
 def _model_class(family: Family) -> Any:
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+    import transformers
 
-    return {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM, "llama": LlamaForCausalLM}[
-        family
-    ]
+    name = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM"}[family]
+    return getattr(transformers, name)
+
+
+def _checkpoint_tensors(
+    family: Family, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """``name`` of transformers' in-memory model as the family's checkpoints name it: the fused
+    experts (``mlp.experts.gate_up_proj``, experts x (gate; up) x hidden, and
+    ``mlp.experts.down_proj``) one tensor per expert and projection; Mixtral's MoE under
+    ``block_sparse_moe`` with ``w1`` (gate), ``w3`` (up) and ``w2`` (down)."""
+    if family not in MOE_FAMILIES:
+        return [(name, tensor)]
+    if family == "mixtral":
+        name = name.replace(".mlp.", ".block_sparse_moe.")
+    prefix, _, leaf = name.rpartition(".experts.")
+    if not prefix or leaf not in ("gate_up_proj", "down_proj"):
+        return [(name, tensor)]
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj",
+                                                                         "down_proj")
+    out = []
+    for expert in range(tensor.shape[0]):
+        block = f"{prefix}.experts.{expert}"
+        if leaf == "down_proj":
+            out.append((f"{block}.{down}.weight", tensor[expert]))
+        else:
+            first, second = tensor[expert].chunk(2, dim=0)
+            out += [(f"{block}.{gate}.weight", first), (f"{block}.{up}.weight", second)]
+    return out
 
 
 def _write_checkpoint(

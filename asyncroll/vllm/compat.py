@@ -16,6 +16,7 @@ __all__ = [
     "labels_versions",
     "pause_generation",
     "num_unfinished_requests",
+    "repacking_experts",
     "shutdown_weight_transfer",
     "worker_runs_the_session",
 ]
@@ -121,3 +122,61 @@ async def pause_generation(llm: Any, *, mode: str, clear_cache: bool) -> None:
     if clear_cache and clear is not None:
         await clear()
     await pause(mode=mode, clear_cache=clear_cache)
+
+
+def repacking_experts(model: Any) -> list[str]:
+    """The mixture-of-experts layers of ``model`` whose expert kernel keeps the weights in a
+    layout of its own (the CPU build's grouped GEMM prepacks them: ``fused_experts`` overrides
+    ``process_weights_after_loading``), by module name. A push must reach them through vLLM's
+    layerwise reload, which loads into the checkpoint layout and processes again; a direct copy
+    into their parameters would be read in the wrong layout.
+
+    vLLM 0.32 runs that processing on the first load only: on a reload its unquantized MoE
+    method skips ``fused_experts.process_weights_after_loading`` (it takes a set ``moe_kernel``
+    to mean a weight update whose layout is already final), so a reloaded layer would be served
+    unpacked. Each such layer's method is wrapped, once, to run the experts' processing after
+    its own whenever the method did not run it itself (the layerwise reload then copies the
+    processed tensors into the served ones)."""
+    layers = []
+    for name, module in model.named_modules():
+        method: Any = getattr(module, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is None or not _processes_weights(experts):
+            continue
+        layers.append(name)
+        if not getattr(method, "_asyncroll_reprocesses", False):
+            method.process_weights_after_loading = _reprocessing(method)
+            method._asyncroll_reprocesses = True
+    return layers
+
+
+def _processes_weights(experts: Any) -> bool:
+    from vllm.model_executor.layers.fused_moe import modular_kernel
+
+    base = modular_kernel.FusedMoEExpertsModular.process_weights_after_loading
+    own = getattr(type(experts), "process_weights_after_loading", base)
+    return own is not base
+
+
+def _reprocessing(method: Any) -> Callable[[Any], None]:
+    process = method.process_weights_after_loading
+
+    @functools.wraps(process)
+    def process_weights_after_loading(layer: Any) -> None:
+        experts = method.moe_kernel.fused_experts
+        ran = []
+        own = experts.process_weights_after_loading
+
+        def noted(layer: Any) -> None:
+            ran.append(True)
+            own(layer)
+
+        experts.process_weights_after_loading = noted
+        try:
+            process(layer)
+        finally:
+            del experts.process_weights_after_loading
+        if not ran:
+            own(layer)
+
+    return process_weights_after_loading

@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
-from asyncroll.errors import PieceNotPlannedError
+from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.receive.adapter import AdapterTake
 from asyncroll.receive.check import PushCheck, check_delivered
 from asyncroll.receive.load_plan import LoadPlan, PlanStatistics
@@ -58,7 +58,7 @@ from asyncroll.transport import WeightReceiver
 from asyncroll.transport.broadcast import BroadcastReceiver
 from asyncroll.transport.plan import Part
 from asyncroll.transport.receiver import PlaceFn, ReceiveReport
-from asyncroll.vllm.compat import worker_runs_the_session
+from asyncroll.vllm.compat import repacking_experts, worker_runs_the_session
 from asyncroll.vllm.lora import store_of
 
 __all__ = [
@@ -155,6 +155,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._finalized = False
         """The update in progress has finished its layerwise reload (in the receive)."""
         self._plan: LoadPlan | None = None
+        self._repacking: tuple[torch.nn.Module, list[str]] | None = None
         self._planning = False
         """The last push loaded through the plan."""
 
@@ -451,12 +452,25 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Start an update: take what a rollback needs (``Rollback.begin``)."""
         assert self._info is not None
         self._finalized = False
+        repacking = self._repacking_experts()
+        if repacking and self.direct:
+            raise WeightSyncError(
+                f"load='direct' cannot push into {repacking[0]!r} (and {len(repacking) - 1}"
+                " more): its expert kernel keeps the weights in a layout of its own (vLLM's CPU"
+                " mixture of experts); use load='layerwise'"
+            )
         self.rollback.begin(
             self.model,
             backup=self._info.backup,
             direct=self.direct,
             checkpoint=functools.partial(_read_checkpoint, self.model_config),
         )
+
+    def _repacking_experts(self) -> list[str]:
+        """``compat.repacking_experts`` of the served model, found (and fixed) once."""
+        if self._repacking is None or self._repacking[0] is not self.model:
+            self._repacking = (self.model, repacking_experts(self.model))
+        return self._repacking[1]
 
     def can_roll_back(self) -> bool:
         """Whether a push that fails now can be undone (``Rollback.can_roll_back``)."""

@@ -1,0 +1,137 @@
+"""Pushes into mixtures of experts: a tiny Qwen3-MoE and a tiny Mixtral (8 experts, 2 a token,
+random weights at real architectures), on real vLLM CPU engines, the Mixtral one tensor-parallel
+over two workers. Each push is token-exact: pushing the weights an engine started on gives back
+what it served fresh, and each pushed model serves its own tokens.
+
+The CPU build keeps expert weights prepacked for its grouped GEMM, and vLLM 0.32's reload skips
+that prepack (``asyncroll.vllm.compat.repacking_experts``): without the fix, a reloaded layer is
+served unpacked and these tests fail."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+from engine_helpers import ENGINE_ARGS, greedy, load_weights
+
+from asyncroll import VLLMEngine, WeightPusher, WeightSyncError
+from asyncroll.testing import make_tiny_model
+
+pytestmark = pytest.mark.engine
+
+FAMILIES = {"qwen3_moe": 1, "mixtral": 2}
+"""Each family and the tensor-parallel size of its engine."""
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
+    """(family, seed) -> a tiny model; each engine starts on seed 1 and takes seed 0's weights."""
+    return {
+        (family, seed): make_tiny_model(
+            tmp_path_factory.mktemp(f"{family}-{seed}"), seed=seed, family=family
+        )
+        for family in FAMILIES
+        for seed in (0, 1)
+    }
+
+
+@pytest.fixture(scope="module")
+async def moe_engines(
+    moe_models: dict[tuple[str, int], Path],
+) -> AsyncIterator[dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]]]:
+    """family -> (an engine on seed 1, its greedy outputs fresh); started together."""
+
+    async def start(family: str) -> VLLMEngine:
+        return await VLLMEngine.start(
+            moe_models[family, 1], name=f"moe-{family}",
+            tensor_parallel_size=FAMILIES[family], **ENGINE_ARGS,
+        )
+
+    started = await asyncio.gather(*(start(family) for family in FAMILIES), return_exceptions=True)
+    engines = [engine for engine in started if isinstance(engine, VLLMEngine)]
+    try:
+        for outcome in started:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        yield {
+            family: (engine, await greedy(engine, f"fresh-{family}"))
+            for family, engine in zip(FAMILIES, engines, strict=True)
+        }
+    finally:
+        await asyncio.gather(*(engine.aclose() for engine in engines))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_pushes_into_experts_are_token_exact(
+    family: str,
+    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
+    moe_models: dict[tuple[str, int], Path],
+) -> None:
+    """Seed 0's weights, then seed 1's back (what the engine served fresh, token for token),
+    then seed 0's experts alone (a third model), then all of seed 0 again (its first outputs)."""
+    engine, fresh = moe_engines[family]
+    weights_0, weights_1 = load_weights(moe_models[family, 0]), load_weights(moe_models[family, 1])
+    experts_0 = {name: tensor for name, tensor in weights_0.items() if ".experts." in name}
+    assert len(experts_0) == 2 * 8 * 3  # layers x experts x (gate, up, down)
+    steps = itertools.count((engine.global_steps or 0) + 1)
+    async with aclosing(WeightPusher([engine])) as pusher:
+        report = await pusher.update(weights_0, global_steps=next(steps))
+        delivery = report.deliveries[engine.name]
+        assert (delivery.workers, delivery.tensors) == (
+            FAMILIES[family], FAMILIES[family] * len(weights_0)
+        )
+        on_0 = await greedy(engine, f"{family}-0")
+        assert on_0 != fresh
+        await pusher.update(weights_1, global_steps=next(steps))
+        assert await greedy(engine, f"{family}-1") == fresh
+        await pusher.update(experts_0, global_steps=next(steps))
+        mixed = await greedy(engine, f"{family}-experts-0")
+        assert mixed not in (fresh, on_0)
+        await pusher.update(weights_0, global_steps=next(steps))
+        assert await greedy(engine, f"{family}-0-again") == on_0
+        await pusher.update(weights_1, global_steps=next(steps))
+    assert await greedy(engine, f"{family}-1-again") == fresh
+
+
+async def test_one_expert_pushed_alone_lands_as_in_a_whole_push(
+    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
+    moe_models: dict[tuple[str, int], Path],
+) -> None:
+    """A push of one expert of one layer (part of a fused parameter) serves what a whole push
+    of the same weights serves: the rest of the layer's experts are kept."""
+    engine, fresh = moe_engines["qwen3_moe"]
+    weights_0 = load_weights(moe_models["qwen3_moe", 0])
+    weights_1 = load_weights(moe_models["qwen3_moe", 1])
+    one = {
+        name: weights_0[name]
+        for name in weights_0
+        if name.startswith(("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.5."))
+    }
+    assert len(one) == 6
+    steps = itertools.count((engine.global_steps or 0) + 1)
+    async with aclosing(WeightPusher([engine])) as pusher:
+        await pusher.update(one, global_steps=next(steps))
+        alone = await greedy(engine, "one-expert-alone")
+        await pusher.update(weights_1 | one, global_steps=next(steps))
+        assert await greedy(engine, "one-expert-whole") == alone
+        await pusher.update(weights_1, global_steps=next(steps))
+    assert await greedy(engine, "one-expert-undone") == fresh
+    assert alone != fresh
+
+
+async def test_a_direct_load_into_prepacked_experts_is_refused(
+    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
+    moe_models: dict[tuple[str, int], Path],
+) -> None:
+    """``load="direct"`` would copy checkpoint rows into the CPU kernel's packed layout: refused
+    with a typed error naming the layer, and the engine serves what it served."""
+    engine, fresh = moe_engines["qwen3_moe"]
+    steps = itertools.count((engine.global_steps or 0) + 1)
+    async with aclosing(WeightPusher([engine], load="direct")) as pusher:
+        with pytest.raises(WeightSyncError, match=r"layerwise.*|mlp\.experts"):
+            await pusher.update(load_weights(moe_models["qwen3_moe", 0]), global_steps=next(steps))
+    assert await greedy(engine, "after-direct") == fresh

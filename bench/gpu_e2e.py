@@ -17,7 +17,9 @@ Sections (``--sections``, comma-separated; default all):
   ``wake_up(["kv_cache", "scheduling"])``, the engine serves exactly the trained weights.
 - ``manager``: 256 concurrent requests across repeated updates, ``abort`` and ``keep`` modes:
   exact lengths, per-token ``global_steps`` that never decrease, outputs spanning versions.
-- ``push``: random-weight models of Qwen2.5 shapes (``--sizes`` 0.5b, 1.5b, 7b) loaded with
+- ``push``: random-weight models of Qwen2.5 shapes (``--sizes`` 0.5b, 1.5b, 7b), or of any
+  shape of ``asyncroll.testing.tiny_model.SHAPES`` (``qwen3-30b-a3b``: 128 experts a layer,
+  pushed into vLLM's fused expert parameters, checked in place), loaded with
   ``load_format="dummy"``; the same trainer tensors pushed by asyncroll (double-buffered
   ``cuda_ipc``) and by vLLM's built-in ``ipc`` backend (packed and unpacked), against the
   two-copy limit from a measured device copy. Stages: pack, wait (sender), load (worker).
@@ -66,6 +68,9 @@ from asyncroll import (
 )
 from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.faults import FAULTS_EXTENSION, inject_fault
+from asyncroll.testing.probes import position_checksum
+from asyncroll.testing.tiny_model import SHAPES as MODEL_SHAPES
+from asyncroll.testing.tiny_model import checkpoint_shapes, write_model_config
 from asyncroll.transport import CudaIpcBackend
 from asyncroll.weights import SenderChannel
 
@@ -352,13 +357,21 @@ async def _manager_load(
 def write_config(folder: Path, shape: dict[str, Any]) -> Path:
     from transformers import Qwen2Config
 
+    if "family" in shape:  # a shape of asyncroll.testing.tiny_model.SHAPES
+        return write_model_config(folder, shape)
     folder.mkdir(parents=True, exist_ok=True)
     Qwen2Config(**shape, max_position_embeddings=4096).save_pretrained(folder)
     return folder
 
 
 def random_weights(shape: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Trainer-side tensors with Hugging Face Qwen2 names and shapes, bf16 on the GPU."""
+    """Trainer-side tensors with Hugging Face Qwen2 names and shapes, bf16 on the GPU (or a
+    shape of ``asyncroll.testing.tiny_model.SHAPES``: its checkpoint's names, norms at 1)."""
+    if "family" in shape:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        return {n: torch.ones(s, dtype=torch.bfloat16, device="cuda") if n.endswith("norm.weight")
+                else (torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02)
+                for n, s in checkpoint_shapes(shape).items()}
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape["vocab_size"], h)}
@@ -410,7 +423,8 @@ async def timed(repeats: int, push: Callable[[int], Awaitable[dict[str, float]]]
 async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                          pairs: int = 40, only_one_copy: bool = False) -> None:
     s = f"push {size}"
-    shape = SHAPES[size]
+    shape = SHAPES.get(size) or MODEL_SHAPES[size]
+    large = size not in ("0.5b", "1.5b")
     folder = write_config(work / size, shape)
     tensors = random_weights(shape)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -422,6 +436,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
     log(f"{size}: {nbytes / GiB:.2f} GiB in {len(tensors)} tensors; copy {rate:.0f} GB/s, "
         f"two-copy limit {limit_ms:.1f} ms")
     util = 0.25 if size != "7b" else 0.4
+    if nbytes > 20 * GiB:  # the engine's copy, its KV cache, and the trainer's beside it
+        util = min(0.85, (nbytes / GiB + 12) / (torch.cuda.mem_get_info()[1] / GiB))
     results: dict[str, Any] = {}
     steps = itertools.count(1)
     async with VLLMEngine.launch(folder, name=f"ours-{size}", load_format="dummy",
@@ -440,6 +456,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                     ("layerwise", 512, 2, False, False, True)]
         if size == "7b":
             variants = variants[:5]
+        elif large:  # a mixture of experts, tens of GiB: one-copy and staged, nothing else
+            variants = variants[:2]
         if only_one_copy:  # a quick A/B of one-copy updates: no baselines
             variants = variants[:1]
         for load, bucket_mib, buffers, planned, one_copy, verify in variants:
@@ -518,6 +536,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
             name = "model.embed_tokens.weight"
             res.check(s, f"{label}: engine serves the pushed tensors",
                       math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
+            if shape.get("family") == "qwen3_moe":
+                await _experts_in_place(res, s, label, engine, shape, tensors)
             if one_copy and verify:
                 await _changed_in_place(res, s, label, engine, pusher, tensors, steps)
             await pusher.aclose()
@@ -529,7 +549,8 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
     gc.collect()
     torch.cuda.empty_cache()
     if not only_one_copy:
-        results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results)
+        results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results,
+                                           variants=1 if large and size != "7b" else 3)
     ours = results.get("asyncroll direct plan 512 MiB x2") or results["asyncroll one-copy plan"]
     ours_ms = ours["update_ms"]
     # An update through vLLM's protocol makes two RPCs (the receive, the finish), one where
@@ -645,6 +666,26 @@ async def _changed_in_place(res: Results, s: str, label: str, engine: VLLMEngine
               ok, detail)
 
 
+async def _experts_in_place(res: Results, s: str, label: str, engine: VLLMEngine,
+                            shape: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """The fused expert parameters of the first and last layers hold the pushed experts, in
+    order (a position-weighted checksum: a swapped expert or crossed gate/up shows)."""
+    layers = shape["num_hidden_layers"]
+    gate, up, down = ("gate_proj", "up_proj", "down_proj")
+    for layer in (0, layers - 1):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        experts = sorted({int(n.split(".")[5]) for n in tensors if n.startswith(prefix + ".")})
+        w13 = torch.cat([torch.cat([tensors[f"{prefix}.{e}.{gate}.weight"],
+                                    tensors[f"{prefix}.{e}.{up}.weight"]]) for e in experts])
+        w2 = torch.cat([tensors[f"{prefix}.{e}.{down}.weight"] for e in experts])
+        want = {f"{prefix}.w13_weight": position_checksum(w13),
+                f"{prefix}.w2_weight": position_checksum(w2)}
+        (got,) = await engine.collective_rpc("asyncroll_weight_checksums", args=(list(want),))
+        res.check(s, f"{label}: layer {layer}'s experts hold the pushed ones, in order",
+                  all(math.isclose(got[n], want[n], rel_tol=1e-9) for n in want),
+                  {"got": got, "want": want})
+
+
 async def _rpc_round_trip_ms(engine: VLLMEngine, n: int = 50) -> float:
     """The median round trip of a no-op ``collective_rpc`` into the engine's workers."""
     times = []
@@ -745,7 +786,7 @@ async def _plan_bitwise(res: Results, s: str, engine: VLLMEngine,
 
 async def vllm_ipc_baseline(
     res: Results, s: str, folder: Path, tensors: dict[str, torch.Tensor], util: float,
-    repeats: int, results: dict[str, Any],
+    repeats: int, results: dict[str, Any], variants: int = 3,
 ) -> dict[str, Any]:
     """vLLM's built-in ``ipc`` backend: ``trainer_send_weights`` (packed / unpacked), the same
     engine set-up, the same start / update / finish protocol around it."""
@@ -780,7 +821,7 @@ async def vllm_ipc_baseline(
 
         for label, packed, buffer in (("vLLM ipc packed 1 GiB (default)", True, GiB),
                                       ("vLLM ipc packed 2 GiB", True, 2 * GiB),
-                                      ("vLLM ipc unpacked", False, GiB)):
+                                      ("vLLM ipc unpacked", False, GiB))[:variants]:
             args = IPCTrainerSendWeightsArgs(send_mode=send, packed=packed,
                                              packed_buffer_size_bytes=buffer)
 

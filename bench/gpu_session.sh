@@ -19,6 +19,7 @@
 #   bash bench/gpu_session.sh tenth     # 1 GPU: the update's CUDA tests and the inflight rollout
 #   bash bench/gpu_session.sh eleventh  # 1 GPU: the 7B LoRA push and rollout, 8 revisions held
 #   bash bench/gpu_session.sh twelfth   # 1 GPU: the demo with --lora-rank; tests/test_lora.py
+#   bash bench/gpu_session.sh thirteenth # 1 GPU: the Qwen3-30B-A3B push; tests/test_moe.py
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -212,6 +213,14 @@ phase_twelfth() {  # 1 GPU: the demo trains a LoRA adapter; tests/test_lora.py o
   run demo-lora 0 python3 examples/demo.py --lora-rank 8 --steps 30 --plot "$W/results/demo-lora.png"
   run pytest-lora 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
     python3 -m pytest -q -p no:cacheprovider tests/test_lora.py
+}
+
+phase_thirteenth() {  # 1 GPU: issue 44's mixture of experts: the Qwen3-30B-A3B push, the MoE tests
+  mkdir -p "$W/results/moe"
+  run push-30b-a3b 0 python3 bench/gpu_e2e.py --sections push --sizes qwen3-30b-a3b --repeats 3 \
+    --out "$W/results/moe"
+  run pytest-moe 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "gpu_memory_utilization": 0.3}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_moe.py
 }
 
 for phase in "$@"; do

@@ -16,6 +16,7 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
+import torch
 from engine_helpers import ENGINE_ARGS, greedy, load_weights
 
 from asyncroll import VLLMEngine, WeightPusher, WeightSyncError
@@ -24,7 +25,13 @@ from asyncroll.testing import make_tiny_model
 pytestmark = pytest.mark.engine
 
 FAMILIES = {"qwen3_moe": 1, "mixtral": 2}
-"""Each family and the tensor-parallel size of its engine."""
+"""Each family and the tensor-parallel size of its engine (on a GPU machine, at most its GPUs)."""
+
+
+def _tensor_parallel(family: str) -> int:
+    if torch.cuda.is_available():
+        return min(FAMILIES[family], torch.cuda.device_count())
+    return FAMILIES[family]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,7 @@ async def moe_engines(
     async def start(family: str) -> VLLMEngine:
         return await VLLMEngine.start(
             moe_models[family, 1], name=f"moe-{family}",
-            tensor_parallel_size=FAMILIES[family], **ENGINE_ARGS,
+            tensor_parallel_size=_tensor_parallel(family), **ENGINE_ARGS,
         )
 
     started = await asyncio.gather(*(start(family) for family in FAMILIES), return_exceptions=True)
@@ -81,9 +88,8 @@ async def test_pushes_into_experts_are_token_exact(
     async with aclosing(WeightPusher([engine])) as pusher:
         report = await pusher.update(weights_0, global_steps=next(steps))
         delivery = report.deliveries[engine.name]
-        assert (delivery.workers, delivery.tensors) == (
-            FAMILIES[family], FAMILIES[family] * len(weights_0)
-        )
+        workers = _tensor_parallel(family)
+        assert (delivery.workers, delivery.tensors) == (workers, workers * len(weights_0))
         on_0 = await greedy(engine, f"{family}-0")
         assert on_0 != fresh
         await pusher.update(weights_1, global_steps=next(steps))
@@ -123,15 +129,25 @@ async def test_one_expert_pushed_alone_lands_as_in_a_whole_push(
     assert alone != fresh
 
 
-async def test_a_direct_load_into_prepacked_experts_is_refused(
+async def test_a_direct_load_lands_or_is_refused_where_experts_are_prepacked(
     moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
     moe_models: dict[tuple[str, int], Path],
 ) -> None:
-    """``load="direct"`` would copy checkpoint rows into the CPU kernel's packed layout: refused
-    with a typed error naming the layer, and the engine serves what it served."""
+    """On the CPU build, ``load="direct"`` would copy checkpoint rows into the kernel's packed
+    layout: refused with a typed error naming the layer, and the engine serves what it served.
+    On a GPU (its experts in checkpoint layout) the direct load, through the load plan, is
+    token-exact."""
     engine, fresh = moe_engines["qwen3_moe"]
     steps = itertools.count((engine.global_steps or 0) + 1)
+    weights_0 = load_weights(moe_models["qwen3_moe", 0])
+    weights_1 = load_weights(moe_models["qwen3_moe", 1])
     async with aclosing(WeightPusher([engine], load="direct")) as pusher:
-        with pytest.raises(WeightSyncError, match=r"layerwise.*|mlp\.experts"):
-            await pusher.update(load_weights(moe_models["qwen3_moe", 0]), global_steps=next(steps))
-    assert await greedy(engine, "after-direct") == fresh
+        if not torch.cuda.is_available():
+            with pytest.raises(WeightSyncError, match=r"mlp\.experts.*layerwise"):
+                await pusher.update(weights_0, global_steps=next(steps))
+            assert await greedy(engine, "after-direct") == fresh
+            return
+        await pusher.update(weights_0, global_steps=next(steps))
+        await pusher.update(weights_1, global_steps=next(steps))
+        await pusher.update(weights_1, global_steps=next(steps))  # replayed by the plan
+        assert await greedy(engine, "direct-1") == fresh

@@ -84,6 +84,13 @@ class ProbingExtension(AsyncrollWorkerExtension):
         model = self.model_runner.model  # type: ignore[attr-defined]
         return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
 
+    def asyncroll_weight_checksums(self, names: list[str]) -> dict[str, float]:
+        """A position-weighted sum of each named parameter (``position_checksum``): unlike a
+        plain sum, it changes when rows move (two experts swapped, gate and up crossed)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        params = dict(model.named_parameters())
+        return {name: position_checksum(params[name]) for name in names}
+
     def asyncroll_weight_hash(self) -> str:
         """One hash of every parameter's bytes, in name order (bitwise comparisons in tests)."""
         import hashlib
@@ -119,3 +126,10 @@ class ProbingExtension(AsyncrollWorkerExtension):
         tensors = load(payload)
         reload_weights(self.model_runner.model, self.model_config, tensors.items())  # type: ignore[attr-defined]
         return len(tensors)
+
+
+def position_checksum(tensor: torch.Tensor) -> float:
+    """``sum(x[i] * (1 + i / n))`` over the flattened tensor, in float64."""
+    flat = tensor.detach().reshape(-1).double()
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+    return float((flat * (1 + weights / max(flat.numel(), 1))).sum())

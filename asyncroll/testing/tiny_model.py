@@ -33,6 +33,7 @@ __all__ = [
     "TINY_MOE",
     "checkpoint_shapes",
     "make_model",
+    "write_model_config",
     "make_tiny_model",
 ]
 
@@ -190,6 +191,15 @@ def make_model(
     return _write_checkpoint(path, config, tensors, family)
 
 
+def write_model_config(
+    path: str | Path, shape: str | dict[str, Any], *, max_position_embeddings: int = 4096
+) -> Path:
+    """The configuration files ``make_model`` writes, without weights: for an engine started
+    with ``load_format="dummy"`` that takes its weights from a push (GPU benchmarks)."""
+    config, family, _ = _skeleton(shape, max_position_embeddings, 0.02)
+    return _write_checkpoint(path, config, None, family)
+
+
 def checkpoint_shapes(shape: str | dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of ``shape`` holds (``SHAPES`` or a dict of config fields with
     ``family``): name -> size, as ``make_model`` writes them and a trainer's ``state_dict``
@@ -279,11 +289,12 @@ def _checkpoint_tensors(
 
 
 def _write_checkpoint(
-    path: str | Path, config: Any, tensors: dict[str, torch.Tensor], family: Family
+    path: str | Path, config: Any, tensors: dict[str, torch.Tensor] | None, family: Family
 ) -> Path:
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tensors is not None:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config_dict = config.to_dict()
     config_dict["architectures"] = [_model_class(family).__name__]
     config_dict["torch_dtype"] = config_dict["dtype"] = "bfloat16"

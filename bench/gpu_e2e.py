@@ -76,6 +76,7 @@ from asyncroll.weights import SenderChannel
 
 GiB = 1 << 30
 FINISH_RPC = False
+SKIP_BASELINE = False
 """--finish-rpc: the workers finish an update in an RPC of its own (the A/B of 2026-11-28)."""
 SMALL = {  # GPU-friendly tiny model: head size 64, bf16
     "vocab_size": 2048,
@@ -548,7 +549,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
             await _plan_bitwise(res, s, engine, tensors, steps)
     gc.collect()
     torch.cuda.empty_cache()
-    if not only_one_copy:
+    if not only_one_copy and not SKIP_BASELINE:
         results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results,
                                            variants=1 if large and size != "7b" else 3)
     ours = results.get("asyncroll direct plan 512 MiB x2") or results["asyncroll one-copy plan"]
@@ -678,8 +679,11 @@ async def _experts_in_place(res: Results, s: str, label: str, engine: VLLMEngine
         w13 = torch.cat([torch.cat([tensors[f"{prefix}.{e}.{gate}.weight"],
                                     tensors[f"{prefix}.{e}.{up}.weight"]]) for e in experts])
         w2 = torch.cat([tensors[f"{prefix}.{e}.{down}.weight"] for e in experts])
-        want = {f"{prefix}.w13_weight": position_checksum(w13),
-                f"{prefix}.w2_weight": position_checksum(w2)}
+        (digest,) = await engine.collective_rpc("asyncroll_weight_digest")
+        served = [n for n, _ in digest if f"layers.{layer}." in n]
+        w13_name = next(n for n in served if n.endswith("w13_weight"))
+        w2_name = next(n for n in served if n.endswith("w2_weight"))
+        want = {w13_name: position_checksum(w13), w2_name: position_checksum(w2)}
         (got,) = await engine.collective_rpc("asyncroll_weight_checksums", args=(list(want),))
         res.check(s, f"{label}: layer {layer}'s experts hold the pushed ones, in order",
                   all(math.isclose(got[n], want[n], rel_tol=1e-9) for n in want),
@@ -805,6 +809,8 @@ async def vllm_ipc_baseline(
         IPCWeightTransferEngine,
     )
 
+    name = "model.embed_tokens.weight"
+    want = _sum(tensors[name])  # before the engine takes its share of the memory
     async with VLLMEngine.launch(
         folder, name="vllm-ipc", load_format="dummy",
         weight_transfer_config=WeightTransferConfig(backend="ipc"),
@@ -842,9 +848,8 @@ async def vllm_ipc_baseline(
                 res.record(s, f"{label} failed", repr(exc)[:500])
                 log(f"  {label} failed: {exc!r}"[:400])
         (digest,) = await engine.collective_rpc("asyncroll_weight_digest")
-        name = "model.embed_tokens.weight"
         res.check(s, "vLLM ipc: engine serves the pushed tensors",
-                  math.isclose(dict(digest)[name], _sum(tensors[name]), rel_tol=1e-9))
+                  math.isclose(dict(digest)[name], want, rel_tol=1e-9))
     return results
 
 
@@ -977,6 +982,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--finish-rpc", action="store_true",
                         help="push: the workers finish an update in an RPC of its own (the"
                              " order before 2026-11-28), for an A/B against the default")
+    parser.add_argument("--skip-baseline", action="store_true",
+                        help="push: no vLLM ipc baseline (an A/B of our own paths)")
     parser.add_argument("--only-one-copy", action="store_true",
                         help="push: only the one-copy variant, no baselines (a quick A/B of"
                              " two trees on one machine; the limit is still measured)")
@@ -998,6 +1005,10 @@ async def main(args: argparse.Namespace) -> int:
     res.record("env", "event loop", args.loop)
     if args.sender_first:
         SenderChannel._receivers_first = False
+    if args.skip_baseline:
+        global SKIP_BASELINE
+        SKIP_BASELINE = True
+    res.record("env", "ASYNCROLL_FUSE_BYTES", os.environ.get("ASYNCROLL_FUSE_BYTES", "default"))
     if args.finish_rpc:
         global FINISH_RPC
         FINISH_RPC = True

@@ -20,6 +20,7 @@
 #   bash bench/gpu_session.sh eleventh  # 1 GPU: the 7B LoRA push and rollout, 8 revisions held
 #   bash bench/gpu_session.sh twelfth   # 1 GPU: the demo with --lora-rank; tests/test_lora.py
 #   bash bench/gpu_session.sh thirteenth # 1 GPU: the Qwen3-30B-A3B push; tests/test_moe.py
+#   bash bench/gpu_session.sh fourteenth # 1 GPU: copies fused up to 16 MiB against 1 MiB (30B-A3B, 7B)
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -221,6 +222,21 @@ phase_thirteenth() {  # 1 GPU: issue 44's mixture of experts: the Qwen3-30B-A3B 
     --out "$W/results/moe"
   run pytest-moe 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "gpu_memory_utilization": 0.3}' \
     python3 -m pytest -q -p no:cacheprovider tests/test_moe.py
+}
+
+phase_fourteenth() {  # 1 GPU: small copies fused up to 16 MiB against 1 MiB (the old value),
+  # same run: the 30B-A3B push (one-copy and staged), then the 7B one-copy push
+  for fuse in 1048576 16777216; do
+    mkdir -p "$W/results/fuse-$fuse"
+    run push-30b-a3b-fuse-$fuse 0 env ASYNCROLL_FUSE_BYTES=$fuse python3 bench/gpu_e2e.py \
+      --sections push --sizes qwen3-30b-a3b --repeats 3 --verify-pairs 8 --skip-baseline \
+      --out "$W/results/fuse-$fuse"
+  done
+  for fuse in 1048576 16777216; do
+    mkdir -p "$W/results/fuse-7b-$fuse"
+    run push-7b-fuse-$fuse 0 env ASYNCROLL_FUSE_BYTES=$fuse python3 bench/gpu_e2e.py \
+      --sections push --sizes 7b --repeats 5 --only-one-copy --out "$W/results/fuse-7b-$fuse"
+  done
 }
 
 for phase in "$@"; do

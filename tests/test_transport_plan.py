@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 
 import pytest
@@ -13,6 +14,7 @@ from asyncroll.transport.packing import (
     SpanAssembler,
     bucket_spans,
     copy_many,
+    fused_slots,
     pack_bucket,
     run_copies,
     slot_view,
@@ -288,6 +290,32 @@ def test_bucket_spans_copy_what_pack_bucket_packs() -> None:
         for dst, src, nbytes in spans:
             ctypes.memmove(dst, src, nbytes)
         assert torch.equal(packed, copied), bucket.index
+
+
+def test_the_small_slots_fused_and_the_rest_as_spans_pack_the_whole_bucket() -> None:
+    """The CUDA sender's split (``fused_slots``): the slots of at most ``FUSE_BYTES`` in one
+    fused ``pack_bucket``, the rest as address ranges; together they write every byte that
+    ``pack_bucket`` writes, and each slot is in exactly one of the two."""
+    big = FUSE_BYTES // 4 + 1  # float32 elements
+    tensors = {"a": torch.arange(3.0), "big": torch.rand(big), "b": torch.rand(5, 2),
+               "c": torch.full((7,), 2.0)}
+    (bucket,) = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()],
+                             bucket_bytes=FUSE_BYTES + (1 << 16))
+    one_by_one, fused = fused_slots(bucket)
+    assert fused is not None
+    assert [s.name for s in one_by_one.slots] == ["big"]
+    assert sorted(s.name for s in fused.slots) == ["a", "b", "c"]
+    packed = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    split = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pack_bucket(bucket, packed, tensors)
+    spans = bucket_spans(one_by_one, split, tensors)
+    assert spans is not None and len(spans) == 1
+    for dst, src, nbytes in spans:
+        ctypes.memmove(dst, src, nbytes)
+    pack_bucket(fused, split, tensors)
+    assert torch.equal(packed, split)
+    alone, nothing = fused_slots(dataclasses.replace(bucket, slots=bucket.slots[:1]))
+    assert nothing is None and alone.slots == bucket.slots[:1]
 
 
 def test_bucket_spans_leave_to_pack_bucket_what_needs_torch() -> None:

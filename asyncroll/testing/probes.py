@@ -130,6 +130,10 @@ class ProbingExtension(AsyncrollWorkerExtension):
 
 def position_checksum(tensor: torch.Tensor) -> float:
     """``sum(x[i] * (1 + i / n))`` over the flattened tensor, in float64."""
-    flat = tensor.detach().reshape(-1).double()
-    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
-    return float((flat * (1 + weights / max(flat.numel(), 1))).sum())
+    flat = tensor.detach().reshape(-1)
+    total, step, n = torch.zeros((), dtype=torch.float64, device=flat.device), 1 << 24, flat.numel()
+    for start in range(0, n, step):  # in slices: a float64 copy of an expert stack is GiBs
+        part = flat[start:start + step].double()
+        weights = torch.arange(start, start + part.numel(), dtype=torch.float64, device=flat.device)
+        total += (part * (1 + weights / n)).sum()
+    return float(total)

@@ -7,6 +7,8 @@ pieces for spanning groups (``SpanAssembler``).
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -21,6 +23,7 @@ __all__ = [
     "SpanAssembler",
     "bucket_spans",
     "copy_many",
+    "fused_slots",
     "dtype_by_name",
     "pack_bucket",
     "run_copies",
@@ -33,9 +36,14 @@ _DTYPES: Final = {
 }
 
 
-FUSE_BYTES: Final = 1 << 20
+FUSE_BYTES: Final = int(os.environ.get("ASYNCROLL_FUSE_BYTES", 16 << 20))
 """Copies of at most this many bytes, between destinations known not to overlap, go in one
-fused launch (``split_copies``)."""
+fused launch (``split_copies``, ``fused_slots``). A ``copy_`` costs 10-14 us of host time (an
+H100 machine), in which an H200 copies about 25 MB: below that a copy is bound by its launch,
+and a mixture of experts is tens of thousands of such copies (the 30B-A3B: 18,867 tensors of
+3 MiB, 165 ms of launches a push at 1 MiB, 2026-11-29). Fused, they run at about 80% of a
+memcpy's rate (``_foreach_copy_``'s kernel), so the bigger ones keep their own copy.
+``ASYNCROLL_FUSE_BYTES`` sets it for a benchmark's A/B (read at import, in every process)."""
 
 CopySplit = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 """(destinations, sources) copied one ``copy_`` each, in order; then (destinations, sources)
@@ -170,6 +178,18 @@ _PLAIN: Final = (torch.Tensor, torch.nn.Parameter)
 
 Span = tuple[int, int, int]
 """One copy as addresses: (destination, source, bytes)."""
+
+
+def fused_slots(bucket: Bucket) -> tuple[Bucket, Bucket | None]:
+    """``bucket`` split into the slots to copy one by one and those (of at most ``FUSE_BYTES``,
+    whole tensors, two or more) to copy in one fused launch (``pack_bucket``); None for the
+    second where there is nothing to fuse."""
+    small = [s for s in bucket.slots if 0 < s.nbytes <= FUSE_BYTES and not s.spanning]
+    if len(small) < 2:
+        return bucket, None
+    ids = {id(s) for s in small}
+    rest = tuple(s for s in bucket.slots if id(s) not in ids)
+    return dataclasses.replace(bucket, slots=rest), dataclasses.replace(bucket, slots=tuple(small))
 
 
 def bucket_spans(

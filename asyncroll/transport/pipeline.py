@@ -45,7 +45,7 @@ from asyncroll.transport import wire
 from asyncroll.transport.aio import shielded
 from asyncroll.transport.backends import Backend, CudaIpcBackend
 from asyncroll.transport.lazy import LazyTensor, Makes
-from asyncroll.transport.packing import bucket_spans, dtype_name, pack_bucket
+from asyncroll.transport.packing import bucket_spans, dtype_name, fused_slots, pack_bucket
 from asyncroll.transport.peers import ControlPlane, Peer
 from asyncroll.transport.plan import Bucket
 from asyncroll.transport.pushes import Fingerprint, Pushes, PushState
@@ -353,10 +353,16 @@ class PushPipeline:
             state.made[index].extend(sources.values())
             self._backend.mark_sources_ready()  # the copies wait for the making (a gather)
         buffer = self._staging.buffers[index].tensor
-        spans = bucket_spans(bucket, buffer, sources) if self._raw_copies else None
+        # The big copies as driver calls, the small ones in one fused launch beside them (on
+        # the same stream), or all through pack_bucket where a source needs torch.
+        one_by_one, fused = fused_slots(bucket) if self._raw_copies else (bucket, None)
+        spans = bucket_spans(one_by_one, buffer, sources) if self._raw_copies else None
         if spans is None or not self._backend.queue_spans(spans):
             with _packing(), self._backend.copy_context():
                 pack_bucket(bucket, buffer, sources, self._staging.views[index])
+        elif fused is not None:
+            with _packing(), self._backend.copy_context():
+                pack_bucket(fused, buffer, sources, self._staging.views[index])
         if made and state.fingerprint is not None:
             made = {n: t for n, t in made.items() if n not in state.pieces}  # not whole ones
             dtypes = {slot.name: slot.dtype for slot in bucket.slots if slot.name in made}

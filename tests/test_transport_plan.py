@@ -9,11 +9,14 @@ import itertools
 import pytest
 import torch
 
+from asyncroll.transport import packing
 from asyncroll.transport.packing import (
     FUSE_BYTES,
+    LAUNCH_BOUND_BYTES,
     SpanAssembler,
     bucket_spans,
     copy_many,
+    fuse_limit,
     fused_slots,
     pack_bucket,
     run_copies,
@@ -222,9 +225,12 @@ def test_pack_and_unpack_in_memory_is_bit_exact() -> None:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
-def test_disjoint_copies_fuse_the_small_ones_and_copy_every_byte() -> None:
+def test_disjoint_copies_fuse_the_small_ones_and_copy_every_byte(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Small copies (same dtype) between disjoint destinations go in one fused launch after
     the big ones; a cast, a lone small copy and the big ones stay ``copy_``; every byte lands."""
+    monkeypatch.setattr(packing, "LAUNCH_BOUND_BYTES", FUSE_BYTES)  # a batch of few copies
     big = FUSE_BYTES // 4 + 1  # float32 elements: just over the limit
     dsts = [torch.zeros(big), torch.zeros(3), torch.zeros(5), torch.zeros(4, dtype=torch.bfloat16)]
     srcs = [torch.randn(big), torch.randn(3), torch.randn(5), torch.randn(4)]  # the last casts
@@ -249,10 +255,13 @@ def test_copies_that_may_overlap_keep_their_order() -> None:
     assert dst.tolist() == [2.0, 2.0, 1.0, 1.0]
 
 
-def test_copies_that_continue_each_other_coalesce_and_the_rest_do_not() -> None:
+def test_copies_that_continue_each_other_coalesce_and_the_rest_do_not(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With ``coalesce``, two big copies whose destinations and sources both lie end to end
     in one storage become one copy; a strided source, and a broadcast (a source smaller than
     its destination, which would read past itself if merged), stay apart; every byte lands."""
+    monkeypatch.setattr(packing, "LAUNCH_BOUND_BYTES", FUSE_BYTES)  # a batch of few copies
     half = FUSE_BYTES // 4 + 1  # float32 elements: each copy too big to fuse
     dst, src = torch.zeros(2 * half), torch.randn(2 * half)
     merged = split_copies([dst[:half], dst[half:]], [src[:half], src[half:]],
@@ -293,14 +302,16 @@ def test_bucket_spans_copy_what_pack_bucket_packs() -> None:
 
 
 def test_the_small_slots_fused_and_the_rest_as_spans_pack_the_whole_bucket() -> None:
-    """The CUDA sender's split (``fused_slots``): the slots of at most ``FUSE_BYTES`` in one
-    fused ``pack_bucket``, the rest as address ranges; together they write every byte that
-    ``pack_bucket`` writes, and each slot is in exactly one of the two."""
-    big = FUSE_BYTES // 4 + 1  # float32 elements
+    """The CUDA sender's split (``fused_slots``) of a bucket bound by its launches (its slots
+    average less than ``LAUNCH_BOUND_BYTES``): the slots of at most that in one fused
+    ``pack_bucket``, the rest as address ranges; together they write every byte that
+    ``pack_bucket`` writes, and each slot is in exactly one of the two. A bucket of big slots
+    is all address ranges."""
+    big = LAUNCH_BOUND_BYTES // 4 + 1  # float32 elements
     tensors = {"a": torch.arange(3.0), "big": torch.rand(big), "b": torch.rand(5, 2),
                "c": torch.full((7,), 2.0)}
     (bucket,) = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()],
-                             bucket_bytes=FUSE_BYTES + (1 << 16))
+                             bucket_bytes=LAUNCH_BOUND_BYTES + (1 << 16))
     one_by_one, fused = fused_slots(bucket)
     assert fused is not None
     assert [s.name for s in one_by_one.slots] == ["big"]
@@ -314,8 +325,24 @@ def test_the_small_slots_fused_and_the_rest_as_spans_pack_the_whole_bucket() -> 
         ctypes.memmove(dst, src, nbytes)
     pack_bucket(fused, split, tensors)
     assert torch.equal(packed, split)
-    alone, nothing = fused_slots(dataclasses.replace(bucket, slots=bucket.slots[:1]))
-    assert nothing is None and alone.slots == bucket.slots[:1]
+    for slots in (bucket.slots[:1], tuple(s for s in bucket.slots if s.name in ("big", "a"))):
+        alone, nothing = fused_slots(dataclasses.replace(bucket, slots=slots))
+        assert nothing is None and alone.slots == slots  # one slot; big on average
+
+
+def test_a_batch_of_copies_bound_by_its_launches_fuses_them_up_to_its_limit() -> None:
+    """Copies averaging less than ``LAUNCH_BOUND_BYTES`` (a mixture's experts) fuse up to it;
+    a batch of big copies fuses only those of at most ``FUSE_BYTES`` (norms, biases)."""
+    mib = 1 << 20
+    assert fuse_limit([3 * mib] * 1000 + [400 * mib]) == LAUNCH_BOUND_BYTES
+    assert fuse_limit([40 * mib] * 300 + [4096] * 100) == FUSE_BYTES
+    assert fuse_limit([]) == FUSE_BYTES
+    dsts = [torch.empty(FUSE_BYTES // 4 + 1) for _ in range(3)]  # each just over FUSE_BYTES
+    srcs = [torch.rand(d.numel()) for d in dsts]
+    assert len(split_copies(dsts, srcs, disjoint=True)[2]) == 3  # launch-bound: fused
+    big = [torch.empty(LAUNCH_BOUND_BYTES), torch.empty(LAUNCH_BOUND_BYTES)]  # float32: 4x
+    assert split_copies(dsts + big, srcs + [torch.rand(b.numel()) for b in big],
+                        disjoint=True)[2] == []
 
 
 def test_bucket_spans_leave_to_pack_bucket_what_needs_torch() -> None:

@@ -18,11 +18,13 @@ from asyncroll.transport.plan import Bucket, Slot, align
 
 __all__ = [
     "FUSE_BYTES",
+    "LAUNCH_BOUND_BYTES",
     "CopySplit",
     "Span",
     "SpanAssembler",
     "bucket_spans",
     "copy_many",
+    "fuse_limit",
     "fused_slots",
     "dtype_by_name",
     "pack_bucket",
@@ -36,14 +38,29 @@ _DTYPES: Final = {
 }
 
 
-FUSE_BYTES: Final = int(os.environ.get("ASYNCROLL_FUSE_BYTES", 16 << 20))
+FUSE_BYTES: Final = 1 << 20
 """Copies of at most this many bytes, between destinations known not to overlap, go in one
-fused launch (``split_copies``, ``fused_slots``). A ``copy_`` costs 10-14 us of host time (an
-H100 machine), in which an H200 copies about 25 MB: below that a copy is bound by its launch,
-and a mixture of experts is tens of thousands of such copies (the 30B-A3B: 18,867 tensors of
-3 MiB, 165 ms of launches a push at 1 MiB, 2026-11-29). Fused, they run at about 80% of a
-memcpy's rate (``_foreach_copy_``'s kernel), so the bigger ones keep their own copy.
-``ASYNCROLL_FUSE_BYTES`` sets it for a benchmark's A/B (read at import, in every process)."""
+fused launch (``split_copies``): a 7B model's norms and biases."""
+
+LAUNCH_BOUND_BYTES: Final = int(os.environ.get("ASYNCROLL_FUSE_BYTES", 16 << 20))
+"""Where a batch's copies average less than this, every copy up to it is fused too
+(``split_copies``, ``fused_slots``). A ``copy_`` costs 10-14 us of host time (an H100 machine),
+in which an H200 copies about 25 MB: such a batch is bound by its launches, not by the device.
+A mixture of experts is that (the 30B-A3B: 18,867 tensors of 3 MiB, a one-copy push 297 ms
+with 1 MiB, 134 ms with this, 2026-11-29 on an H200). Fused copies run at about 80% of a
+memcpy's rate (``_foreach_copy_``'s kernel): a batch of big copies (a dense 7B's average 44 MB)
+is bound by the device, and keeps them separate. ``ASYNCROLL_FUSE_BYTES`` sets it for a
+benchmark's A/B (read at import, in every process; 1 MiB: as before 2026-11-29)."""
+
+
+def fuse_limit(sizes: Sequence[int]) -> int:
+    """The largest copy to fuse in a batch of copies of ``sizes`` bytes: ``FUSE_BYTES``, or
+    ``LAUNCH_BOUND_BYTES`` where the batch is bound by its launches (the average copy below
+    it)."""
+    if sizes and sum(sizes) < LAUNCH_BOUND_BYTES * len(sizes):
+        return max(LAUNCH_BOUND_BYTES, FUSE_BYTES)
+    return FUSE_BYTES
+
 
 CopySplit = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 """(destinations, sources) copied one ``copy_`` each, in order; then (destinations, sources)
@@ -58,8 +75,9 @@ def split_copies(
     coalesce: bool = False,
 ) -> CopySplit:
     """Sort copies for ``run_copies``: with ``disjoint`` destinations (order does not matter),
-    the small ones (at most ``FUSE_BYTES``, same dtype and device on both sides) go last, in
-    one fused launch: a 7B model's ~170 norms and biases cost one launch instead of one each.
+    the small ones (at most ``fuse_limit``, same dtype and device on both sides) go last, in
+    one fused launch: a 7B model's ~170 norms and biases cost one launch instead of one each,
+    a mixture's thousands of experts one launch instead of thousands.
     Otherwise every copy is a ``copy_``, in order.
 
     ``coalesce`` (with ``disjoint``): first merge each run of consecutive copies whose
@@ -75,11 +93,12 @@ def split_copies(
     if coalesce:
         dsts, srcs = _coalesced(dsts, srcs)
     split: CopySplit = ([], [], [], [])
+    limit = fuse_limit([dst.numel() * dst.element_size() for dst in dsts])
     for dst, src in zip(dsts, srcs, strict=True):
         small = (
             dst.dtype == src.dtype
             and dst.device == src.device
-            and dst.numel() * dst.element_size() <= FUSE_BYTES
+            and dst.numel() * dst.element_size() <= limit
         )
         split[2 if small else 0].append(dst)
         split[3 if small else 1].append(src)
@@ -181,10 +200,14 @@ Span = tuple[int, int, int]
 
 
 def fused_slots(bucket: Bucket) -> tuple[Bucket, Bucket | None]:
-    """``bucket`` split into the slots to copy one by one and those (of at most ``FUSE_BYTES``,
-    whole tensors, two or more) to copy in one fused launch (``pack_bucket``); None for the
-    second where there is nothing to fuse."""
-    small = [s for s in bucket.slots if 0 < s.nbytes <= FUSE_BYTES and not s.spanning]
+    """``bucket`` split into the slots to copy one by one (as the driver's copies: about 1 us
+    of host time each) and, where the bucket is bound by its launches (``fuse_limit``), those of
+    at most ``LAUNCH_BOUND_BYTES`` (whole tensors, two or more) to copy in one fused launch
+    (``pack_bucket``); None for the second where there is nothing to fuse."""
+    limit = fuse_limit([s.nbytes for s in bucket.slots if s.nbytes])
+    if limit == FUSE_BYTES:
+        return bucket, None
+    small = [s for s in bucket.slots if 0 < s.nbytes <= limit and not s.spanning]
     if len(small) < 2:
         return bucket, None
     ids = {id(s) for s in small}

@@ -45,6 +45,7 @@ from asyncroll.errors import (
     UnchangedWeightsWarning,
     WeightSyncError,
 )
+from asyncroll.experts import FUSED_EXPERTS, unfused_experts
 from asyncroll.fingerprints import Fingerprinter, fingerprints
 from asyncroll.interfaces import (
     INFLIGHT_MODES,
@@ -159,7 +160,7 @@ class VersionedUpdater:
         """
         global_steps = check_global_steps(global_steps)
         mode = check_resume_mode(mode)
-        tensors = materialize(named_tensors)
+        tensors = self._channel.checkpoint_named(materialize(named_tensors))
         if changed and any(isinstance(t, LazyTensor | Piece) for t in tensors.values()):
             raise InvalidRequestError(
                 "changed=True compares fingerprints taken before the pause: whole tensors only,"
@@ -388,6 +389,22 @@ class SenderChannel:
     def fingerprints(self) -> Mapping[str, bytes] | None:
         """The fingerprints ``check`` took of the last update (None: it took none)."""
         return self._fingerprints
+
+    def checkpoint_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A transformers-5 mixture's fused experts as one view per expert and projection,
+        where the engines' checkpoints name them so (``asyncroll.experts``)."""
+        if not any(name.endswith(FUSED_EXPERTS) for name in tensors):
+            return tensors
+        known: set[str] = set()
+        for engine in self._engines:
+            if engine.is_dead:
+                continue
+            if engine.model_path not in self._schemas:
+                self._schemas[engine.model_path] = read_checkpoint_schema(engine.model_path)
+            schema = self._schemas[engine.model_path]
+            if schema is not None:
+                known.update(schema.tensors)
+        return unfused_experts(tensors, known) if known else tensors
 
     async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Names, shapes, dtypes and finite values, against every engine's checkpoint (in a

@@ -21,6 +21,7 @@ from engine_helpers import ENGINE_ARGS, greedy, load_weights
 
 from asyncroll import VLLMEngine, WeightPusher, WeightSyncError
 from asyncroll.testing import make_tiny_model
+from asyncroll.testing.tiny_model import tiny_module
 
 pytestmark = pytest.mark.engine
 
@@ -101,6 +102,34 @@ async def test_pushes_into_experts_are_token_exact(
         assert await greedy(engine, f"{family}-0-again") == on_0
         await pusher.update(weights_1, global_steps=next(steps))
     assert await greedy(engine, f"{family}-1-again") == fresh
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_a_transformers_state_dict_with_fused_experts_pushes_as_the_checkpoint(
+    family: str,
+    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
+    moe_models: dict[tuple[str, int], Path],
+) -> None:
+    """transformers 5 fuses a mixture's experts in memory (``mlp.experts.gate_up_proj``):
+    its ``state_dict`` pushed as it is serves what seed 0's checkpoint serves, token for token
+    (``asyncroll.experts``: views under the checkpoint's names, on every vLLM)."""
+    engine, fresh = moe_engines[family]
+    state = {n: t.detach().to(torch.bfloat16) for n, t in
+             tiny_module(seed=0, family=family).state_dict().items()}
+    if family == "mixtral":  # the router's name, which the checkpoint keeps elsewhere
+        state = {n.replace(".mlp.gate.", ".block_sparse_moe.gate."): t for n, t in state.items()}
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    steps = itertools.count((engine.global_steps or 0) + 1)
+    async with aclosing(WeightPusher([engine])) as pusher:
+        await pusher.update(load_weights(moe_models[family, 0]), global_steps=next(steps))
+        on_0 = await greedy(engine, f"{family}-checkpoint-0")
+        await pusher.update(load_weights(moe_models[family, 1]), global_steps=next(steps))
+        report = await pusher.update(state, global_steps=next(steps))
+        assert report.deliveries[engine.name].tensors == _tensor_parallel(family) * (
+            len(state) - 2 * 2 + 2 * 8 * 3)  # each layer's 2 fused tensors: 8 experts x 3
+        assert await greedy(engine, f"{family}-fused-0") == on_0
+        await pusher.update(load_weights(moe_models[family, 1]), global_steps=next(steps))
+    assert await greedy(engine, f"{family}-fused-undone") == fresh
 
 
 async def test_one_expert_pushed_alone_lands_as_in_a_whole_push(

@@ -510,6 +510,9 @@ class FakeChannel:
         self.is_holding = False
         self.closed = False
 
+    def checkpoint_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return tensors  # a fake engine has no checkpoint
+
     async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         if self.closed:
             raise WeightSyncError("the FakeWeightUpdater is closed")

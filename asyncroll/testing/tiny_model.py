@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncroll.errors import InvalidRequestError
+from asyncroll.experts import split_experts
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -124,17 +125,8 @@ def make_tiny_model(
         The folder, ready for ``VLLMEngine.launch(path, skip_tokenizer_init=True)``; its
         tokenizer loads with ``transformers.AutoTokenizer.from_pretrained(path)``.
     """
-    experts: dict[str, Any] = {}
-    if family == "qwen3_moe":
-        experts = dict(TINY_MOE)
-    elif family == "mixtral":
-        experts = {"num_local_experts": TINY_MOE["num_experts"],
-                   "num_experts_per_tok": TINY_MOE["num_experts_per_tok"]}
-        if intermediate_size == TINY_CONFIG["intermediate_size"]:
-            intermediate_size = TINY_MOE["moe_intermediate_size"]
-    config = _config(
+    config = _tiny_config(
         family,
-        **experts,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -142,15 +134,9 @@ def make_tiny_model(
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
         initializer_range=init_std,
     )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = _model_class(family)(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
+    model = _seeded_module(config, family, seed)
     tensors = {
         name: tensor.detach().to(torch.bfloat16).contiguous()
         for fused, value in sorted(model.state_dict().items())
@@ -159,6 +145,44 @@ def make_tiny_model(
     out = _write_checkpoint(path, config, tensors, family)
     _write_tokenizer(out, vocab_size=vocab_size, max_len=max_position_embeddings)
     return out
+
+
+def tiny_module(*, seed: int = 0, family: Family = "qwen2") -> torch.nn.Module:
+    """The transformers model whose weights ``make_tiny_model(path, seed=seed, family=family)``
+    writes (its default sizes; float32): what a trainer on transformers holds. Its
+    ``state_dict`` names a mixture's experts as transformers 5 does, fused."""
+    config = _tiny_config(
+        family, vocab_size=TINY_CONFIG["vocab_size"], hidden_size=TINY_CONFIG["hidden_size"],
+        intermediate_size=TINY_CONFIG["intermediate_size"],
+        num_hidden_layers=TINY_CONFIG["num_hidden_layers"],
+        num_attention_heads=TINY_CONFIG["num_attention_heads"],
+        num_key_value_heads=TINY_CONFIG["num_key_value_heads"],
+        max_position_embeddings=TINY_CONFIG["max_position_embeddings"], initializer_range=0.02,
+    )
+    return _seeded_module(config, family, seed)
+
+
+def _tiny_config(family: Family, *, intermediate_size: int, **fields: Any) -> Any:
+    """``make_tiny_model``'s config: ``fields`` and, for a mixture, ``TINY_MOE``'s experts."""
+    experts: dict[str, Any] = {}
+    if family == "qwen3_moe":
+        experts = dict(TINY_MOE)
+    elif family == "mixtral":
+        experts = {"num_local_experts": TINY_MOE["num_experts"],
+                   "num_experts_per_tok": TINY_MOE["num_experts_per_tok"]}
+        if intermediate_size == TINY_CONFIG["intermediate_size"]:
+            intermediate_size = TINY_MOE["moe_intermediate_size"]
+    return _config(family, **experts, **fields, intermediate_size=intermediate_size,
+                   tie_word_embeddings=False)
+
+
+def _seeded_module(config: Any, family: Family, seed: int) -> torch.nn.Module:
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        return _model_class(family)(config)  # type: ignore[no-any-return]
+    finally:
+        torch.random.set_rng_state(generator_state)
 
 
 def make_model(
@@ -275,17 +299,9 @@ def _checkpoint_tensors(
     prefix, _, leaf = name.rpartition(".experts.")
     if not prefix or leaf not in ("gate_up_proj", "down_proj"):
         return [(name, tensor)]
-    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj",
-                                                                         "down_proj")
-    out = []
-    for expert in range(tensor.shape[0]):
-        block = f"{prefix}.experts.{expert}"
-        if leaf == "down_proj":
-            out.append((f"{block}.{down}.weight", tensor[expert]))
-        else:
-            first, second = tensor[expert].chunk(2, dim=0)
-            out += [(f"{block}.{gate}.weight", first), (f"{block}.{up}.weight", second)]
-    return out
+    projections = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj",
+                                                                     "down_proj")
+    return split_experts(f"{prefix}.experts", leaf, tensor, projections)
 
 
 def _write_checkpoint(

@@ -1,0 +1,54 @@
+"""``asyncroll.experts``: a transformers-5 mixture's fused experts under the checkpoint's names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from asyncroll.experts import unfused_experts
+from asyncroll.testing.tiny_model import MOE_FAMILIES, make_tiny_model, tiny_module
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_fused_experts_become_the_checkpoints_tensors_as_views(
+    tmp_path: Path, family: str
+) -> None:
+    """The state_dict of the transformers model ``make_tiny_model`` writes, unfused against
+    the checkpoint's names, is the checkpoint, tensor for tensor; each expert a view of its
+    fused tensor, not a copy."""
+    checkpoint = load_file(str(make_tiny_model(tmp_path, seed=2, family=family) /
+                               "model.safetensors"))
+    state = {n: t.detach().to(torch.bfloat16) for n, t in
+             tiny_module(seed=2, family=family).state_dict().items()}
+    if family == "mixtral":  # its router, too, is under block_sparse_moe in checkpoints
+        state = {n.replace(".mlp.gate.", ".block_sparse_moe.gate."): t for n, t in state.items()}
+    assert any(n.endswith("experts.gate_up_proj") for n in state)
+    unfused = unfused_experts(state, set(checkpoint))
+    assert set(unfused) == set(checkpoint)
+    assert all(torch.equal(unfused[n], checkpoint[n]) for n in checkpoint)
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    up = "w3" if family == "mixtral" else "up_proj"
+    fused = state["model.layers.1.mlp.experts.gate_up_proj"]
+    view = unfused[f"model.layers.1.{moe}.experts.5.{up}.weight"]
+    assert view.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert view.is_contiguous()
+
+
+def test_names_the_checkpoint_lacks_and_other_tensors_stay_as_they_are() -> None:
+    fused = torch.zeros(4, 6, 3)
+    flat = torch.zeros(6, 3)
+    tensors = {"model.layers.0.mlp.experts.gate_up_proj": fused,
+               "model.layers.0.mlp.experts.down_proj": flat,  # not 3-dimensional
+               "model.norm.weight": torch.ones(3)}
+    assert unfused_experts(tensors, {"model.norm.weight"}) == tensors  # no per-expert names
+    known = {"model.layers.0.mlp.experts.0.gate_proj.weight"}
+    out = unfused_experts(tensors, known)
+    assert out["model.layers.0.mlp.experts.down_proj"] is flat
+    assert [n for n in out if ".experts.3." in n] == [
+        "model.layers.0.mlp.experts.3.gate_proj.weight",
+        "model.layers.0.mlp.experts.3.up_proj.weight",
+    ]
+    assert out["model.layers.0.mlp.experts.3.up_proj.weight"].shape == (3, 3)

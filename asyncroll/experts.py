@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from asyncroll.errors import InvalidRequestError
+
 __all__ = ["FUSED_EXPERTS", "split_experts", "unfused_experts"]
 
 FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
@@ -35,24 +37,52 @@ _LAYOUTS = (
 
 
 def unfused_experts(tensors: Mapping[str, Any], known: Collection[str]) -> dict[str, Any]:
-    """``tensors`` with every fused expert tensor (a 3-dimensional ``torch.Tensor`` under a
+    """``tensors`` with every fused expert tensor (a 3-dimensional tensor under a
     transformers-5 name) replaced by one view per expert and projection, named as in ``known``
-    (the checkpoint's names). A fused name whose per-expert names ``known`` lacks, or that is
-    not a plain 3-dimensional tensor, stays as it is (the update's checks then name it)."""
+    (the checkpoint's names); a Mixtral router under transformers 5's ``mlp.gate`` goes under
+    the checkpoint's ``block_sparse_moe.gate``. A fused name whose per-expert names ``known``
+    lacks, or that is not 3-dimensional, stays as it is (the update's checks then name it).
+
+    Raises:
+        InvalidRequestError: a fused tensor that is not a whole local tensor (a lazy one, a
+            piece, a DTensor: push those per expert), or a name given twice (fused, and per
+            expert too).
+    """
     out: dict[str, Any] = {}
+    routers: dict[str, str] = {}
     for name, tensor in tensors.items():
         match = _FUSED.match(name)
         layout = _layout(match["prefix"], known) if match is not None else None
-        if layout is None or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or (
-            tensor.dim() != 3
-        ):
-            out[name] = tensor
+        if layout is None or getattr(tensor, "dim", lambda: 3)() != 3:
+            _put(out, name, tensor)
             continue
         assert match is not None
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            raise InvalidRequestError(
+                f"{name!r}: fused experts are split into the checkpoint's per-expert tensors"
+                f" here, which needs a whole local tensor, not a {type(tensor).__name__}: push"
+                " them per expert"
+            )
         container, *projections = layout
         block = f"{match['prefix']}.{container}.experts"
-        out.update(split_experts(block, match["which"], tensor, tuple(projections)))
+        for part, view in split_experts(block, match["which"], tensor, tuple(projections)):
+            _put(out, part, view)
+        if container == "block_sparse_moe":
+            routers[f"{match['prefix']}.mlp.gate.weight"] = (
+                f"{match['prefix']}.block_sparse_moe.gate.weight"
+            )
+    for fused_name, name in routers.items():
+        if fused_name in out and fused_name not in known and name in known:
+            _put(out, name, out.pop(fused_name))
     return out
+
+
+def _put(out: dict[str, Any], name: str, tensor: Any) -> None:
+    if name in out:
+        raise InvalidRequestError(
+            f"{name!r} is given twice (fused experts and the same expert by name?)"
+        )
+    out[name] = tensor
 
 
 def split_experts(

@@ -227,10 +227,6 @@ class ReceivingEngine(UpdatableEngine, Protocol):
 class WeightChannel(Protocol):
     """What moves the bytes of an update (the update sequence does everything else)."""
 
-    def checkpoint_named(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` under the names the engines' checkpoints give them, where a trainer's
-        names differ (``asyncroll.experts``: fused experts); ``tensors`` itself otherwise."""
-
     async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refuse a bad update before anything pauses (``InvalidRequestError``)."""
 

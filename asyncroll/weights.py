@@ -160,7 +160,13 @@ class VersionedUpdater:
         """
         global_steps = check_global_steps(global_steps)
         mode = check_resume_mode(mode)
-        tensors = self._channel.checkpoint_named(materialize(named_tensors))
+        tensors = materialize(named_tensors)
+        # A channel may also rename a trainer's tensors as the engines' checkpoints name them
+        # (``SenderChannel.checkpoint_named``: fused experts); optional, so that a channel of
+        # one's own (``WeightChannel``) needs nothing more.
+        checkpoint_named = getattr(self._channel, "checkpoint_named", None)
+        if checkpoint_named is not None:
+            tensors = checkpoint_named(tensors)
         if changed and any(isinstance(t, LazyTensor | Piece) for t in tensors.values()):
             raise InvalidRequestError(
                 "changed=True compares fingerprints taken before the pause: whole tensors only,"

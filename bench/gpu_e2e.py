@@ -76,8 +76,9 @@ from asyncroll.weights import SenderChannel
 
 GiB = 1 << 30
 FINISH_RPC = False
-SKIP_BASELINE = False
 """--finish-rpc: the workers finish an update in an RPC of its own (the A/B of 2026-11-28)."""
+SKIP_BASELINE = False
+"""``--skip-baseline``: no vLLM ipc baseline in the push section."""
 SMALL = {  # GPU-friendly tiny model: head size 64, bf16
     "vocab_size": 2048,
     "hidden_size": 256,
@@ -425,7 +426,6 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                          pairs: int = 40, only_one_copy: bool = False) -> None:
     s = f"push {size}"
     shape = SHAPES.get(size) or MODEL_SHAPES[size]
-    large = size not in ("0.5b", "1.5b")
     folder = write_config(work / size, shape)
     tensors = random_weights(shape)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -436,6 +436,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
                               "one-copy limit ms": round(limit_ms / 2, 2)})
     log(f"{size}: {nbytes / GiB:.2f} GiB in {len(tensors)} tensors; copy {rate:.0f} GB/s, "
         f"two-copy limit {limit_ms:.1f} ms")
+    large = nbytes > 20 * GiB  # a 30B-A3B: two variants, one baseline (minutes a push)
     util = 0.25 if size != "7b" else 0.4
     if nbytes > 20 * GiB:  # the engine's copy, its KV cache, and the trainer's beside it
         util = min(0.85, (nbytes / GiB + 12) / (torch.cuda.mem_get_info()[1] / GiB))
@@ -551,7 +552,7 @@ async def push_benchmark(res: Results, work: Path, size: str, repeats: int,
     torch.cuda.empty_cache()
     if not only_one_copy and not SKIP_BASELINE:
         results |= await vllm_ipc_baseline(res, s, folder, tensors, util, repeats, results,
-                                           variants=1 if large and size != "7b" else 3)
+                                           variants=1 if large else 3)
     ours = results.get("asyncroll direct plan 512 MiB x2") or results["asyncroll one-copy plan"]
     ours_ms = ours["update_ms"]
     # An update through vLLM's protocol makes two RPCs (the receive, the finish), one where

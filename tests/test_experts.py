@@ -8,8 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncroll.errors import InvalidRequestError
 from asyncroll.experts import unfused_experts
 from asyncroll.testing.tiny_model import MOE_FAMILIES, make_tiny_model, tiny_module
+from asyncroll.transport import LazyTensor
 
 
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
@@ -17,14 +19,12 @@ def test_fused_experts_become_the_checkpoints_tensors_as_views(
     tmp_path: Path, family: str
 ) -> None:
     """The state_dict of the transformers model ``make_tiny_model`` writes, unfused against
-    the checkpoint's names, is the checkpoint, tensor for tensor; each expert a view of its
-    fused tensor, not a copy."""
+    the checkpoint's names, is the checkpoint, tensor for tensor (Mixtral's router moved under
+    ``block_sparse_moe`` too); each expert a view of its fused tensor, not a copy."""
     checkpoint = load_file(str(make_tiny_model(tmp_path, seed=2, family=family) /
                                "model.safetensors"))
     state = {n: t.detach().to(torch.bfloat16) for n, t in
              tiny_module(seed=2, family=family).state_dict().items()}
-    if family == "mixtral":  # its router, too, is under block_sparse_moe in checkpoints
-        state = {n.replace(".mlp.gate.", ".block_sparse_moe.gate."): t for n, t in state.items()}
     assert any(n.endswith("experts.gate_up_proj") for n in state)
     unfused = unfused_experts(state, set(checkpoint))
     assert set(unfused) == set(checkpoint)
@@ -52,3 +52,15 @@ def test_names_the_checkpoint_lacks_and_other_tensors_stay_as_they_are() -> None
         "model.layers.0.mlp.experts.3.up_proj.weight",
     ]
     assert out["model.layers.0.mlp.experts.3.up_proj.weight"].shape == (3, 3)
+
+
+def test_a_fused_tensor_that_is_not_whole_and_local_or_a_name_given_twice_is_refused() -> None:
+    known = {"model.layers.0.mlp.experts.0.gate_proj.weight"}
+    fused = torch.zeros(2, 4, 3)
+    with pytest.raises(InvalidRequestError, match="given twice"):
+        unfused_experts({"model.layers.0.mlp.experts.gate_up_proj": fused,
+                         "model.layers.0.mlp.experts.1.up_proj.weight": torch.zeros(2, 3)}, known)
+    lazy = LazyTensor(shape=(2, 4, 3), dtype=torch.float32, device=torch.device("cpu"),
+                      make=lambda: fused)
+    with pytest.raises(InvalidRequestError, match=r"whole local tensor.*per expert"):
+        unfused_experts({"model.layers.0.mlp.experts.gate_up_proj": lazy}, known)

@@ -116,8 +116,6 @@ async def test_a_transformers_state_dict_with_fused_experts_pushes_as_the_checkp
     engine, fresh = moe_engines[family]
     state = {n: t.detach().to(torch.bfloat16) for n, t in
              tiny_module(seed=0, family=family).state_dict().items()}
-    if family == "mixtral":  # the router's name, which the checkpoint keeps elsewhere
-        state = {n.replace(".mlp.gate.", ".block_sparse_moe.gate."): t for n, t in state.items()}
     assert any(name.endswith("experts.gate_up_proj") for name in state)
     steps = itertools.count((engine.global_steps or 0) + 1)
     async with aclosing(WeightPusher([engine])) as pusher:

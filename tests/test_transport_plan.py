@@ -12,7 +12,6 @@ import torch
 from asyncroll.transport import packing
 from asyncroll.transport.packing import (
     FUSE_BYTES,
-    LAUNCH_BOUND_BYTES,
     SpanAssembler,
     bucket_spans,
     copy_many,
@@ -301,17 +300,21 @@ def test_bucket_spans_copy_what_pack_bucket_packs() -> None:
         assert torch.equal(packed, copied), bucket.index
 
 
-def test_the_small_slots_fused_and_the_rest_as_spans_pack_the_whole_bucket() -> None:
+def test_the_small_slots_fused_and_the_rest_as_spans_pack_the_whole_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The CUDA sender's split (``fused_slots``) of a bucket bound by its launches (its slots
     average less than ``LAUNCH_BOUND_BYTES``): the slots of at most that in one fused
     ``pack_bucket``, the rest as address ranges; together they write every byte that
     ``pack_bucket`` writes, and each slot is in exactly one of the two. A bucket of big slots
     is all address ranges."""
-    big = LAUNCH_BOUND_BYTES // 4 + 1  # float32 elements
+    monkeypatch.setattr(packing, "LAUNCH_BOUND_COPIES", 3)  # four slots, launch-bound here
+    monkeypatch.setattr(packing, "LAUNCH_BOUND_BYTES", 16 << 20)  # whatever the environment
+    big = packing.LAUNCH_BOUND_BYTES // 4 + 1  # float32 elements
     tensors = {"a": torch.arange(3.0), "big": torch.rand(big), "b": torch.rand(5, 2),
                "c": torch.full((7,), 2.0)}
     (bucket,) = plan_buckets([TensorMeta.of(n, t) for n, t in tensors.items()],
-                             bucket_bytes=LAUNCH_BOUND_BYTES + (1 << 16))
+                             bucket_bytes=packing.LAUNCH_BOUND_BYTES + (1 << 16))
     one_by_one, fused = fused_slots(bucket)
     assert fused is not None
     assert [s.name for s in one_by_one.slots] == ["big"]
@@ -330,17 +333,22 @@ def test_the_small_slots_fused_and_the_rest_as_spans_pack_the_whole_bucket() -> 
         assert nothing is None and alone.slots == slots  # one slot; big on average
 
 
-def test_a_batch_of_copies_bound_by_its_launches_fuses_them_up_to_its_limit() -> None:
-    """Copies averaging less than ``LAUNCH_BOUND_BYTES`` (a mixture's experts) fuse up to it;
-    a batch of big copies fuses only those of at most ``FUSE_BYTES`` (norms, biases)."""
+def test_a_batch_of_copies_bound_by_its_launches_fuses_them_up_to_its_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many copies averaging less than ``LAUNCH_BOUND_BYTES`` (a mixture's experts) fuse up to
+    it; a batch of big copies, or of few, fuses only those of at most ``FUSE_BYTES``."""
+    monkeypatch.setattr(packing, "LAUNCH_BOUND_BYTES", 16 << 20)  # whatever the environment
     mib = 1 << 20
-    assert fuse_limit([3 * mib] * 1000 + [400 * mib]) == LAUNCH_BOUND_BYTES
-    assert fuse_limit([40 * mib] * 300 + [4096] * 100) == FUSE_BYTES
+    assert fuse_limit([3 * mib] * 18_000 + [400 * mib]) == 16 * mib
+    assert fuse_limit([40 * mib] * 300 + [4096] * 100) == FUSE_BYTES  # a dense 7B's
+    assert fuse_limit([3 * mib] * 300) == FUSE_BYTES  # too few to be bound by launches
     assert fuse_limit([]) == FUSE_BYTES
+    monkeypatch.setattr(packing, "LAUNCH_BOUND_COPIES", 3)
     dsts = [torch.empty(FUSE_BYTES // 4 + 1) for _ in range(3)]  # each just over FUSE_BYTES
     srcs = [torch.rand(d.numel()) for d in dsts]
     assert len(split_copies(dsts, srcs, disjoint=True)[2]) == 3  # launch-bound: fused
-    big = [torch.empty(LAUNCH_BOUND_BYTES), torch.empty(LAUNCH_BOUND_BYTES)]  # float32: 4x
+    big = [torch.empty(16 * mib), torch.empty(16 * mib)]  # float32: 64 MiB each
     assert split_copies(dsts + big, srcs + [torch.rand(b.numel()) for b in big],
                         disjoint=True)[2] == []
 

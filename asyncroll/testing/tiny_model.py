@@ -34,8 +34,9 @@ __all__ = [
     "TINY_MOE",
     "checkpoint_shapes",
     "make_model",
-    "write_model_config",
     "make_tiny_model",
+    "tiny_module",
+    "write_model_config",
 ]
 
 Family = Literal["qwen2", "qwen3", "llama", "qwen3_moe", "mixtral"]
@@ -43,8 +44,9 @@ FAMILIES: tuple[Family, ...] = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral
 """The architectures ``make_tiny_model`` and ``make_model`` write (Hugging Face ``model_type``).
 The mixtures of experts write their experts as their published checkpoints do, one tensor per
 expert and projection (``mlp.experts.3.gate_proj.weight``; Mixtral's
-``block_sparse_moe.experts.3.w1.weight``), which is what vLLM's loaders and a trainer's
-``state_dict`` name; transformers 5 fuses them in memory only."""
+``block_sparse_moe.experts.3.w1.weight``), which is what vLLM's loaders read; transformers 5
+fuses them in memory, so its ``state_dict`` names them fused (``asyncroll.experts`` splits
+them back)."""
 
 MOE_FAMILIES: frozenset[Family] = frozenset({"qwen3_moe", "mixtral"})
 
@@ -119,7 +121,8 @@ def make_tiny_model(
         family: ``qwen2`` (the default), ``qwen3`` (q/k norms, head size 64 here), ``llama``
             (no biases), or a mixture of experts: ``qwen3_moe`` (``TINY_MOE``: every layer's
             MLP is 8 experts of width 64, 2 a token) or ``mixtral`` (the same experts, each
-            ``intermediate_size`` wide as Mixtral's config says: 64 unless given).
+            ``intermediate_size`` wide as Mixtral's config says: 64 where it is left at its
+            default).
 
     Returns:
         The folder, ready for ``VLLMEngine.launch(path, skip_tokenizer_init=True)``; its
@@ -204,7 +207,7 @@ def make_model(
     config, family, shapes = _skeleton(shape, max_position_embeddings, init_std)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, size in shapes.items():
+    for name, size in shapes.items():  # (a tied lm_head drawn too: the same bytes as ever)
         if name.endswith("norm.weight"):
             value = torch.ones(size, dtype=torch.bfloat16)
         elif name.endswith(".bias"):
@@ -212,6 +215,8 @@ def make_model(
         else:
             value = (torch.randn(size, generator=generator) * init_std).to(torch.bfloat16)
         tensors[name] = value
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
     return _write_checkpoint(path, config, tensors, family)
 
 
@@ -226,13 +231,16 @@ def write_model_config(
 
 def checkpoint_shapes(shape: str | dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of ``shape`` holds (``SHAPES`` or a dict of config fields with
-    ``family``): name -> size, as ``make_model`` writes them and a trainer's ``state_dict``
-    names them (for drawing weights on a device without a file).
+    ``family``): name -> size, as ``make_model`` writes them (for drawing weights on a device
+    without a file).
 
     Raises:
         InvalidRequestError: an unknown shape name or family.
     """
-    return _skeleton(shape, 4096, 0.02)[2]
+    config, _, shapes = _skeleton(shape, 4096, 0.02)
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
 
 
 def _skeleton(
@@ -255,8 +263,6 @@ def _skeleton(
         for fused, value in sorted(skeleton.state_dict().items())
         for name, tensor in _checkpoint_tensors(family, fused, value)
     }
-    if getattr(config, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
     return config, family, shapes
 
 

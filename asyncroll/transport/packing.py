@@ -19,6 +19,7 @@ from asyncroll.transport.plan import Bucket, Slot, align
 __all__ = [
     "FUSE_BYTES",
     "LAUNCH_BOUND_BYTES",
+    "LAUNCH_BOUND_COPIES",
     "CopySplit",
     "Span",
     "SpanAssembler",
@@ -42,22 +43,29 @@ FUSE_BYTES: Final = 1 << 20
 """Copies of at most this many bytes, between destinations known not to overlap, go in one
 fused launch (``split_copies``): a 7B model's norms and biases."""
 
-LAUNCH_BOUND_BYTES: Final = int(os.environ.get("ASYNCROLL_FUSE_BYTES", 16 << 20))
-"""Where a batch's copies average less than this, every copy up to it is fused too
-(``split_copies``, ``fused_slots``). A ``copy_`` costs 10-14 us of host time (an H100 machine),
-in which an H200 copies about 25 MB: such a batch is bound by its launches, not by the device.
-A mixture of experts is that (the 30B-A3B: 18,867 tensors of 3 MiB, a one-copy push 297 ms
-with 1 MiB, 134 ms with this, 2026-11-29 on an H200). Fused copies run at about 80% of a
-memcpy's rate (``_foreach_copy_``'s kernel): a batch of big copies (a dense 7B's average 44 MB)
-is bound by the device, and keeps them separate. ``ASYNCROLL_FUSE_BYTES`` sets it for a
-benchmark's A/B (read at import, in every process; 1 MiB: as before 2026-11-29)."""
+LAUNCH_BOUND_BYTES: Final = int(os.environ.get("ASYNCROLL_FUSE_BYTES") or 16 << 20)
+"""In a batch bound by its launches (``fuse_limit``), every copy up to this many bytes is fused
+too (``split_copies``, ``fused_slots``). A ``copy_`` costs 10-14 us of host time (an H100
+machine), in which an H200 copies about 25 MB. A mixture of experts is thousands of such
+copies (the 30B-A3B: 18,867 tensors of 3 MiB; its one-copy push took 297 ms with 1 MiB, 134
+ms with this, 2026-11-29 on an H200). Fused copies run at about 80% of a memcpy's rate
+(``_foreach_copy_``'s kernel), so the bigger ones keep their own copy. ``ASYNCROLL_FUSE_BYTES``
+sets it for a benchmark's A/B (read at import, in every process; 1048576: as before
+2026-11-29)."""
+
+LAUNCH_BOUND_COPIES: Final = 1024
+"""A batch of at least this many copies, averaging less than ``LAUNCH_BOUND_BYTES``, is bound
+by its launches: 10 ms and more of host time a push, far more than its copies take on the
+device. Fewer copies (a dense model's few hundred, a staged bucket's) overlap their launches
+with the device's work, and keep the path measured for them (a dense 7B: 11.4 ms fused up to
+1 MiB, 11.9 ms fused up to 16 MiB, the same run)."""
 
 
 def fuse_limit(sizes: Sequence[int]) -> int:
     """The largest copy to fuse in a batch of copies of ``sizes`` bytes: ``FUSE_BYTES``, or
-    ``LAUNCH_BOUND_BYTES`` where the batch is bound by its launches (the average copy below
-    it)."""
-    if sizes and sum(sizes) < LAUNCH_BOUND_BYTES * len(sizes):
+    ``LAUNCH_BOUND_BYTES`` where the batch is bound by its launches (``LAUNCH_BOUND_COPIES``
+    copies or more, averaging less than it)."""
+    if len(sizes) >= LAUNCH_BOUND_COPIES and sum(sizes) < LAUNCH_BOUND_BYTES * len(sizes):
         return max(LAUNCH_BOUND_BYTES, FUSE_BYTES)
     return FUSE_BYTES
 

@@ -137,9 +137,16 @@ def repacking_experts(model: Any) -> list[str]:
     unpacked. Each such layer's method is wrapped, once, to run the experts' processing after
     its own whenever the method did not run it itself (the layerwise reload then copies the
     processed tensors into the served ones)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+
     layers = []
     for name, module in model.named_modules():
-        method: Any = getattr(module, "quant_method", None)
+        found = getattr(module, "quant_method", None)
+        if not isinstance(found, UnquantizedFusedMoEMethod):  # (quantized ones: not ours)
+            continue
+        method: Any = found
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         if experts is None or not _processes_weights(experts):
             continue
@@ -176,7 +183,19 @@ def _reprocessing(method: Any) -> Callable[[Any], None]:
             process(layer)
         finally:
             del experts.process_weights_after_loading
-        if not ran:
+        # Only where vLLM kept this kernel and did not process with it: a kernel it built
+        # anew (weights loaded pre-processed, say) has done its own processing, and the CPU
+        # prepack must never run twice on one set of weights.
+        if not ran and method.moe_kernel.fused_experts is experts and not _pre_processed():
             own(layer)
 
     return process_weights_after_loading
+
+
+def _pre_processed() -> bool:
+    """vLLM 0.32's flag for weights loaded already in the kernel's format (0.24 has none)."""
+    try:
+        from vllm.model_executor.utils import is_weights_pre_processed
+    except ImportError:
+        return False
+    return bool(is_weights_pre_processed())

@@ -454,10 +454,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._finalized = False
         repacking = self._repacking_experts()
         if repacking and self.direct:
+            more = f" and {len(repacking) - 1} more layers" if len(repacking) > 1 else ""
             raise WeightSyncError(
-                f"load='direct' cannot push into {repacking[0]!r} (and {len(repacking) - 1}"
-                " more): its expert kernel keeps the weights in a layout of its own (vLLM's CPU"
-                " mixture of experts); use load='layerwise'"
+                f"load='direct' cannot push into {repacking[0]!r}{more}: its expert kernel keeps"
+                " the weights in a layout of its own (vLLM's CPU mixture of experts); use"
+                " load='layerwise'"
             )
         self.rollback.begin(
             self.model,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -29,6 +29,18 @@ FAMILIES = {"qwen3_moe": 1, "mixtral": 2}
 """Each family and the tensor-parallel size of its engine (on a GPU machine, at most its GPUs)."""
 
 
+Models = dict[tuple[str, int], Path]
+"""(family, seed) -> a tiny model of that family."""
+Engines = dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]]
+"""family -> an engine started on seed 1, and its greedy outputs fresh."""
+
+
+def _steps_after(engine: VLLMEngine) -> Iterator[int]:
+    """``global_steps`` for a test's pushes: the module's engines are shared, and versions
+    never go back."""
+    return itertools.count((engine.global_steps or 0) + 1)
+
+
 def _tensor_parallel(family: str) -> int:
     if torch.cuda.is_available():
         return min(FAMILIES[family], torch.cuda.device_count())
@@ -36,7 +48,7 @@ def _tensor_parallel(family: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], Path]:
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     """(family, seed) -> a tiny model; each engine starts on seed 1 and takes seed 0's weights."""
     return {
         (family, seed): make_tiny_model(
@@ -49,8 +61,8 @@ def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int]
 
 @pytest.fixture(scope="module")
 async def moe_engines(
-    moe_models: dict[tuple[str, int], Path],
-) -> AsyncIterator[dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]]]:
+    moe_models: Models,
+) -> AsyncIterator[Engines]:
     """family -> (an engine on seed 1, its greedy outputs fresh); started together."""
 
     async def start(family: str) -> VLLMEngine:
@@ -76,8 +88,8 @@ async def moe_engines(
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_pushes_into_experts_are_token_exact(
     family: str,
-    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
-    moe_models: dict[tuple[str, int], Path],
+    moe_engines: Engines,
+    moe_models: Models,
 ) -> None:
     """Seed 0's weights, then seed 1's back (what the engine served fresh, token for token),
     then seed 0's experts alone (a third model), then all of seed 0 again (its first outputs)."""
@@ -85,7 +97,7 @@ async def test_pushes_into_experts_are_token_exact(
     weights_0, weights_1 = load_weights(moe_models[family, 0]), load_weights(moe_models[family, 1])
     experts_0 = {name: tensor for name, tensor in weights_0.items() if ".experts." in name}
     assert len(experts_0) == 2 * 8 * 3  # layers x experts x (gate, up, down)
-    steps = itertools.count((engine.global_steps or 0) + 1)
+    steps = _steps_after(engine)
     async with aclosing(WeightPusher([engine])) as pusher:
         report = await pusher.update(weights_0, global_steps=next(steps))
         delivery = report.deliveries[engine.name]
@@ -107,8 +119,8 @@ async def test_pushes_into_experts_are_token_exact(
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_a_transformers_state_dict_with_fused_experts_pushes_as_the_checkpoint(
     family: str,
-    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
-    moe_models: dict[tuple[str, int], Path],
+    moe_engines: Engines,
+    moe_models: Models,
 ) -> None:
     """transformers 5 fuses a mixture's experts in memory (``mlp.experts.gate_up_proj``):
     its ``state_dict`` pushed as it is serves what seed 0's checkpoint serves, token for token
@@ -117,7 +129,7 @@ async def test_a_transformers_state_dict_with_fused_experts_pushes_as_the_checkp
     state = {n: t.detach().to(torch.bfloat16) for n, t in
              tiny_module(seed=0, family=family).state_dict().items()}
     assert any(name.endswith("experts.gate_up_proj") for name in state)
-    steps = itertools.count((engine.global_steps or 0) + 1)
+    steps = _steps_after(engine)
     async with aclosing(WeightPusher([engine])) as pusher:
         await pusher.update(load_weights(moe_models[family, 0]), global_steps=next(steps))
         on_0 = await greedy(engine, f"{family}-checkpoint-0")
@@ -131,8 +143,8 @@ async def test_a_transformers_state_dict_with_fused_experts_pushes_as_the_checkp
 
 
 async def test_one_expert_pushed_alone_lands_as_in_a_whole_push(
-    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
-    moe_models: dict[tuple[str, int], Path],
+    moe_engines: Engines,
+    moe_models: Models,
 ) -> None:
     """A push of one expert of one layer (part of a fused parameter) serves what a whole push
     of the same weights serves: the rest of the layer's experts are kept."""
@@ -145,7 +157,7 @@ async def test_one_expert_pushed_alone_lands_as_in_a_whole_push(
         if name.startswith(("model.layers.0.mlp.experts.0.", "model.layers.0.mlp.experts.5."))
     }
     assert len(one) == 6
-    steps = itertools.count((engine.global_steps or 0) + 1)
+    steps = _steps_after(engine)
     async with aclosing(WeightPusher([engine])) as pusher:
         await pusher.update(one, global_steps=next(steps))
         alone = await greedy(engine, "one-expert-alone")
@@ -157,15 +169,15 @@ async def test_one_expert_pushed_alone_lands_as_in_a_whole_push(
 
 
 async def test_a_direct_load_lands_or_is_refused_where_experts_are_prepacked(
-    moe_engines: dict[str, tuple[VLLMEngine, list[tuple[int, ...]]]],
-    moe_models: dict[tuple[str, int], Path],
+    moe_engines: Engines,
+    moe_models: Models,
 ) -> None:
     """On the CPU build, ``load="direct"`` would copy checkpoint rows into the kernel's packed
     layout: refused with a typed error naming the layer, and the engine serves what it served.
     On a GPU (its experts in checkpoint layout) the direct load, through the load plan, is
     token-exact."""
     engine, fresh = moe_engines["qwen3_moe"]
-    steps = itertools.count((engine.global_steps or 0) + 1)
+    steps = _steps_after(engine)
     weights_0 = load_weights(moe_models["qwen3_moe", 0])
     weights_1 = load_weights(moe_models["qwen3_moe", 1])
     async with aclosing(WeightPusher([engine], load="direct")) as pusher:

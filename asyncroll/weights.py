@@ -402,15 +402,19 @@ class SenderChannel:
         if not any(name.endswith(FUSED_EXPERTS) for name in tensors):
             return tensors
         known: set[str] = set()
-        for engine in self._engines:
-            if engine.is_dead:
-                continue
-            if engine.model_path not in self._schemas:
-                self._schemas[engine.model_path] = read_checkpoint_schema(engine.model_path)
+        for engine in self._live_engines_read():
             schema = self._schemas[engine.model_path]
             if schema is not None:
                 known.update(schema.tensors)
         return unfused_experts(tensors, known) if known else tensors
+
+    def _live_engines_read(self) -> list[Any]:
+        """The live engines, each one's checkpoint schema read (once a model path)."""
+        engines = [engine for engine in self._engines if not engine.is_dead]
+        for engine in engines:
+            if engine.model_path not in self._schemas:
+                self._schemas[engine.model_path] = read_checkpoint_schema(engine.model_path)
+        return engines
 
     async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Names, shapes, dtypes and finite values, against every engine's checkpoint (in a
@@ -443,10 +447,7 @@ class SenderChannel:
                         f"one_copy=True reads the trainer's tensors in place: {name!r} must be"
                         " a contiguous CUDA tensor (push it staged otherwise)"
                     )
-        engines = [engine for engine in self._engines if not engine.is_dead]
-        for engine in engines:
-            if engine.model_path not in self._schemas:
-                self._schemas[engine.model_path] = read_checkpoint_schema(engine.model_path)
+        engines = self._live_engines_read()
         served = {e.model_path: e.weights.served_dtype for e in engines}
         for index, (path, schema) in enumerate(self._schemas.items()):
             if path in served:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -66,23 +67,13 @@ def broadcast(value: Any) -> Any:
 async def main(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cuda = torch.cuda.is_available()
-    if args.model is None:
-        folder = Path(broadcast(tempfile.mkdtemp(prefix="asyncroll-fsdp-") if rank == 0 else None))
-        if rank == 0:
-            # TP=N splits the attention heads: N of them at least (64 each, as the CPU wants).
-            heads = max(2, world)
-            make_tiny_model(folder / "policy", seed=0, num_attention_heads=heads,
-                            num_key_value_heads=heads, hidden_size=64 * heads)
-        dist.barrier()
-        model = folder / "policy"
-    else:
-        model = args.model
-    config = json.loads((model / "config.json").read_text())
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    lr = args.lr if args.lr is not None else 3e-3 * 128 / config["hidden_size"]
-    trainer = ReferenceTrainer(model, device=device, wrap=shard, lr=lr)
-    task = BandTask.for_vocabulary(config["vocab_size"], response_len=args.response_len)
     async with contextlib.AsyncExitStack() as stack:
+        model = args.model if args.model is not None else make_model(rank, stack)
+        config = json.loads((model / "config.json").read_text())
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        lr = args.lr if args.lr is not None else 3e-3 * 128 / config["hidden_size"]
+        trainer = ReferenceTrainer(model, device=device, wrap=shard, lr=lr)
+        task = BandTask.for_vocabulary(config["vocab_size"], response_len=args.response_len)
         engines: list[VLLMEngine] = []
         if rank == 0:
             where = f"{world} GPUs" if cuda else "the CPU"
@@ -101,6 +92,19 @@ async def main(args: argparse.Namespace) -> None:
             manager = await stack.enter_async_context(
                 AsyncServerManager(engines, weights=pusher))
         await train(args, trainer, task, pusher, manager, engines)
+
+
+def make_model(rank: int, stack: contextlib.AsyncExitStack) -> Path:
+    """A tiny model, written by rank 0 into a folder the ranks share and removed at the end."""
+    folder = Path(broadcast(tempfile.mkdtemp(prefix="asyncroll-fsdp-") if rank == 0 else None))
+    if rank == 0:
+        stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        # TP=N splits the attention heads: N of them at least (64 each, as the CPU wants).
+        heads = max(2, dist.get_world_size())
+        make_tiny_model(folder / "policy", seed=0, num_attention_heads=heads,
+                        num_key_value_heads=heads, hidden_size=64 * heads)
+    dist.barrier()
+    return folder / "policy"
 
 
 def gpu_arguments(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:

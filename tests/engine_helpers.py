@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -253,3 +254,10 @@ async def hold(target: AsyncServerManager | Engine) -> None:
     fast machine loses (a CI run saw four 400-token requests finish first)."""
     engines = target.engines if isinstance(target, AsyncServerManager) else (target,)
     await asyncio.gather(*(engine.pause("keep") for engine in engines))
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a torchrun rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import selected_tests
+from engine_helpers import free_port, selected_tests
 
 pytestmark = pytest.mark.engine  # the ranks start the engines
 
@@ -26,12 +25,6 @@ SCENARIO = Path(__file__).resolve().parent / "distributed_scenario.py"
 ROOT = str(Path(__file__).resolve().parent.parent)
 HANG_GUARD_S = 900
 """Only against a hang (a test that never ends); nothing here is timed."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def run_ranks(
@@ -74,7 +67,8 @@ async def run_example(folder: Path) -> tuple[int | None, str]:
     example = Path(ROOT) / "examples" / "fsdp_hybrid.py"
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(free_port()), str(example), "--steps", "2",
+        "--master-port", str(free_port()), "--log-dir", str(folder / "logs"), str(example),
+        "--steps", "2",
         "--plot", str(folder / "fsdp.png"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT},
         start_new_session=True,

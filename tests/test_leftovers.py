@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -33,11 +34,16 @@ def census() -> dict[str, object]:
     }
 
 
+def rendezvous_stores() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "vllm_dist_*")))
+
+
 async def test_rounds_of_engine_manager_and_push_leave_nothing_behind(
     engine: VLLMEngine, tiny_model_a: Path
 ) -> None:
     """(The shared engine stays up throughout: its processes are in every census alike.)"""
     rounds = []
+    stores = rendezvous_stores()
     for i in range(3):
         async with (
             VLLMEngine.launch(tiny_model_a, name=f"round-{i}", max_model_len=256,
@@ -47,6 +53,8 @@ async def test_rounds_of_engine_manager_and_push_leave_nothing_behind(
             await manager.update_weights(load_weights(tiny_model_a), global_steps=1)
             await manager.generate(f"r{i}", prompt_ids=[5, 6], sampling_params={"max_tokens": 2})
         rounds.append(census())
+    # vLLM 0.32 meets its workers in a file store in the temp directory, and leaves it there.
+    assert rendezvous_stores() <= stores
     first, *later = rounds
     assert first["zombies"] == [] and first["segments"] == []
     assert all(r == first for r in later), rounds

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_helpers import free_port
 
 from asyncroll.testing import make_tiny_model
 
@@ -21,8 +22,8 @@ def test_sharded_ranks_with_uneven_or_no_shares_step_as_one_process(tmp_path: Pa
     model = make_tiny_model(tmp_path / "model", seed=0)
     out = tmp_path / "result.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", "29541", str(ROOT / "tests" / "sharded_trainer_scenario.py"),
-               str(model), str(out)]
+               "--master-port", str(free_port()), "--log-dir", str(tmp_path / "logs"),
+               str(ROOT / "tests" / "sharded_trainer_scenario.py"), str(model), str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
                           cwd=ROOT, check=False)  # a rank left waiting in a collective: timeout

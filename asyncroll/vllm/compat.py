@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "engine_core_processes",
+    "rendezvous_files",
     "schedules_ahead",
     "on_request_added",
     "release_client",
@@ -28,6 +31,18 @@ def engine_core_processes(llm: Any) -> list[Any]:
     resources = getattr(getattr(llm, "engine_core", None), "resources", None)
     manager = getattr(resources, "engine_manager", None)
     return list(getattr(manager, "processes", None) or [])
+
+
+def rendezvous_files(methods: Sequence[str | None]) -> list[Path]:
+    """The files among the workers' ``distributed_init_method``s that vLLM made for its process
+    group (``file://<temp>/vllm_dist_<hex>``, vLLM 0.32) and leaves behind: one an engine."""
+    files = set()
+    for method in methods:
+        if method and method.startswith("file://"):
+            path = Path(method.removeprefix("file://"))
+            if path.parent == Path(tempfile.gettempdir()) and path.name.startswith("vllm_dist_"):
+                files.add(path)
+    return sorted(files)
 
 
 def on_request_added(llm: Any, callback: Callable[[str], None]) -> None:

@@ -138,6 +138,8 @@ class VLLMEngine:
         self._paused = False
         self._sleeping_tags: set[str] = set()
         self._closed = False
+        self._rendezvous_files: list[Path] = []
+        """vLLM's process-group store files, removed at close (``compat.rendezvous_files``)."""
         self._dead: BaseException | None = None
         self._num_requests = 0
         self._num_aborted = 0
@@ -246,6 +248,8 @@ class VLLMEngine:
             label = version_label(global_steps)
             if label is not None and engine.native_versions:
                 await engine.call_vllm(llm.update_weight_version(label))
+            engine._rendezvous_files = compat.rendezvous_files(
+                await engine.call_vllm(llm.collective_rpc("asyncroll_rendezvous")))
             counting = await engine.call_vllm(llm.collective_rpc("asyncroll_count_samples"))
             # One worker: several (tensor parallel) would each decide their load's fate alone
             # in the commit's RPC, and one could roll back while another finishes.
@@ -484,6 +488,9 @@ class VLLMEngine:
         # vLLM stops its EngineCore but leaves the exited process unreaped (a zombie until
         # the next process starts): reap it.
         await asyncio.to_thread(_reap, processes)
+        for path in self._rendezvous_files:  # its workers are gone: nobody meets there again
+            with contextlib.suppress(OSError):
+                path.unlink()
         await asyncio.sleep(0)  # vLLM's socket closes, queued on this loop, run first
         compat.release_client(self._llm)
 

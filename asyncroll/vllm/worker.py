@@ -638,6 +638,12 @@ class AsyncrollWorkerExtension:
             engine.model_config = self.model_config  # type: ignore[attr-defined]
             engine.device = self.device  # type: ignore[attr-defined]
 
+    def asyncroll_rendezvous(self) -> str | None:
+        """Where this worker's process group met (``distributed_init_method``): vLLM 0.32's
+        single-node engines meet in a ``file://`` store in the temp directory, which vLLM never
+        removes; the engine removes it when it closes."""
+        return getattr(self, "distributed_init_method", None)
+
     def asyncroll_count_samples(self) -> bool:
         """Count, from now on, the tokens each request has had sampled (``SampleCounter``):
         an update committed between two steps (``inflight``) reports where each request's

@@ -40,6 +40,7 @@ from asyncroll.errors import (
     UnchangedWeightsWarning,
     WeightSyncError,
 )
+from asyncroll.heap import frozen_heap
 from asyncroll.interfaces import Delivery, ResumeMode, UpdateReport
 from asyncroll.manager import AsyncServerManager
 from asyncroll.metrics import serve_metrics
@@ -108,6 +109,7 @@ __all__ = [
     "VLLMEngine",
     "WeightPusher",
     "WeightSyncError",
+    "frozen_heap",
     "register_agent_loop",
     "run_agent_loops",
     "serve_metrics",

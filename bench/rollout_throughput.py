@@ -361,10 +361,13 @@ async def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--policies", default="none,abort,keep,recompute,inflight,drain")
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
+    parser.add_argument("--slow-turns", action="store_true",
+                        help="sample the loop thread's stack on long turns, time collections")
     args = parser.parse_args()
     jobs = workload(args.requests)
     total = sum(n for _, n in jobs)
-    print(f"workload: {len(jobs)} requests, {total} tokens, concurrency {CONCURRENCY}, "
+    print(f"workload: {len(jobs)} requests, {total} tokens, concurrency {args.concurrency}, "
           f"updates every {args.interval:g} s", flush=True)
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -378,7 +381,9 @@ async def main() -> None:
             gc.freeze()  # start-up's objects live forever: keep full collections off the loop
             for policy in args.policies.split(","):
                 print(f"running {policy}...", flush=True)
-                results[policy] = await run_policy(engine, weights, policy, jobs, args.interval)
+                results[policy] = await run_policy(engine, weights, policy, jobs, args.interval,
+                                                   concurrency=args.concurrency,
+                                                   slow_turns=args.slow_turns)
                 print(f"  {results[policy]['tokens_per_s']:.0f} tokens/s", flush=True)
     print("\n| policy | wall s | tokens/s | vs none | vs drain | updates | update s total "
           "| engine stall ms (median / worst; a step: median gap) "

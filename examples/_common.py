@@ -49,6 +49,7 @@ from asyncroll import (
     InvalidRequestError,
     VLLMEngine,
     WeightPusher,
+    frozen_heap,
     serve_metrics,
 )
 from asyncroll.adapters import AdapterConfig
@@ -325,6 +326,7 @@ async def run_recipe(
             contextlib.AsyncExitStack() as stack,
         ):
             print(f"engine ready in {time.perf_counter() - began:.0f} s", flush=True)
+            stack.enter_context(frozen_heap())  # start-up's heap out of the collector's walks
             if args.metrics_port is not None:
                 server = await stack.enter_async_context(
                     serve_metrics(manager, port=args.metrics_port))

@@ -37,6 +37,7 @@ from asyncroll import (
     DistributedWeightPusher,
     InvalidRequestError,
     VLLMEngine,
+    frozen_heap,
 )
 from asyncroll.distributed import torchrun_hidden
 from asyncroll.recipes import BandTask, BandTaskSource
@@ -91,6 +92,7 @@ async def main(args: argparse.Namespace) -> None:
         if rank == 0:
             manager = await stack.enter_async_context(
                 AsyncServerManager(engines, weights=pusher))
+        stack.enter_context(frozen_heap())  # start-up's heap out of the collector's walks
         await train(args, trainer, task, pusher, manager, engines)
 
 

@@ -448,6 +448,11 @@ class SenderChannel:
                         " a contiguous CUDA tensor (push it staged otherwise)"
                     )
         engines = self._live_engines_read()
+        if self._load == "direct":  # an engine's port may know its workers would refuse it
+            for engine in engines:
+                refusal = getattr(engine.weights, "direct_load_refusal", None)
+                if refusal is not None:
+                    raise InvalidRequestError(f"{engine.name}: {refusal}")
         served = {e.model_path: e.weights.served_dtype for e in engines}
         for index, (path, schema) in enumerate(self._schemas.items()):
             if path in served:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from engine_helpers import ENGINE_ARGS, greedy, load_weights
 
-from asyncroll import VLLMEngine, WeightPusher, WeightSyncError
+from asyncroll import InvalidRequestError, VLLMEngine, WeightPusher, WeightSyncError
 from asyncroll.testing import make_tiny_model
 from asyncroll.testing.tiny_model import tiny_module
 
@@ -173,7 +173,8 @@ async def test_a_direct_load_lands_or_is_refused_where_experts_are_prepacked(
     moe_models: Models,
 ) -> None:
     """On the CPU build, ``load="direct"`` would copy checkpoint rows into the kernel's packed
-    layout: refused with a typed error naming the layer, and the engine serves what it served.
+    layout: refused with a typed error naming the layer before anything reaches the engine (the
+    pusher never attached), and the engine serves what it served.
     On a GPU (its experts in checkpoint layout) the direct load, through the load plan, is
     token-exact."""
     engine, fresh = moe_engines["qwen3_moe"]
@@ -182,8 +183,16 @@ async def test_a_direct_load_lands_or_is_refused_where_experts_are_prepacked(
     weights_1 = load_weights(moe_models["qwen3_moe", 1])
     async with aclosing(WeightPusher([engine], load="direct")) as pusher:
         if not torch.cuda.is_available():
-            with pytest.raises(WeightSyncError, match=r"mlp\.experts.*layerwise"):
+            with pytest.raises(InvalidRequestError, match=r"mlp\.experts.*layerwise"):
                 await pusher.update(weights_0, global_steps=next(steps))
+            assert engine.weights.attached_to is None
+            # The workers refuse it too, should a sender not ask first; the engine goes on.
+            known, engine.weights.prepacked_experts = engine.weights.prepacked_experts, ()
+            try:
+                with pytest.raises(WeightSyncError, match=r"mlp\.experts.*layerwise"):
+                    await pusher.update(weights_0, global_steps=next(steps))
+            finally:
+                engine.weights.prepacked_experts = known
             assert await greedy(engine, "after-direct") == fresh
             return
         await pusher.update(weights_0, global_steps=next(steps))

@@ -20,6 +20,7 @@ __all__ = [
     "pause_generation",
     "num_unfinished_requests",
     "repacking_experts",
+    "direct_load_refusal",
     "shutdown_weight_transfer",
     "worker_runs_the_session",
 ]
@@ -170,6 +171,15 @@ def repacking_experts(model: Any) -> list[str]:
             method.process_weights_after_loading = _reprocessing(method)
             method._asyncroll_reprocesses = True
     return layers
+
+
+def direct_load_refusal(layers: Sequence[str]) -> str:
+    """Why a ``load="direct"`` push cannot go into these prepacked expert ``layers``."""
+    more = f" and {len(layers) - 1} more layers" if len(layers) > 1 else ""
+    return (
+        f"load='direct' cannot push into {layers[0]!r}{more}: its expert kernel keeps the"
+        " weights in a layout of its own (vLLM's CPU mixture of experts); use load='layerwise'"
+    )
 
 
 def _processes_weights(experts: Any) -> bool:

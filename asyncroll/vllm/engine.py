@@ -248,6 +248,8 @@ class VLLMEngine:
             label = version_label(global_steps)
             if label is not None and engine.native_versions:
                 await engine.call_vllm(llm.update_weight_version(label))
+            prepacked = await engine.call_vllm(llm.collective_rpc("asyncroll_prepacked_experts"))
+            engine._weights.prepacked_experts = tuple(sorted(set().union(*prepacked)))
             engine._rendezvous_files = compat.rendezvous_files(
                 await engine.call_vllm(llm.collective_rpc("asyncroll_rendezvous")))
             counting = await engine.call_vllm(llm.collective_rpc("asyncroll_count_samples"))
@@ -805,6 +807,9 @@ class VLLMWeightPort:
         self.answered = 0.0
         """When the workers' answers to the last take came back (``time.perf_counter()``;
         benchmarks: the RPC's way back)."""
+        self.prepacked_experts: tuple[str, ...] = ()
+        """The expert layers the workers keep in a layout of their own (found at start-up):
+        no ``load="direct"`` push (``direct_load_refusal``)."""
         self.finish_in_receive = compat.worker_runs_the_session()
         """The workers finish an update in the take's RPC, and ``commit`` only labels it: one
         RPC less an update (about 0.9 ms of a 7B update on an H100). On by default where the
@@ -820,6 +825,14 @@ class VLLMWeightPort:
     def num_workers(self) -> int:
         parallel: Any = self._llm.vllm_config.parallel_config
         return int(parallel.world_size)
+
+    @property
+    def direct_load_refusal(self) -> str | None:
+        """Why a ``load="direct"`` push would be refused by the workers (None: it would not);
+        the sender's check asks before anything pauses."""
+        if not self.prepacked_experts:
+            return None
+        return compat.direct_load_refusal(self.prepacked_experts)
 
     @property
     def served_dtype(self) -> torch.dtype:

@@ -58,7 +58,11 @@ from asyncroll.transport import WeightReceiver
 from asyncroll.transport.broadcast import BroadcastReceiver
 from asyncroll.transport.plan import Part
 from asyncroll.transport.receiver import PlaceFn, ReceiveReport
-from asyncroll.vllm.compat import repacking_experts, worker_runs_the_session
+from asyncroll.vllm.compat import (
+    direct_load_refusal,
+    repacking_experts,
+    worker_runs_the_session,
+)
 from asyncroll.vllm.lora import store_of
 
 __all__ = [
@@ -453,13 +457,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         assert self._info is not None
         self._finalized = False
         repacking = self._repacking_experts()
-        if repacking and self.direct:
-            more = f" and {len(repacking) - 1} more layers" if len(repacking) > 1 else ""
-            raise WeightSyncError(
-                f"load='direct' cannot push into {repacking[0]!r}{more}: its expert kernel keeps"
-                " the weights in a layout of its own (vLLM's CPU mixture of experts); use"
-                " load='layerwise'"
-            )
+        if repacking and self.direct:  # (the sender refuses it first: VLLMWeightPort)
+            raise WeightSyncError(direct_load_refusal(repacking))
         self.rollback.begin(
             self.model,
             backup=self._info.backup,
@@ -637,6 +636,11 @@ class AsyncrollWorkerExtension:
         if engine is not None and getattr(engine, "model_config", None) is None:
             engine.model_config = self.model_config  # type: ignore[attr-defined]
             engine.device = self.device  # type: ignore[attr-defined]
+
+    def asyncroll_prepacked_experts(self) -> list[str]:
+        """The served model's expert layers kept in a layout of their own
+        (``compat.repacking_experts``): a ``load="direct"`` push cannot reach them."""
+        return repacking_experts(self.get_model())  # type: ignore[attr-defined]
 
     def asyncroll_rendezvous(self) -> str | None:
         """Where this worker's process group met (``distributed_init_method``): vLLM 0.32's

@@ -27,6 +27,10 @@ update:
    the peak memory is the staging buffers plus the buckets in flight, never a full copy of
    the model. A worker that cannot load a piece (its plan was dropped) fails the push; the
    coordinator's verdict says so, and every rank pushes whole tensors in the same update.
+   A transformers-5 mixture's fused experts (``mlp.experts.gate_up_proj``, sharded over the
+   experts) are pushed under the per-expert names of the engines' checkpoint, which the
+   coordinator reads and broadcasts before step 1 (``asyncroll.experts.unfusing``); each
+   fused tensor is gathered once, when its first expert's bucket is packed (``ExpertPart``).
 4. The coordinator tells every rank the outcome: each returns the coordinator's
    ``UpdateReport`` (with its own ``PushReport``) or raises the same ``WeightSyncError``.
 
@@ -44,6 +48,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -54,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from asyncroll.errors import InvalidRequestError, PieceNotPlannedError, WeightSyncError
+from asyncroll.experts import FUSED_EXPERTS, Unfusing, expert_parts, split_experts, unfusing
 from asyncroll.fingerprints import SAMPLES, Fingerprinter
 from asyncroll.interfaces import INFLIGHT_MODES, ReceivingEngine, ResumeMode, UpdateReport
 from asyncroll.transport import (
@@ -176,7 +182,7 @@ class DistributedWeightPusher:
         self._known: dict[str, bytes] = {}
         """This update's fingerprints of lazy tensors, from the shards."""
         self._updates = 0
-        self._reads: list[dict[str, tuple[int, int]] | None] | None = None
+        self._reads: list[dict[str, tuple[int, ...]] | None] | None = None
         """(Coordinator.) Per worker, what its load reads of each tensor (None: not known)."""
         self._read_updates = 0
         self._piece_failures = 0
@@ -221,7 +227,8 @@ class DistributedWeightPusher:
         if changed:
             raise InvalidRequestError("changed=True needs whole tensors: not with a sharded push")
         made: set[str] = set()
-        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        given = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        pairs = await self._unfused(given)
         pushed, local = self._pushed(pairs, made)
         named = dict(pairs)
         # The fingerprints of the full tensors, from the shards (no gather), before any pause.
@@ -280,7 +287,7 @@ class DistributedWeightPusher:
     async def _push(
         self,
         pushed: dict[str, torch.Tensor | LazyTensor],
-        named: Mapping[str, torch.Tensor],
+        named: Mapping[str, torch.Tensor | ExpertPart],
         pieces: Sequence[str],
         made: set[str],
         steps: int | None,
@@ -306,7 +313,39 @@ class DistributedWeightPusher:
         finally:
             await asyncio.to_thread(self._finish_makes, with_pieces, made)
 
-    def _piece_names(self, named: Mapping[str, torch.Tensor]) -> set[str]:
+    async def _unfused(
+        self, pairs: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor | ExpertPart]]:
+        """A transformers-5 mixture's fused experts under the checkpoint's per-expert names
+        (``asyncroll.experts``), as the coordinator's engines name them: it decides, and one
+        broadcast tells the other ranks (only where fused names are given: every rank gives
+        the same names). A sharded fused tensor becomes ``ExpertPart``s, gathered once when
+        the first is packed; a whole one, views."""
+        if not any(n.endswith(FUSED_EXPERTS) and _dims(t) == 3 for n, t in pairs):
+            return list(pairs)
+        plan = Unfusing()
+        if self._pusher is not None:
+            plan = unfusing([n for n, _ in pairs], self._pusher.channel.checkpoint_names())
+        plan = await self._broadcast(plan)
+        if not isinstance(plan, Unfusing):  # the coordinator did not answer
+            raise WeightSyncError(str(plan[1]))
+        out: list[tuple[str, torch.Tensor | ExpertPart]] = []
+        for name, tensor in pairs:
+            fused = plan.blocks.get(name)
+            if fused is None or _dims(tensor) != 3:
+                out.append((plan.renames.get(name, name), tensor))
+                continue
+            which, block, projections = fused
+            if not _is_dtensor(tensor):
+                out += split_experts(block, which, tensor.detach(), projections)
+                continue
+            out += [
+                (part, ExpertPart(fused=name, tensor=tensor.detach(), expert=e, rows=rows))
+                for part, e, rows in expert_parts(block, which, tensor.shape, projections)
+            ]
+        return out
+
+    def _piece_names(self, named: Mapping[str, torch.Tensor | ExpertPart]) -> set[str]:
         """(Coordinator.) The tensors every rank can push as its own rows: ``Shard(0)`` over
         all ranks, evenly, and every worker reads only rows of the rank that serves it
         (worker ``i``: rank ``i % world_size``), as a worker's load plan says."""
@@ -318,6 +357,8 @@ class DistributedWeightPusher:
         world = self.world_size
         names = set()
         for name, tensor in named.items():
+            if isinstance(tensor, ExpertPart):  # held whole by one rank: gathered
+                continue
             if not (_is_dtensor(tensor) and _gathers_in_one_call(tensor)):
                 continue
             if tensor.shape[0] % world:
@@ -339,7 +380,7 @@ class DistributedWeightPusher:
     def _with_pieces(
         self,
         pushed: dict[str, torch.Tensor | LazyTensor],
-        named: Mapping[str, torch.Tensor],
+        named: Mapping[str, torch.Tensor | ExpertPart],
         pieces: Sequence[str],
     ) -> dict[str, torch.Tensor | LazyTensor | Piece]:
         """``pushed``, with each of ``pieces`` as this rank's rows of it (cast to ``dtype``
@@ -347,6 +388,7 @@ class DistributedWeightPusher:
         out: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
         for name in pieces:
             tensor = named[name]
+            assert not isinstance(tensor, ExpertPart)  # (never chosen: ``_piece_names``)
             rows: torch.Tensor = _local(tensor.detach()).contiguous()
             offset = tensor.device_mesh.get_local_rank() * rows.numel()  # type: ignore[attr-defined]
             target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
@@ -363,7 +405,7 @@ class DistributedWeightPusher:
         """(Coordinator, after a push.) What each worker's load reads of each tensor."""
         self._read_updates += 1
         try:
-            reads: list[dict[str, tuple[int, int]] | None] = []
+            reads: list[dict[str, tuple[int, ...]] | None] = []
             async with asyncio.timeout(self._timeout):
                 for engine in self._live():
                     reads += await engine.weights.read_ranges()
@@ -373,14 +415,23 @@ class DistributedWeightPusher:
         self._reads = reads
 
     def _pushed(
-        self, items: Sequence[tuple[str, torch.Tensor]], made: set[str]
+        self, items: Sequence[tuple[str, torch.Tensor | ExpertPart]], made: set[str]
     ) -> tuple[dict[str, torch.Tensor | LazyTensor], dict[str, torch.Tensor]]:
         """Each tensor as pushed (a sharded one, or one cast to ``dtype``: made when its
-        bucket is packed, its name then added to ``made``), and this rank's part of each."""
+        bucket is packed, its name then added to ``made``), and this rank's part of each
+        (an expert part's: its fused tensor's shard, once, under the fused name)."""
         pushed: dict[str, torch.Tensor | LazyTensor] = {}
         local: dict[str, torch.Tensor] = {}
         batches: dict[object, Callable[[], AbstractContextManager[object]]] = {}
+        gathers: dict[str, _FusedGather] = {}
         for name, tensor in items:
+            if isinstance(tensor, ExpertPart):
+                if name in pushed:
+                    raise InvalidRequestError(f"tensor {name!r} is given twice")
+                fused = gathers.setdefault(tensor.fused, _FusedGather(tensor.tensor))
+                pushed[name] = fused.lazy(name, tensor, self._dtype, made)
+                local.setdefault(tensor.fused, _local(tensor.tensor))
+                continue
             if not isinstance(tensor, torch.Tensor):
                 raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
             if name in pushed:
@@ -587,7 +638,9 @@ class DistributedWeightPusher:
             logger.warning("rank %d: could not make the update's rest", self.rank, exc_info=True)
 
     async def _shard_fingerprints(
-        self, pushed: Mapping[str, torch.Tensor | LazyTensor], named: Mapping[str, torch.Tensor]
+        self,
+        pushed: Mapping[str, torch.Tensor | LazyTensor],
+        named: Mapping[str, torch.Tensor | ExpertPart],
     ) -> dict[str, bytes]:
         """Fingerprints of the lazy tensors' full values without gathering them: each rank
         samples the positions its rows hold (``shard_samples``), and one all-reduce of the
@@ -600,7 +653,11 @@ class DistributedWeightPusher:
         def sample() -> tuple[list[str], list[int], torch.Tensor]:
             names, widths, parts = [], [], []
             for name, made in lazy.items():
-                samples = shard_samples(named[name].detach(), made.dtype, rank=rank)
+                source = named[name]
+                samples = (
+                    source.samples(made.dtype) if isinstance(source, ExpertPart)
+                    else shard_samples(source.detach(), made.dtype, rank=rank)
+                )
                 if samples is None:
                     continue  # another layout: fingerprinted as it is made
                 names.append(name)
@@ -702,6 +759,86 @@ def _lazily(
     return LazyTensor(
         shape=tuple(tensor.shape), dtype=target, device=device, make=make, batch=batch
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertPart:
+    """One expert's projection (``rows`` of expert ``expert``) of a fused expert tensor
+    sharded over the experts (FSDP2's ``Shard(0)``): the rank whose rows hold the expert holds
+    it whole. Pushed as its own tensor under the checkpoint's name (``asyncroll.experts``)."""
+
+    fused: str
+    """The fused tensor's name (a transformers-5 ``mlp.experts.gate_up_proj``)."""
+    tensor: torch.Tensor
+    """The fused ``DTensor``."""
+    expert: int
+    rows: slice
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.rows.stop - self.rows.start, *self.tensor.shape[2:])
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def held(self) -> torch.Tensor | None:
+        """This rank's copy (a view of its shard), or None: another rank holds the expert
+        (or the layout is not ``Shard(0)`` over one mesh dimension)."""
+        if not _gathers_in_one_call(self.tensor):
+            return None
+        local: torch.Tensor = self.tensor.to_local()  # type: ignore[attr-defined]
+        mesh = self.tensor.device_mesh  # type: ignore[attr-defined]
+        first = mesh.get_local_rank() * -(-self.tensor.shape[0] // mesh.size())
+        if not first <= self.expert < first + local.shape[0]:
+            return None
+        return local[self.expert - first, self.rows]
+
+    def samples(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``shard_samples`` of this part: the holder's, zeros on the other ranks; None for
+        another layout (fingerprinted as it is made)."""
+        if not _gathers_in_one_call(self.tensor):
+            return None
+        n = self.numel()
+        count = _sample_count(n)
+        held = self.held()
+        if held is None:
+            return torch.zeros(count, dtype=dtype)
+        positions = torch.arange(count, device=held.device) * (n // SAMPLES if n > SAMPLES else 1)
+        return held.reshape(-1)[positions].to(dtype)
+
+
+class _FusedGather:
+    """The parts of one fused expert tensor: the first made gathers it whole, the others
+    slice that, and the last made lets it go (every rank makes them in plan order)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        self._whole: torch.Tensor | None = None
+        self._left = 0
+
+    def lazy(
+        self, name: str, part: ExpertPart, dtype: torch.dtype | None, made: set[str]
+    ) -> LazyTensor:
+        self._left += 1
+        target = dtype if dtype is not None and part.tensor.is_floating_point() else None
+
+        def make() -> torch.Tensor:
+            made.add(name)
+            if self._whole is None:
+                with torch.no_grad():
+                    self._whole = gather(self._tensor)
+            out = self._whole[part.expert, part.rows]
+            self._left -= 1
+            if not self._left:
+                self._whole = None
+            return out
+
+        return LazyTensor(shape=part.shape, dtype=target or part.tensor.dtype,
+                          device=_local(part.tensor).device, make=make)
+
+
+def _dims(tensor: torch.Tensor) -> int:
+    return tensor.dim() if isinstance(tensor, torch.Tensor) else -1
 
 
 class _PiecesFailed(WeightSyncError):

@@ -13,14 +13,16 @@ tensor.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from asyncroll.errors import InvalidRequestError
 
-__all__ = ["FUSED_EXPERTS", "split_experts", "unfused_experts"]
+__all__ = ["FUSED_EXPERTS", "Unfusing", "expert_parts", "split_experts", "unfused_experts",
+           "unfusing"]
 
 FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 """How transformers 5's fused expert tensors' names end."""
@@ -35,6 +37,47 @@ _LAYOUTS = (
 )
 """(container, gate, up, down) of the checkpoints' per-expert names."""
 
+Projections = tuple[str, str, str]
+"""The checkpoint's names of an expert's (gate, up, down) projections."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unfusing:
+    """How a trainer's fused expert names become the checkpoint's (``unfusing``): names only,
+    so that every rank of a sharded trainer can follow the one that knows the checkpoint."""
+
+    blocks: dict[str, tuple[str, str, Projections]] = field(default_factory=dict)
+    """Per fused name: whether it is ``gate_up_proj`` or ``down_proj``, the checkpoint's block
+    of experts (``model.layers.0.mlp.experts``) and its projections' names."""
+    renames: dict[str, str] = field(default_factory=dict)
+    """Other names the checkpoint gives otherwise (a Mixtral router under ``mlp.gate``)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.renames)
+
+
+def unfusing(names: Iterable[str], known: Collection[str]) -> Unfusing:
+    """The fused expert names among ``names`` whose per-expert names ``known`` (the
+    checkpoint's names) holds, and the routers to rename with them."""
+    names = list(names)
+    plan = Unfusing()
+    for name in names:
+        match = _FUSED.match(name)
+        layout = _layout(match["prefix"], known) if match is not None else None
+        if match is None or layout is None:
+            continue
+        container, gate, up, down = layout
+        block = f"{match['prefix']}.{container}.experts"
+        plan.blocks[name] = (match["which"], block, (gate, up, down))
+        router = f"{match['prefix']}.mlp.gate.weight"
+        checkpoint_router = f"{match['prefix']}.{container}.gate.weight"
+        if router != checkpoint_router and router not in known and checkpoint_router in known:
+            plan.renames[router] = checkpoint_router
+    present = set(names)
+    for router in [r for r in plan.renames if r not in present]:
+        del plan.renames[router]
+    return plan
+
 
 def unfused_experts(tensors: Mapping[str, Any], known: Collection[str]) -> dict[str, Any]:
     """``tensors`` with every fused expert tensor (a 3-dimensional tensor under a
@@ -48,32 +91,22 @@ def unfused_experts(tensors: Mapping[str, Any], known: Collection[str]) -> dict[
             piece, a DTensor: push those per expert), or a name given twice (fused, and per
             expert too).
     """
+    plan = unfusing(tensors, known)
     out: dict[str, Any] = {}
-    routers: dict[str, str] = {}
     for name, tensor in tensors.items():
-        match = _FUSED.match(name)
-        layout = _layout(match["prefix"], known) if match is not None else None
-        if layout is None or getattr(tensor, "dim", lambda: 3)() != 3:
-            _put(out, name, tensor)
+        fused = plan.blocks.get(name)
+        if fused is None or getattr(tensor, "dim", lambda: 3)() != 3:
+            _put(out, plan.renames.get(name, name), tensor)
             continue
-        assert match is not None
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             raise InvalidRequestError(
                 f"{name!r}: fused experts are split into the checkpoint's per-expert tensors"
                 f" here, which needs a whole local tensor, not a {type(tensor).__name__}: push"
                 " them per expert"
             )
-        container, *projections = layout
-        block = f"{match['prefix']}.{container}.experts"
-        for part, view in split_experts(block, match["which"], tensor, tuple(projections)):
+        which, block, projections = fused
+        for part, view in split_experts(block, which, tensor, projections):
             _put(out, part, view)
-        if container == "block_sparse_moe":
-            routers[f"{match['prefix']}.mlp.gate.weight"] = (
-                f"{match['prefix']}.block_sparse_moe.gate.weight"
-            )
-    for fused_name, name in routers.items():
-        if fused_name in out and fused_name not in known and name in known:
-            _put(out, name, out.pop(fused_name))
     return out
 
 
@@ -85,20 +118,30 @@ def _put(out: dict[str, Any], name: str, tensor: Any) -> None:
     out[name] = tensor
 
 
-def split_experts(
-    block: str, which: str, tensor: torch.Tensor, projections: tuple[str, ...]
-) -> list[tuple[str, torch.Tensor]]:
-    """One fused expert tensor (``which``: ``gate_up_proj``, experts x (gate; up) x hidden, or
-    ``down_proj``) as ``(f"{block}.{expert}.{projection}.weight", view)`` pairs, ``projections``
-    naming (gate, up, down)."""
+def expert_parts(
+    block: str, which: str, shape: Sequence[int], projections: Projections
+) -> list[tuple[str, int, slice]]:
+    """The per-expert tensors of one fused expert tensor of ``shape`` (``which``:
+    ``gate_up_proj``, experts x (gate; up) x hidden, or ``down_proj``): each one's name
+    (``f"{block}.{expert}.{projection}.weight"``), expert and rows of that expert."""
     gate, up, down = projections
+    experts, rows = shape[0], shape[1]
     if which == "down_proj":
-        return [(f"{block}.{e}.{down}.weight", tensor[e]) for e in range(tensor.shape[0])]
+        return [(f"{block}.{e}.{down}.weight", e, slice(0, rows)) for e in range(experts)]
+    half = rows // 2
     out = []
-    for e in range(tensor.shape[0]):
-        first, second = tensor[e].chunk(2, dim=0)
-        out += [(f"{block}.{e}.{gate}.weight", first), (f"{block}.{e}.{up}.weight", second)]
+    for e in range(experts):
+        out += [(f"{block}.{e}.{gate}.weight", e, slice(0, half)),
+                (f"{block}.{e}.{up}.weight", e, slice(half, rows))]
     return out
+
+
+def split_experts(
+    block: str, which: str, tensor: torch.Tensor, projections: Projections
+) -> list[tuple[str, torch.Tensor]]:
+    """One fused expert tensor as ``(name, view)`` pairs (``expert_parts``)."""
+    return [(name, tensor[e, rows])
+            for name, e, rows in expert_parts(block, which, tensor.shape, projections)]
 
 
 def _layout(prefix: str, known: Collection[str]) -> tuple[str, str, str, str] | None:

@@ -401,12 +401,17 @@ class SenderChannel:
         where the engines' checkpoints name them so (``asyncroll.experts``)."""
         if not any(name.endswith(FUSED_EXPERTS) for name in tensors):
             return tensors
+        known = self.checkpoint_names()
+        return unfused_experts(tensors, known) if known else tensors
+
+    def checkpoint_names(self) -> set[str]:
+        """The tensor names of the live engines' checkpoints (empty where none is read)."""
         known: set[str] = set()
         for engine in self._live_engines_read():
             schema = self._schemas[engine.model_path]
             if schema is not None:
                 known.update(schema.tensors)
-        return unfused_experts(tensors, known) if known else tensors
+        return known
 
     def _live_engines_read(self) -> list[Any]:
         """The live engines, each one's checkpoint schema read (once a model path)."""

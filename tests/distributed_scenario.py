@@ -32,13 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def sharded_model(path: str) -> torch.nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from transformers import Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return sharded(Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32))
+
+
+def sharded(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over every rank, a layer at a time (a mixture's fused experts: over the experts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
+    for layer in model.model.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -120,6 +125,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     from asyncroll import VLLMEngine
 
     rank = dist.get_rank()
+    if args.family != "qwen2":
+        await fused_experts(out := {}, args)
+        return out
     model_a, model_b = sharded_model(args.model_a), sharded_model(args.model_b)
     out: dict[str, Any] = {}
     engine = None
@@ -142,6 +150,40 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         else:
             await run(out, engine, model_a, model_b, args.timeout)
     return out
+
+
+async def fused_experts(out: dict[str, Any], args: argparse.Namespace) -> None:
+    """A transformers-5 mixture (``args.family``) on both ranks, its experts fused and sharded
+    over the ranks (four of the eight each), pushed into a TP=2 engine on rank 0 started on
+    seed 1: seed 0, then seed 1; what the engine serves after each, and what it took."""
+    from engine_helpers import ENGINE_ARGS, greedy
+
+    from asyncroll import DistributedWeightPusher, VLLMEngine
+    from asyncroll.testing import make_tiny_model
+    from asyncroll.testing.tiny_model import tiny_module
+
+    modules = {seed: sharded(tiny_module(seed=seed, family=args.family)) for seed in (0, 1)}
+    fused = [(n, p) for n, p in modules[0].named_parameters() if n.endswith("experts.down_proj")]
+    out["fused"] = [n for n, _ in fused[:1]]
+    out["fused_shard"] = [list(p.to_local().shape) for _, p in fused[:1]]  # type: ignore[attr-defined]
+    async with contextlib.AsyncExitStack() as stack:
+        engines = []
+        if dist.get_rank() == 0:
+            path = make_tiny_model(Path(args.out).parent / "seed1", seed=1, family=args.family)
+            engine = await stack.enter_async_context(VLLMEngine.launch(
+                path, name="experts-tp2", tensor_parallel_size=2, **ENGINE_ARGS))
+            out["fresh_1"] = await greedy(engine, "fresh-1")
+            engines = [engine]
+        dist.barrier()
+        pusher = DistributedWeightPusher(engines, timeout=args.timeout)
+        for steps, seed in ((1, 0), (2, 1)):
+            report = await pusher.update(modules[seed].named_parameters(), global_steps=steps)
+            out[f"report_{seed}"] = [report.global_steps, report.tensors]
+            if engines:
+                out[f"on_{seed}"] = await greedy(engines[0], f"on-{seed}")
+                delivery = report.deliveries[engines[0].name]
+                out[f"delivery_{seed}"] = [delivery.workers, delivery.tensors, delivery.verified]
+        await pusher.aclose()
 
 
 async def data_parallel(
@@ -262,6 +304,7 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--die-rank", type=int, default=1)
     parser.add_argument("--engines", type=int, default=1)
+    parser.add_argument("--family", default="qwen2", help="a mixture: the fused-experts run")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(

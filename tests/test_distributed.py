@@ -28,7 +28,8 @@ HANG_GUARD_S = 900
 
 
 async def run_ranks(
-    folder: Path, model_a: Path, model_b: Path, *, die_rank: int, engines: int = 1
+    folder: Path, model_a: Path, model_b: Path, *, die_rank: int, engines: int = 1,
+    family: str = "qwen2",
 ) -> tuple[list[int | None], str]:
     """Both ranks of the scenario; their exit codes, and the log of the one that survives."""
     port = free_port()
@@ -39,7 +40,7 @@ async def run_ranks(
             sys.executable, str(SCENARIO), "--rank", str(rank), "--port", str(port),
             "--model-a", str(model_a), "--model-b", str(model_b), "--die-rank", str(die_rank),
             "--out", str(folder / f"rank{rank}.json"), "--timeout", "120",
-            "--engines", str(engines),
+            "--engines", str(engines), "--family", family,
             stdout=logs[rank], stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         for rank in (0, 1)
@@ -90,6 +91,7 @@ RUN_OF_TEST = {
     "test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank": "coordinator_dies",
     "test_two_ranks_push_into_two_data_parallel_engines": "data_parallel",
     "test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks": "fsdp_hybrid",
+    "test_fused_experts_sharded_over_two_ranks_push_token_exact": "fused_experts",
 }
 """The run each test reads: the scenario's three (``distributed_scenario.py``), and the example."""
 
@@ -125,6 +127,9 @@ class Runs:
             if name == "fsdp_hybrid":
                 code, text = await run_example(folder)
                 return [code], text, folder
+            if name == "fused_experts":
+                codes, log = await run_ranks(folder, *self._models, die_rank=-1, family="mixtral")
+                return codes, log, folder
             die_rank, engines = {"sharded": (1, 1), "coordinator_dies": (0, 1)}.get(name, (-1, 2))
             codes, log = await run_ranks(folder, *self._models, die_rank=die_rank, engines=engines)
             return codes, log, folder
@@ -237,3 +242,24 @@ async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(runs: Ru
     for step in (1, 2):
         assert f"step {step}: reward" in text and "from 2 ranks" in text, text[-3000:]
     assert (folder / "fsdp.png").stat().st_size > 0
+
+
+async def test_fused_experts_sharded_over_two_ranks_push_token_exact(runs: Runs) -> None:
+    """A transformers-5 Mixtral on two FSDP2 ranks: its experts fused (``mlp.experts.down_proj``,
+    experts x hidden x width) and sharded over the experts, its router under ``mlp.gate``.
+    Pushed under the checkpoint's names (``block_sparse_moe.experts.N.w1``, ...: the coordinator
+    decides, the other rank follows), each expert gathered from the rank that holds it: the
+    TP=2 engine started on seed 1 serves seed 0's tokens, then its own fresh ones again."""
+    codes, log, folder = await runs.result("fused_experts")
+    assert codes == [0, 0], f"exit codes {codes}; rank 0:\n{log}"
+    found = json.loads((folder / "rank0.json").read_text())
+    assert found["fused"] == ["model.layers.0.mlp.experts.down_proj"]
+    assert found["fused_shard"] == [[4, 128, 64]]  # four of the eight experts on each rank
+    assert found["on_0"] != found["fresh_1"]
+    assert found["on_1"] == found["fresh_1"]
+    for seed, steps in ((0, 1), (1, 2)):
+        steps_, tensors = found[f"report_{seed}"]
+        assert steps_ == steps and tensors > 3 * 8  # every expert's three projections, at least
+        workers, delivered, verified = found[f"delivery_{seed}"]
+        assert workers == 2 and delivered == 2 * tensors
+        assert verified > 0  # against fingerprints taken from the ranks' shards

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncroll.errors import InvalidRequestError
-from asyncroll.experts import unfused_experts
+from asyncroll.experts import expert_parts, unfused_experts, unfusing
 from asyncroll.testing.tiny_model import MOE_FAMILIES, make_tiny_model, tiny_module
 from asyncroll.transport import LazyTensor
 
@@ -64,3 +64,30 @@ def test_a_fused_tensor_that_is_not_whole_and_local_or_a_name_given_twice_is_ref
                       make=lambda: fused)
     with pytest.raises(InvalidRequestError, match=r"whole local tensor.*per expert"):
         unfused_experts({"model.layers.0.mlp.experts.gate_up_proj": lazy}, known)
+
+
+def test_the_plan_from_names_alone_gives_each_experts_rows_and_moves_the_router() -> None:
+    """What a sharded trainer's ranks follow (``unfusing``, names only): each fused name's
+    block and projections in the checkpoint, and Mixtral's router under its checkpoint name;
+    ``expert_parts`` gives each expert's rows of the fused tensor."""
+    known = {"m.layers.0.block_sparse_moe.experts.0.w1.weight",
+             "m.layers.0.block_sparse_moe.gate.weight"}
+    names = ["m.layers.0.mlp.experts.gate_up_proj", "m.layers.0.mlp.experts.down_proj",
+             "m.layers.0.mlp.gate.weight", "m.layers.1.mlp.experts.down_proj"]
+    plan = unfusing(names, known)
+    assert plan.blocks == {
+        "m.layers.0.mlp.experts.gate_up_proj":
+            ("gate_up_proj", "m.layers.0.block_sparse_moe.experts", ("w1", "w3", "w2")),
+        "m.layers.0.mlp.experts.down_proj":
+            ("down_proj", "m.layers.0.block_sparse_moe.experts", ("w1", "w3", "w2")),
+    }  # layer 1's experts: not in the checkpoint, left for the update's check to name
+    assert plan.renames == {"m.layers.0.mlp.gate.weight": "m.layers.0.block_sparse_moe.gate.weight"}
+    assert not unfusing(["m.layers.0.mlp.experts.down_proj"], set())
+    block = "m.layers.0.block_sparse_moe.experts"
+    assert expert_parts(block, "gate_up_proj", (2, 6, 4), ("w1", "w3", "w2")) == [
+        (f"{block}.0.w1.weight", 0, slice(0, 3)), (f"{block}.0.w3.weight", 0, slice(3, 6)),
+        (f"{block}.1.w1.weight", 1, slice(0, 3)), (f"{block}.1.w3.weight", 1, slice(3, 6)),
+    ]
+    assert expert_parts(block, "down_proj", (2, 4, 3), ("w1", "w3", "w2")) == [
+        (f"{block}.0.w2.weight", 0, slice(0, 4)), (f"{block}.1.w2.weight", 1, slice(0, 4)),
+    ]

@@ -19,14 +19,17 @@ update:
    engines, counted in order, to rank ``i % world_size``).
 3. The coordinator runs the update sequence (pause, push, label, cache reset, resume) while
    every other rank pushes into its workers. Where every worker reads only rows that its rank
-   holds (the workers' load plans say what they read, asked after the first pushes), each
-   rank pushes its own rows as a ``Piece`` (``asyncroll.transport.piece``), with no gather;
-   the coordinator chooses these in step 1's collective, so every rank plans the same
-   buckets. Any other sharded tensor (``DTensor``) is gathered when its first bucket is packed
-   (``asyncroll.transport.lazy``): every rank gathers the same tensors in the same order, and
-   the peak memory is the staging buffers plus the buckets in flight, never a full copy of
-   the model. A worker that cannot load a piece (its plan was dropped) fails the push; the
-   coordinator's verdict says so, and every rank pushes whole tensors in the same update.
+   holds (the workers' load plans say what they read, asked after the first pushes), each rank
+   pushes its own rows as a ``Piece`` (``asyncroll.transport.piece``), with no gather; where
+   every worker reads only some columns of each row (a row-parallel shard: o, down), the ranks
+   exchange those column blocks (one all-to-all when the tensor's bucket is packed) and each
+   pushes its workers' block as a piece. The coordinator chooses these in step 1's collective,
+   so every rank plans the same buckets. Any other sharded tensor (``DTensor``) is gathered when
+   its first bucket is packed (``asyncroll.transport.lazy``): every rank gathers the same
+   tensors in the same order, and the peak memory is the staging buffers plus the buckets in
+   flight, never a full copy of the model. A worker that cannot load a piece (its plan was
+   dropped) fails the push; the coordinator's verdict says so, and every rank pushes whole
+   tensors in the same update.
    A transformers-5 mixture's fused experts (``mlp.experts.gate_up_proj``, sharded over the
    experts) are pushed under the per-expert names of the engines' checkpoint, which the
    coordinator reads and broadcasts before step 1 (``asyncroll.experts.unfusing``); each
@@ -239,7 +242,7 @@ class DistributedWeightPusher:
         connect = self.is_coordinator and not self._attached()
         if connect:
             self._reads = None  # new workers: learn what they read again
-        pieces = sorted(self._piece_names(named)) if self._pusher is not None else []
+        pieces = self._piece_names(named) if self._pusher is not None else {}
         answers = await self._all_gather(
             (problem, _layout(pushed), connect, self._workers(), pieces)
         )
@@ -265,7 +268,7 @@ class DistributedWeightPusher:
         made = set()
         pushed, _ = self._pushed(pairs, made)
         return await self._push(
-            pushed, named, [], made, steps, mode, connect=connect, workers=workers
+            pushed, named, {}, made, steps, mode, connect=connect, workers=workers
         )
 
     @property
@@ -288,7 +291,7 @@ class DistributedWeightPusher:
         self,
         pushed: dict[str, torch.Tensor | LazyTensor],
         named: Mapping[str, torch.Tensor | ExpertPart],
-        pieces: Sequence[str],
+        pieces: Mapping[str, Windows | None],
         made: set[str],
         steps: int | None,
         mode: ResumeMode,
@@ -296,7 +299,8 @@ class DistributedWeightPusher:
         connect: bool = False,
         workers: Sequence[int] = (),
     ) -> UpdateReport:
-        """One push of the update by every rank (whole tensors, or ``pieces`` as pieces)."""
+        """One push of the update by every rank (whole tensors, or ``pieces`` as pieces: each
+        rank's rows, or the columns its workers read, ``_piece_names``)."""
         version = steps if steps is not None else -1
         with_pieces: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
         self._last_pieces = frozenset(pieces)
@@ -345,17 +349,24 @@ class DistributedWeightPusher:
             ]
         return out
 
-    def _piece_names(self, named: Mapping[str, torch.Tensor | ExpertPart]) -> set[str]:
-        """(Coordinator.) The tensors every rank can push as its own rows: ``Shard(0)`` over
-        all ranks, evenly, and every worker reads only rows of the rank that serves it
-        (worker ``i``: rank ``i % world_size``), as a worker's load plan says."""
+    def _piece_names(
+        self, named: Mapping[str, torch.Tensor | ExpertPart]
+    ) -> dict[str, Windows | None]:
+        """(Coordinator.) The tensors every rank can push as a piece, as a worker's load plan
+        says what it reads (worker ``i`` is served by rank ``i % world_size``), each with how:
+        - None: each rank's own rows, with no exchange, where every worker reads only rows of
+          the rank that serves it (a column-parallel shard: q, k, v, gate, up, the embedding);
+        - per rank, the columns ``[first, end)`` its workers read of every row (a row-parallel
+          shard: o, down): the ranks exchange those column blocks (``_column_block``: each
+          rank receives only what its workers load) instead of gathering the whole tensor.
+        Only tensors ``Shard(0)`` over all ranks, evenly."""
         reads = self._reads
         if not self._use_pieces or not reads or any(r is None for r in reads):
-            return set()
+            return {}
         if self._piece_failures >= 2:  # it keeps failing: whole tensors from now on
-            return set()
+            return {}
         world = self.world_size
-        names = set()
+        chosen: dict[str, Windows | None] = {}
         for name, tensor in named.items():
             if isinstance(tensor, ExpertPart):  # held whole by one rank: gathered
                 continue
@@ -366,29 +377,37 @@ class DistributedWeightPusher:
             mesh = tensor.device_mesh  # type: ignore[attr-defined]
             if mesh.size() != world or mesh.get_local_rank() != self.rank:
                 continue
+            known = [read[name] for read in reads if read is not None and name in read]
+            if len(known) != len(reads):
+                continue  # a worker loads it with its batch, or not at all
             per_rank = tensor.numel() // world
-            for worker, read in enumerate(reads):
-                assert read is not None
-                first, end = read.get(name, (0, 0))
-                rank = worker % world
-                if not rank * per_rank <= first < end <= (rank + 1) * per_rank:
-                    break
-            else:
-                names.add(name)
-        return names
+            if all((w % world) * per_rank <= r[0] < r[1] <= (w % world + 1) * per_rank
+                   for w, r in enumerate(known)):
+                chosen[name] = None
+                continue
+            windows = _column_windows(known, world) if tensor.dim() == 2 else None
+            if windows is not None:
+                chosen[name] = windows
+        return chosen
 
     def _with_pieces(
         self,
         pushed: dict[str, torch.Tensor | LazyTensor],
         named: Mapping[str, torch.Tensor | ExpertPart],
-        pieces: Sequence[str],
+        pieces: Mapping[str, Windows | None],
     ) -> dict[str, torch.Tensor | LazyTensor | Piece]:
-        """``pushed``, with each of ``pieces`` as this rank's rows of it (cast to ``dtype``
-        as they are packed, if need be)."""
+        """``pushed``, with each of ``pieces`` as this rank's rows of it, or as the column
+        block its workers read (exchanged when packed); cast to ``dtype`` as they are packed,
+        if need be."""
         out: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
-        for name in pieces:
+        for name, windows in pieces.items():
             tensor = named[name]
             assert not isinstance(tensor, ExpertPart)  # (never chosen: ``_piece_names``)
+            if windows is not None:
+                block = _column_block(tensor.detach(), windows, self.rank, self._dtype)
+                out[name] = Piece(block, whole=tuple(tensor.shape), offset=0,
+                                  columns=windows[self.rank])
+                continue
             rows: torch.Tensor = _local(tensor.detach()).contiguous()
             offset = tensor.device_mesh.get_local_rank() * rows.numel()  # type: ignore[attr-defined]
             target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
@@ -839,6 +858,63 @@ class _FusedGather:
 
 def _dims(tensor: torch.Tensor) -> int:
     return tensor.dim() if isinstance(tensor, torch.Tensor) else -1
+
+
+Windows = list[tuple[int, int]]
+"""Per trainer rank, the columns ``[first, end)`` of every row that the workers it serves
+read of a row-parallel tensor."""
+
+
+def _column_windows(reads: Sequence[tuple[int, ...]], world: int) -> Windows | None:
+    """Per rank, the one column window every worker it serves reads (``reads[i]`` is worker
+    ``i``'s read, ``(first, end, first column, end column)``); None unless every worker reads
+    only columns, every rank serves a worker, and the workers of a rank read the same ones."""
+    windows: list[tuple[int, int] | None] = [None] * world
+    for worker, read in enumerate(reads):
+        if len(read) != 4:
+            return None
+        window = (read[2], read[3])
+        rank = worker % world
+        if windows[rank] not in (None, window):
+            return None
+        windows[rank] = window
+    if any(window is None for window in windows):
+        return None
+    return [window for window in windows if window is not None]
+
+
+def _column_block(
+    tensor: torch.Tensor, windows: Windows, rank: int, dtype: torch.dtype | None
+) -> LazyTensor:
+    """The columns ``windows[rank]`` of every row of ``tensor`` (a 2-D ``DTensor``,
+    ``Shard(0)`` evenly over the ranks), made when packed by one all-to-all: each rank sends
+    every other rank its own rows' block of that rank's columns, and stacks the blocks it
+    receives in rank order (the rows' order). Each rank moves only what its workers load."""
+    local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
+    group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
+    first, end = windows[rank]
+    target = dtype if dtype is not None and local.is_floating_point() else local.dtype
+
+    widest = max(b - a for a, b in windows)
+
+    def make() -> torch.Tensor:
+        with torch.no_grad():  # blocks of one width (gloo's all-to-all takes no other)
+            sends = [_widened(local[:, a:b], widest) for a, b in windows]
+            received = [local.new_empty((local.shape[0], widest)) for _ in windows]
+            dist.all_to_all(received, sends, group=group)
+            return torch.cat(received)[:, : end - first]
+
+    return LazyTensor(shape=(tensor.shape[0], end - first), dtype=target, device=local.device,
+                      make=make)
+
+
+def _widened(block: torch.Tensor, width: int) -> torch.Tensor:
+    """``block`` as a contiguous tensor of ``width`` columns (zeros after its own)."""
+    if block.shape[1] == width:
+        return block.contiguous()
+    out = block.new_zeros((block.shape[0], width))
+    out[:, : block.shape[1]] = block
+    return out
 
 
 class _PiecesFailed(WeightSyncError):

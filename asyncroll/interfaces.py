@@ -209,7 +209,7 @@ class ReceivingPort(WeightPort, Protocol):
     async def abort(self) -> bool:
         """End a failed push in every worker; True if the previous weights are whole again."""
 
-    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
+    async def read_ranges(self) -> list[dict[str, tuple[int, ...]] | None]:
         """Per worker, in order: the range of elements ``[first, end)`` of each pushed tensor
         its load reads (its load plan's, once a push taught it), or None (no load plan)."""
 

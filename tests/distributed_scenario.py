@@ -57,8 +57,8 @@ def pieces_forced(names: list[str]) -> Any:
     original = DistributedWeightPusher._piece_names
     pending = list(names)
 
-    def forced(self: Any, named: Any) -> set[str]:
-        chosen = set(pending) or original(self, named)
+    def forced(self: Any, named: Any) -> dict[str, Any]:
+        chosen = dict.fromkeys(pending) or original(self, named)
         pending.clear()
         return chosen
 
@@ -106,6 +106,26 @@ def gathers_match(model: torch.nn.Module) -> bool:
         shard_print(t, dtype) == fingerprints({"t": t.full_tensor().to(dtype)})["t"]
         for t in tensors for dtype in (torch.float32, torch.bfloat16)
     )
+
+
+def blocks_match(model: torch.nn.Module) -> list[str]:
+    """Every 2-D parameter's column blocks, exchanged (``_column_block``: one all-to-all),
+    against ``full_tensor()``'s columns, for even and uneven windows; the names that differ."""
+    from asyncroll.distributed import _column_block
+
+    rank, wrong = dist.get_rank(), []
+    for name, parameter in model.named_parameters():
+        tensor = parameter.detach()
+        if tensor.dim() != 2:
+            continue
+        columns = tensor.shape[1]
+        for windows in ([(0, columns // 2), (columns // 2, columns)], [(0, 3), (1, columns)]):
+            made = _column_block(tensor, windows, rank, torch.bfloat16).make()
+            first, end = windows[rank]
+            expected = tensor.full_tensor()[:, first:end]  # type: ignore[attr-defined]
+            if not torch.equal(made, expected):
+                wrong.append(name)
+    return wrong
 
 
 def shard_print(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
@@ -272,6 +292,7 @@ async def run(
     sharded = all(type(p).__name__ == "DTensor" for _, p in model_a.named_parameters())
     out["sharded"] = sharded
     out["gathers_match"] = gathers_match(model_a)
+    out["blocks_differ"] = blocks_match(model_a)
     for steps, model, tag in ((1, model_a, "a"), (2, model_b, "b"), (3, model_a, "a_again")):
         report = await pusher.update(model.named_parameters(), global_steps=steps)
         if engine is not None:

@@ -167,6 +167,9 @@ async def outcome(runs: Runs) -> dict[str, Any]:
 def test_every_parameter_is_sharded_and_gathers_exactly(outcome: dict[str, Any]) -> None:
     assert outcome["sharded"]  # every parameter a DTensor: each rank holds half
     assert outcome["gathers_match"]  # our one-call gather equals DTensor.full_tensor()
+    # Each rank's column block of every 2-D parameter (the row-parallel exchange, one
+    # all-to-all) equals the full tensor's columns.
+    assert outcome["blocks_differ"] == []
 
 
 def test_pushes_from_two_ranks_are_token_exact(outcome: dict[str, Any]) -> None:
@@ -263,3 +266,4 @@ async def test_fused_experts_sharded_over_two_ranks_push_token_exact(runs: Runs)
         workers, delivered, verified = found[f"delivery_{seed}"]
         assert workers == 2 and delivered == 2 * tensors
         assert verified > 0  # against fingerprints taken from the ranks' shards
+

@@ -59,3 +59,16 @@ async def test_bad_updates_are_refused_before_anything_runs() -> None:
         with pytest.raises(InvalidRequestError, match=message):
             await pusher.update(tensors, **{"global_steps": 1, **options})  # type: ignore[arg-type]
     await pusher.aclose()
+
+
+def test_column_windows_only_where_every_rank_serves_workers_reading_the_same_columns() -> None:
+    """The row-parallel exchange's choice (``_column_windows``): per rank the columns its
+    workers read (worker ``i`` served by rank ``i % world``), or None to gather instead."""
+    from asyncroll.distributed import _column_windows
+
+    tp2 = [(0, 4032, 0, 32), (32, 4064, 32, 64)]  # (first, end, first column, end column)
+    assert _column_windows(tp2, 2) == [(0, 32), (32, 64)]
+    assert _column_windows(tp2 + tp2, 2) == [(0, 32), (32, 64)]  # two engines of TP=2
+    assert _column_windows(tp2[:1], 2) is None  # rank 1 serves no worker
+    assert _column_windows([tp2[0], tp2[0], tp2[1], tp2[1]], 2) is None  # a rank: two windows
+    assert _column_windows([(0, 4096), (0, 4096)], 2) is None  # rows: not columns

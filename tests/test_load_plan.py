@@ -491,11 +491,25 @@ def rows_of(tensor: torch.Tensor, rank: int, size: int = 2) -> tuple[torch.Tenso
     return piece, Part(whole=tuple(tensor.shape), offset=rank * piece.numel())
 
 
+def columns_of(tensor: torch.Tensor, rank: int, size: int = 2) -> tuple[torch.Tensor, Part]:
+    """Worker ``rank``'s columns of ``tensor`` (a row-parallel shard), every row: what a column
+    block exchange hands the rank serving it, and where it sits."""
+    width = tensor.shape[1] // size
+    piece = tensor[:, rank * width : (rank + 1) * width].contiguous()
+    return piece, Part(whole=tuple(tensor.shape), offset=0,
+                       columns=(rank * width, (rank + 1) * width))
+
+
+def piece_of(name: str, tensor: torch.Tensor, rank: int) -> tuple[torch.Tensor, Part]:
+    return columns_of(tensor, rank) if name == "o_proj.weight" else rows_of(tensor, rank)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_worker_loads_pieces_of_its_own_rows_exactly(rank: int) -> None:
     """Once a whole push taught the plan, ``read_ranges`` says which elements each name's load
-    reads (its tensor-parallel rows; all of a row-parallel or replicated tensor), and pushing
-    only those rows as pieces loads bitwise what the whole tensors load."""
+    reads (its tensor-parallel rows; a row-parallel shard's columns; all of a replicated
+    tensor), and pushing only those rows, or columns of every row, as pieces loads bitwise what
+    the whole tensors load."""
     planned, plain = TensorParallelLike(rank), TensorParallelLike(rank)
     plan = LoadPlan(planned, planned.load_weights)
     plan.begin_push()
@@ -504,16 +518,18 @@ def test_a_worker_loads_pieces_of_its_own_rows_exactly(rank: int) -> None:
     q_rows = H // 2 * H
     assert ranges["self_attn.q_proj.weight"] == (rank * q_rows, (rank + 1) * q_rows)
     assert ranges["embed_tokens.weight"] == (rank * VOCAB // 2 * H, (rank + 1) * VOCAB // 2 * H)
-    first, end = ranges["o_proj.weight"]  # a column slice reads across every row
-    assert end - first > H * H // 2 and ranges["norm.weight"] == (0, H)
+    first, end, *columns = ranges["o_proj.weight"]  # a column slice reads across every row
+    assert end - first > H * H // 2 and columns == [rank * H // 2, (rank + 1) * H // 2]
+    assert ranges["norm.weight"] == (0, H)
 
     for seed in (1, 2):
         tensors = tensor_parallel_push(seed)
-        local = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "embed_tokens.weight"}
+        local = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "embed_tokens.weight",
+                 "o_proj.weight"}
         batch, parts = [], {}
         for name, tensor in staged(tensors):
             if name in local:
-                tensor, parts[name] = rows_of(tensor, rank)
+                tensor, parts[name] = piece_of(name, tensor, rank)
             batch.append((name, tensor))
         plan.begin_push()
         plan.load(batch, parts=parts)
@@ -541,6 +557,10 @@ def test_a_piece_the_plan_cannot_load_is_refused_before_anything_loads() -> None
     wrong, wrong_part = rows_of(tensors[q], 0)  # rank 0's rows: not what worker 1 reads
     with pytest.raises(PieceNotPlannedError, match=r"reads elements \[128, 256\)"):
         plan.load([(q, wrong)], parts={q: wrong_part})
+    o = "o_proj.weight"
+    wrong, wrong_part = columns_of(tensors[o], 0)  # rank 0's columns
+    with pytest.raises(PieceNotPlannedError, match=r"the piece holds columns \[0, 8\]"):
+        plan.load([(o, wrong)], parts={o: wrong_part})
     assert issubclass(PieceNotPlannedError, WeightSyncError)
 
 
@@ -553,7 +573,8 @@ async def test_pieces_travel_through_the_transport_and_load_exactly(place: bool)
     rank = 1
     planned, plain = TensorParallelLike(rank), TensorParallelLike(rank)
     plan = LoadPlan(planned, planned.load_weights)
-    local = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "embed_tokens.weight"}
+    local = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "embed_tokens.weight",
+             "o_proj.weight"}
     handed: list[dict[str, Part]] = []
 
     def load(batch: list[tuple[str, torch.Tensor]]) -> None:
@@ -577,8 +598,9 @@ async def test_pieces_travel_through_the_transport_and_load_exactly(place: bool)
                 given: dict[str, torch.Tensor | Piece] = dict(tensors)
                 if step:  # the first push teaches the plan
                     for name in local:
-                        rows, part = rows_of(tensors[name], rank)
-                        given[name] = Piece(rows, whole=part.whole, offset=part.offset)
+                        rows, part = piece_of(name, tensors[name], rank)
+                        given[name] = Piece(rows, whole=part.whole, offset=part.offset,
+                                            columns=part.columns)
                 report = await sender.push(given, version=step)
                 plain.load_weights(tensors.items())
                 whole = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -592,7 +614,7 @@ async def test_pieces_travel_through_the_transport_and_load_exactly(place: bool)
     for parts in handed[1:]:  # placed: spanning pieces went straight into their parameters
         assert set(parts) < local if place else set(parts) == local
         for name, part in parts.items():
-            assert part == rows_of(tensor_parallel_push(0)[name], rank)[1]
+            assert part == piece_of(name, tensor_parallel_push(0)[name], rank)[1]
     assert plan.statistics().learned == 0 and plan.statistics().fallback == 0
 
 
@@ -604,6 +626,12 @@ async def test_a_bad_piece_is_refused_by_the_sender() -> None:
             await sender.push({"w": Piece(torch.ones(4), whole=(4,), offset=1)}, version=1)
         with pytest.raises(ValueError, match="contiguous"):
             await sender.push({"w": Piece(torch.ones(4, 2).t(), whole=(16,), offset=0)}, version=1)
+        with pytest.raises(ValueError, match=r"columns \[2, 6\) .* do not fit"):  # 4 columns
+            await sender.push({"w": Piece(torch.ones(3, 4), whole=(3, 4), offset=0,
+                                          columns=(2, 6))}, version=1)
+        with pytest.raises(ValueError, match="4 rows at 0 do not fit"):
+            await sender.push({"w": Piece(torch.ones(4, 2), whole=(3, 4), offset=0,
+                                          columns=(0, 2))}, version=1)
         with pytest.raises(ValueError, match="one_copy"):
             await sender.push({"w": Piece(torch.ones(4), whole=(8,), offset=0)}, version=1,
                               one_copy=True)

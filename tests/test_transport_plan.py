@@ -25,6 +25,7 @@ from asyncroll.transport.packing import (
 from asyncroll.transport.plan import (
     ALIGN,
     Bucket,
+    Part,
     TensorMeta,
     default_group,
     plan_buckets,
@@ -378,3 +379,21 @@ def test_bucket_spans_leave_to_pack_bucket_what_needs_torch() -> None:
     ):
         assert bucket_spans(bucket, buffer, {"w": other}) is None
     assert bucket_spans(bucket, buffer[:255], {"w": source}) is None  # never past the buffer
+
+
+def test_a_read_of_the_whole_maps_onto_a_piece_or_is_refused() -> None:
+    """``Part.source_view``: a read of the whole tensor (as ``as_strided`` takes it) as the
+    same read of the piece. Rows shift; a column block maps runs within its columns and
+    row-major blocks, and refuses what crosses its columns or rows it lacks."""
+    rows = Part(whole=(6, 4), offset=8)  # rows 2.. of a 6 x 4 tensor
+    assert rows.source_view((2, 4), (4, 1), 12, 16) == ((2, 4), (4, 1), 4)
+    assert rows.source_view((2, 4), (4, 1), 4, 16) is None  # row 1: not held
+    assert rows.source_view((2, 4), (4, 1), 20, 16) is None  # past the piece
+    block = Part(whole=(6, 4), offset=0, columns=(2, 4))  # whole[:, 2:4], 6 x 2
+    assert block.source_view((6, 2), (4, 1), 2, 12) == ((6, 2), (2, 1), 0)
+    assert block.source_view((2, 1), (4, 1), 11, 12) == ((2, 1), (2, 1), 5)  # rows 2-3, col 3
+    assert block.source_view((2,), (1,), 6, 12) == ((2,), (1,), 2)  # a run in row 1
+    assert block.source_view((6, 3), (4, 1), 1, 12) is None  # column 1: not held
+    assert block.source_view((3,), (1,), 2, 12) is None  # runs into the next row
+    assert block.source_view((6, 2), (8, 1), 2, 12) is None  # every other row: not mapped
+    assert block.source_view((7, 2), (4, 1), 2, 12) is None  # a row past the piece

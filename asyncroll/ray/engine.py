@@ -608,8 +608,8 @@ class RayWeightPort:
         whole: bool = await self._engine._call("weights.abort")
         return whole
 
-    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
-        ranges: list[dict[str, tuple[int, int]] | None] = await self._engine._call(
+    async def read_ranges(self) -> list[dict[str, tuple[int, ...]] | None]:
+        ranges: list[dict[str, tuple[int, ...]] | None] = await self._engine._call(
             "weights.read_ranges"
         )
         return ranges

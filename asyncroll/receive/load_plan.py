@@ -276,10 +276,12 @@ class LoadPlan:
         if len(entry.copies) != 1:
             return None
         copy = entry.copies[0]
+        view = part.source_view(copy.size, copy.stride, copy.offset, count)
         if (
-            copy.offset != part.offset
-            or math.prod(copy.size) != count
-            or copy.stride != _contiguous_strides(copy.size)
+            view is None
+            or view[2] != 0
+            or math.prod(view[0]) != count
+            or view[1] != _contiguous_strides(view[0])
             or copy.dst.numel() != count
             or not copy.dst.is_contiguous()
             or copy.dst.dtype != dtype
@@ -288,19 +290,21 @@ class LoadPlan:
         self._counts.update(planned=1, copies=1, calls=1)
         return copy.dst.reshape(-1).view(torch.uint8)
 
-    def read_ranges(self) -> dict[str, tuple[int, int]]:
+    def read_ranges(self) -> dict[str, tuple[int, ...]]:
         """For each name the plan replays: the range of elements ``[first, end)`` of the
-        pushed (contiguous) tensor its copies read. A sender may push just that range, as a
+        pushed (contiguous) tensor its copies read, and, where they read only some columns
+        of its rows (a row-parallel shard), those: ``(first, end, first column, end
+        column)``. A sender may push just that range, or those columns of every row, as a
         piece (``asyncroll.transport.piece``), where it is not the whole tensor. Names loaded
         only with their batch, or that copy nothing, are left out."""
         self._ensure_checked()
-        ranges = {}
+        ranges: dict[str, tuple[int, ...]] = {}
         for name, entry in self._entries.items():
             if name in self._with_batch or not entry.copies:
                 continue
             if entry.stride != _contiguous_strides(entry.shape):
                 continue
-            ranges[name] = _read_range(entry.copies)
+            ranges[name] = _read_range(entry.copies) + _read_columns(entry)
         return ranges
 
     def knows(self, name: str) -> bool:
@@ -404,8 +408,8 @@ class LoadPlan:
                     planned=len(batch), copies=pairs.copies, calls=pairs.calls, remembered=1
                 )
                 return
-        planned: list[tuple[_Entry, torch.Tensor, int]] = []
-        """(entry, tensor, element offset of the tensor in the pushed whole)."""
+        planned: list[tuple[_Entry, torch.Tensor, Part | None]] = []
+        """(entry, tensor, where the tensor sits in the pushed whole: None, it is whole)."""
         learn: list[tuple[str, torch.Tensor]] = []
         fallback: list[tuple[str, torch.Tensor]] = []
         for name, tensor in batch:
@@ -413,20 +417,27 @@ class LoadPlan:
             part = parts.get(name)
             if part is not None:
                 assert entry is not None  # _check_pieces
-                planned.append((entry, tensor, part.offset))
+                planned.append((entry, tensor, part))
             elif entry is not None and _matches(entry, tensor):
-                planned.append((entry, tensor, 0))
+                planned.append((entry, tensor, None))
             elif name in self._unplannable:
                 fallback.append((name, tensor))
             else:
                 learn.append((name, tensor))
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for entry, tensor, shift in planned:
-            base = tensor.storage_offset() - shift
+        for entry, tensor, piece in planned:
+            base = tensor.storage_offset()
             for copy in entry.copies:
+                size, stride, offset = copy.size, copy.stride, copy.offset
+                if piece is not None:  # the same read, of the piece (``_check_pieces``)
+                    if not all(size):
+                        continue
+                    view = piece.source_view(size, stride, offset, tensor.numel())
+                    assert view is not None
+                    size, stride, offset = view
                 dsts.append(copy.dst)
-                srcs.append(tensor.as_strided(copy.size, copy.stride, base + copy.offset))
+                srcs.append(tensor.as_strided(size, stride, base + offset))
         # Destinations that overlap (a tied alias) keep their copies in order.
         made = _Replay(split_copies(dsts, srcs, disjoint=_disjoint(dsts), coalesce=True), len(dsts))
         with torch.no_grad():
@@ -516,12 +527,13 @@ class LoadPlan:
             elif not tensor.is_contiguous():
                 why = "the piece is not contiguous"
             else:
-                first, end = _read_range(entry.copies)
-                if first < part.offset or end > part.offset + tensor.numel():
-                    why = (
-                        f"its load reads elements [{first}, {end}), the piece holds"
-                        f" [{part.offset}, {part.offset + tensor.numel()})"
-                    )
+                count = tensor.numel()
+                if any(all(c.size) and part.source_view(c.size, c.stride, c.offset, count) is None
+                       for c in entry.copies):
+                    first, end = _read_range(entry.copies)
+                    held = (f"columns {list(part.columns)} of {count} elements" if part.columns
+                            else f"elements [{part.offset}, {part.offset + count})")
+                    why = f"its load reads elements [{first}, {end}), the piece holds {held}"
             if why is not None:
                 raise PieceNotPlannedError(f"a piece of {name!r} cannot be loaded: {why}")
 
@@ -578,6 +590,25 @@ def _whole_matches(entry: _Entry, dtype: torch.dtype, part: Part) -> bool:
         and entry.shape == tuple(part.whole)
         and entry.stride == _contiguous_strides(entry.shape)
     )
+
+
+def _read_columns(entry: _Entry) -> tuple[int, ...]:
+    """``(first, end)``: the columns of the whole tensor's rows (``shape[0]`` rows) that every
+    copy of ``entry`` stays within, where they all read runs within rows or row-major blocks
+    of rows, and not every column; else ``()``."""
+    if len(entry.shape) < 2:
+        return ()
+    row = math.prod(entry.shape[1:])
+    first, end = row, 0
+    for copy in entry.copies:
+        if not all(copy.size):
+            continue
+        rows = Part(whole=entry.shape, offset=0, columns=(0, row))
+        if rows.source_view(copy.size, copy.stride, copy.offset, math.prod(entry.shape)) is None:
+            return ()
+        left = copy.offset % row
+        first, end = min(first, left), max(end, left + copy.size[-1])
+    return (first, end) if 0 < end - first < row else ()
 
 
 def _read_range(copies: Sequence[_Copy]) -> tuple[int, int]:

@@ -26,11 +26,13 @@ __all__ = ["Piece", "split_pieces"]
 class Piece:
     """The elements of a contiguous tensor of shape ``whole`` from element ``offset`` on,
     as many as ``tensor`` holds (``tensor`` is contiguous, or a ``LazyTensor``; its dtype is
-    the whole tensor's)."""
+    the whole tensor's). With ``columns``: only those columns of each row, from the row at
+    ``offset`` on (``plan.Part``)."""
 
     tensor: torch.Tensor | LazyTensor
     whole: tuple[int, ...]
     offset: int
+    columns: tuple[int, int] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -44,13 +46,28 @@ class Piece:
     def part(self) -> Part:
         """What travels to the receiver; ``ValueError`` if the piece does not fit the whole."""
         count = self.tensor.numel()
-        if self.offset < 0 or self.offset + count > math.prod(self.whole):
+        if self.columns is not None:
+            self._check_columns(count)
+        elif self.offset < 0 or self.offset + count > math.prod(self.whole):
             raise ValueError(
                 f"a piece of {count} elements at {self.offset} does not fit {self.whole}"
             )
         if isinstance(self.tensor, torch.Tensor) and not self.tensor.is_contiguous():
             raise ValueError("a piece's tensor must be contiguous")
-        return Part(whole=tuple(self.whole), offset=self.offset)
+        return Part(whole=tuple(self.whole), offset=self.offset, columns=self.columns)
+
+    def _check_columns(self, count: int) -> None:
+        assert self.columns is not None
+        first, end = self.columns
+        row = math.prod(self.whole[1:]) if len(self.whole) > 1 else 0
+        width = end - first
+        if not 0 <= first < end <= row or count % width or self.offset % row:
+            raise ValueError(
+                f"columns [{first}, {end}) of {count} elements at {self.offset} do not fit"
+                f" {self.whole} (rows of {row})"
+            )
+        if self.offset + count // width * row > math.prod(self.whole):
+            raise ValueError(f"{count // width} rows at {self.offset} do not fit {self.whole}")
 
 
 def split_pieces(

@@ -407,6 +407,7 @@ class PushPipeline:
                 name=s.name, dtype=dtype_name(s.dtype), shape=list(s.shape), offset=s.offset,
                 nbytes=s.nbytes, start=s.start, total=s.total, spanning=s.spanning,
                 part=[] if s.part is None else [s.part.offset, *s.part.whole],
+                columns=[] if s.part is None or s.part.columns is None else [*s.part.columns],
             )
             for s in bucket.slots
         ]

@@ -24,6 +24,7 @@ Invariants of ``plan_buckets``:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,12 +70,56 @@ def default_group(name: str) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Part:
     """Where a pushed tensor sits in the tensor it is a piece of: a receiver that reads only
-    some rows of a tensor (a tensor-parallel worker, its shard) may be pushed just those."""
+    some rows of a tensor (a tensor-parallel worker, its shard), or only some columns of every
+    row (a row-parallel shard: ``o_proj``, ``down_proj``), may be pushed just those."""
 
     whole: tuple[int, ...]
     """The shape of the whole tensor."""
     offset: int
     """Element offset of the piece's first element in the whole (contiguous) tensor."""
+    columns: tuple[int, int] | None = None
+    """Set: the piece holds columns ``[first, end)`` of the whole seen as rows of
+    ``prod(whole[1:])`` elements, row after row, from the row at ``offset`` on (a column
+    block: ``whole[:, first:end]``, contiguous); ``offset`` is then a row's first element."""
+
+    @property
+    def row_length(self) -> int:
+        """Elements in a row of the whole tensor (seen as rows x the rest)."""
+        return math.prod(self.whole[1:])
+
+    def source_view(
+        self, size: tuple[int, ...], stride: tuple[int, ...], offset: int, count: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+        """A read of the whole tensor (``size``, ``stride`` and element ``offset``, as
+        ``Tensor.as_strided`` takes them) as the same read of a piece of ``count`` elements;
+        None where it reads elements the piece lacks, or reads in a way this cannot map (a
+        column block maps runs within a row, and row-major blocks of whole rows' columns)."""
+        if self.columns is None:
+            if offset < self.offset or _last_read(size, stride, offset) >= self.offset + count:
+                return None
+            return size, stride, offset - self.offset
+        first, end = self.columns
+        width, row = end - first, self.row_length
+        top, left = divmod(offset - self.offset, row)
+        if top < 0 or left < first or not all(size):
+            return None
+        moved: tuple[int, ...]
+        if len(size) == 1 and (size[0] == 1 or stride[0] == 1):  # a run within one row
+            rows, across, moved = 1, size[0], (1,)
+        elif len(size) == 2 and (size[1] == 1 or stride[1] == 1) and (
+            size[0] == 1 or stride[0] == row
+        ):
+            rows, across, moved = size[0], size[1], (width, 1)
+        else:
+            return None
+        if left + across > end or (top + rows) * width > count:
+            return None
+        return size, moved, top * width + left - first
+
+
+def _last_read(size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> int:
+    """The last element a strided read touches (``offset`` for an empty one)."""
+    return offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True) if n)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

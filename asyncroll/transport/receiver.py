@@ -826,7 +826,9 @@ def _part(entry: wire.Entry) -> Part | None:
     if not entry.part:
         return None
     offset, *whole = entry.part
-    return Part(whole=tuple(whole), offset=offset)
+    first, end = entry.columns if len(entry.columns) == 2 else (None, None)
+    columns = None if first is None or end is None else (first, end)
+    return Part(whole=tuple(whole), offset=offset, columns=columns)
 
 
 def _slot(entry: wire.Entry, dtype: torch.dtype) -> Slot:

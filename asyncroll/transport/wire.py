@@ -98,6 +98,8 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
     part: list[int] = []
     """Empty, or the tensor is a piece of a larger one: ``[offset, *whole_shape]``
     (``plan.Part``)."""
+    columns: list[int] = []
+    """Empty, or the piece's ``[first, end)`` columns (``plan.Part.columns``)."""
 
 
 class Bucket(msgspec.Struct, tag=True, frozen=True):

@@ -990,7 +990,7 @@ class VLLMWeightPort:
         whole = await self._engine.collective_rpc("asyncroll_abort_weight_update")
         return all(whole)
 
-    async def read_ranges(self) -> list[dict[str, tuple[int, int]] | None]:
+    async def read_ranges(self) -> list[dict[str, tuple[int, ...]] | None]:
         ranges = await self._engine.collective_rpc("asyncroll_read_ranges")
         return [
             None if found is None else {name: (int(a), int(b)) for name, (a, b) in found.items()}

@@ -396,7 +396,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             self._plan.forget_sources()
         self._plan = None
 
-    def read_ranges(self) -> dict[str, tuple[int, int]] | None:
+    def read_ranges(self) -> dict[str, tuple[int, ...]] | None:
         """The element range of each pushed tensor that this worker's load reads
         (``LoadPlan.read_ranges``); None without a load plan."""
         if not self._planning or self._plan is None:
@@ -790,7 +790,7 @@ class AsyncrollWorkerExtension:
         if engine is not None:
             engine.shutdown()
 
-    def asyncroll_read_ranges(self) -> dict[str, tuple[int, int]] | None:
+    def asyncroll_read_ranges(self) -> dict[str, tuple[int, ...]] | None:
         """What of each pushed tensor this worker reads (``LoadPlan.read_ranges``): a
         sharded trainer pushes a worker only its rows where it holds them."""
         engine = getattr(self, "weight_transfer_engine", None)

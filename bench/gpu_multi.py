@@ -183,6 +183,9 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
                 checks["hybrid: after sleep, wake and a push of B, it serves B"] = (
                     await greedy(engine, "hybrid-b") == on_b)
             checks["pieces pushed (after the first push)"] = len(pusher.pieces) > 0
+            checks["row-parallel o_proj and down_proj as exchanged column blocks"] = all(
+                any(n.endswith(kind) for n in pusher.pieces)
+                for kind in ("o_proj.weight", "down_proj.weight"))
             # The workers forget their load plans: the next push's pieces fail there, and
             # every rank pushes whole tensors again, at once; the push after uses pieces.
             if engine is not None:

@@ -308,12 +308,14 @@ class DistributedWeightPusher:
             with_pieces = self._with_pieces(pushed, named, pieces)
             if connect:
                 await self._connect(list(workers))
+            how = {name: "rows" if windows is None else "columns"
+                   for name, windows in pieces.items()}
             if self._pusher is not None:
                 report = await self._coordinate(with_pieces, steps, mode, pieces=bool(pieces))
                 if self._reads is None or self._read_updates < 2:
                     await self._learn_reads()
-                return report
-            return await self._follow(with_pieces, version)
+                return dataclasses.replace(report, pieces=how)
+            return dataclasses.replace(await self._follow(with_pieces, version), pieces=how)
         finally:
             await asyncio.to_thread(self._finish_makes, with_pieces, made)
 

@@ -141,6 +141,10 @@ class UpdateReport:
     deliveries: Mapping[str, Delivery] = field(default_factory=dict)
     """Engine name -> what its workers took (engines whose workers report it; gathered after
     the resume, so not part of ``seconds``)."""
+    pieces: Mapping[str, str] = field(default_factory=dict)
+    """A sharded trainer's (``DistributedWeightPusher``): the tensors that travelled without a
+    gather, each as ``"rows"`` (every rank its own rows) or ``"columns"`` (the column blocks
+    the ranks exchanged); every other sharded tensor was gathered whole."""
     group_seconds: tuple[float, ...] = ()
     """A rolling update's (``AsyncServerManager(rolling=k)``): each group's update, in order;
     the stage seconds above are their sums (so ``gb_per_s`` is per group, over them all),

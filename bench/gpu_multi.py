@@ -178,7 +178,9 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
             dist.barrier()
             if engine is not None:
                 await engine.wake_up()
-            await pusher.update(weights_b, global_steps=next(steps))
+            hybrid = await pusher.update(weights_b, global_steps=next(steps))
+            section["pieces"] = {how: sum(1 for h in hybrid.pieces.values() if h == how)
+                                 for how in ("rows", "columns")}  # of the update's tensors
             if engine is not None:
                 checks["hybrid: after sleep, wake and a push of B, it serves B"] = (
                     await greedy(engine, "hybrid-b") == on_b)

@@ -304,7 +304,7 @@ async def run(
     # loads, no load plan) cannot load: every rank pushes whole tensors again, at once.
     with pieces_forced(["model.layers.0.self_attn.q_proj.weight"]):
         report = await pusher.update(model_b.named_parameters(), global_steps=4)
-    out["retried"] = [report.global_steps, sorted(pusher.pieces)]
+    out["retried"] = [report.global_steps, sorted(pusher.pieces), dict(report.pieces)]
     if engine is not None:
         out["on_b_retried"] = await greedy(engine, "on-b-retried")
     # then rank 1 dies

@@ -189,7 +189,7 @@ def test_a_piece_a_worker_cannot_load_is_pushed_again_whole(outcome: dict[str, A
     """The coordinator has a tensor pushed as pieces (each rank its own rows) that the workers
     cannot load (no load plan): they refuse it (``PieceNotPlannedError``), the coordinator's
     verdict tells every rank, and both push whole tensors in the same update, which lands."""
-    assert outcome["retried"] == [4, []]  # the update's last push carried no pieces
+    assert outcome["retried"] == [4, [], {}]  # the update's last push carried no pieces
     assert outcome["on_b_retried"] == outcome["fresh_b"]
 
 

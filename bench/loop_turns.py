@@ -29,19 +29,15 @@ import contextlib
 import gc
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import uvloop
-from rollout_throughput import run_policy, workload
-from safetensors.torch import load_file
+from rollout_throughput import run_policy, warm_engine, workload
 
-from asyncroll import VLLMEngine, frozen_heap
-from asyncroll.testing import make_tiny_model
-from asyncroll.testing.probes import PROBES_EXTENSION
+from asyncroll import frozen_heap
 
 HEAPS = ("untouched", "frozen", "no-gc")
 
@@ -103,28 +99,23 @@ async def main() -> None:
     print(f"{len(jobs)} requests ({sum(n for _, n in jobs)} tokens), {args.concurrency} callers, "
           f"policies {args.policies}, {args.rounds} rounds of {', '.join(HEAPS)}", flush=True)
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as folder:
-        model = make_tiny_model(Path(folder) / "m", seed=0)
-        weights = load_file(str(model / "model.safetensors"))
-        async with VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True,
-                                     worker_extension_cls=PROBES_EXTENSION) as engine:
-            await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
-            for number in range(args.rounds):
-                for policy in args.policies.split(","):
-                    for kind in HEAPS:
-                        gc.collect()  # each run starts from the same heap
-                        with heap(kind), Collections() as seen:
-                            result = await run_policy(engine, weights, policy, jobs,
-                                                      args.interval,
-                                                      concurrency=args.concurrency)
-                        run = {"round": number + 1, "policy": policy, "heap": kind,
-                               "tokens_per_s": round(result["tokens_per_s"]),
-                               "loop_worst_ms": round(result["loop_worst_ms"], 1),
-                               "loop_p99_ms": round(result["loop_p99_ms"], 2),
-                               "collections": seen.summary(),
-                               "tracked_objects": len(gc.get_objects())}
-                        runs.append(run)
-                        print(json.dumps(run), flush=True)
+    async with warm_engine(jobs, args.interval) as (engine, weights):
+        for number in range(args.rounds):
+            for policy in args.policies.split(","):
+                for kind in HEAPS:
+                    gc.collect()  # each run starts from the same heap
+                    with heap(kind), Collections() as seen:
+                        result = await run_policy(engine, weights, policy, jobs,
+                                                  args.interval,
+                                                  concurrency=args.concurrency)
+                    run = {"round": number + 1, "policy": policy, "heap": kind,
+                           "tokens_per_s": round(result["tokens_per_s"]),
+                           "loop_worst_ms": round(result["loop_worst_ms"], 1),
+                           "loop_p99_ms": round(result["loop_p99_ms"], 2),
+                           "collections": seen.summary(),
+                           "tracked_objects": len(gc.get_objects())}
+                    runs.append(run)
+                    print(json.dumps(run), flush=True)
     report(runs)
     if args.json is not None:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import gc
 import itertools
 import random
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -356,6 +358,21 @@ def vars_of(report: Any) -> dict[str, Any]:
     return {name: getattr(report, name) for name in fields}
 
 
+@contextlib.asynccontextmanager
+async def warm_engine(
+    jobs: list[tuple[list[int], int]], interval: float
+) -> AsyncIterator[tuple[VLLMEngine, dict[str, Any]]]:
+    """A CPU engine on a tiny Qwen2 (the probes extension: the workers' step times and receive
+    reports) that has run a few of ``jobs``, and the weights it started on."""
+    with tempfile.TemporaryDirectory() as folder:
+        model = make_tiny_model(Path(folder) / "m", seed=0)
+        weights = load_file(str(model / "model.safetensors"))
+        async with VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True,
+                                     worker_extension_cls=PROBES_EXTENSION) as engine:
+            await run_policy(engine, weights, "none", jobs[:8], interval)
+            yield engine, weights
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=96)
@@ -370,21 +387,15 @@ async def main() -> None:
     print(f"workload: {len(jobs)} requests, {total} tokens, concurrency {args.concurrency}, "
           f"updates every {args.interval:g} s", flush=True)
     results: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        model = make_tiny_model(Path(folder) / "m", seed=0)
-        weights = load_file(str(model / "model.safetensors"))
-        # the probes extension: the workers' step times and receive reports
-        async with VLLMEngine.launch(model, max_model_len=512, skip_tokenizer_init=True,
-                                     worker_extension_cls=PROBES_EXTENSION) as engine:
-            await run_policy(engine, weights, "none", jobs[:8], args.interval)  # warm up
-            gc.collect()
-            gc.freeze()  # start-up's objects live forever: keep full collections off the loop
-            for policy in args.policies.split(","):
-                print(f"running {policy}...", flush=True)
-                results[policy] = await run_policy(engine, weights, policy, jobs, args.interval,
-                                                   concurrency=args.concurrency,
-                                                   slow_turns=args.slow_turns)
-                print(f"  {results[policy]['tokens_per_s']:.0f} tokens/s", flush=True)
+    async with warm_engine(jobs, args.interval) as (engine, weights):
+        gc.collect()
+        gc.freeze()  # start-up's objects live forever: keep full collections off the loop
+        for policy in args.policies.split(","):
+            print(f"running {policy}...", flush=True)
+            results[policy] = await run_policy(engine, weights, policy, jobs, args.interval,
+                                               concurrency=args.concurrency,
+                                               slow_turns=args.slow_turns)
+            print(f"  {results[policy]['tokens_per_s']:.0f} tokens/s", flush=True)
     print("\n| policy | wall s | tokens/s | vs none | vs drain | updates | update s total "
           "| engine stall ms (median / worst; a step: median gap) "
           "| requests resumed | re-prefill tokens / update | loop turn p99 / worst ms |")

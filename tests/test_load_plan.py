@@ -521,6 +521,12 @@ def test_a_worker_loads_pieces_of_its_own_rows_exactly(rank: int) -> None:
     first, end, *columns = ranges["o_proj.weight"]  # a column slice reads across every row
     assert end - first > H * H // 2 and columns == [rank * H // 2, (rank + 1) * H // 2]
     assert ranges["norm.weight"] == (0, H)
+    # A column block is the worker's whole o_proj shard: it lands there byte for byte.
+    o_proj = tensor_parallel_push(0)["o_proj.weight"]
+    _, part = columns_of(o_proj, rank)
+    landing = plan.destination("o_proj.weight", o_proj.dtype, (H, H // 2), part)
+    assert landing is not None and landing.data_ptr() == planned.o_proj.data_ptr()
+    assert landing.numel() == planned.o_proj.numel() * o_proj.element_size()  # (bytes)
 
     for seed in (1, 2):
         tensors = tensor_parallel_push(seed)

@@ -50,15 +50,16 @@ def sharded(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def pieces_forced(names: list[str]) -> Any:
-    """The coordinator's next update pushes ``names`` as pieces, whatever the workers read."""
+def pieces_forced(pieces: dict[str, Any]) -> Any:
+    """The coordinator's next update pushes ``pieces`` as pieces (name -> None: each rank its
+    rows; or per rank the columns to exchange), whatever the workers read."""
     from asyncroll.distributed import DistributedWeightPusher
 
     original = DistributedWeightPusher._piece_names
-    pending = list(names)
+    pending = dict(pieces)
 
     def forced(self: Any, named: Any) -> dict[str, Any]:
-        chosen = dict.fromkeys(pending) or original(self, named)
+        chosen = dict(pending) or original(self, named)
         pending.clear()
         return chosen
 
@@ -67,6 +68,18 @@ def pieces_forced(names: list[str]) -> Any:
         yield
     finally:
         DistributedWeightPusher._piece_names = original  # type: ignore[method-assign]
+
+
+def counting(module: Any, name: str) -> Any:
+    """Count the calls of ``module.name`` from now on; returns a function giving the count."""
+    original, calls = getattr(module, name), [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return lambda: calls[0]
 
 
 def die_in_gather(after: int) -> None:
@@ -300,11 +313,17 @@ async def run(
             delivery = report.deliveries[engine.name]
             out[f"delivery_{tag}"] = [delivery.workers, delivery.tensors, delivery.verified]
         out[f"report_{tag}"] = [report.global_steps, report.tensors, report.push is not None]
-    # B again, with one tensor forced to travel as pieces, which these workers (layerwise
-    # loads, no load plan) cannot load: every rank pushes whole tensors again, at once.
-    with pieces_forced(["model.layers.0.self_attn.q_proj.weight"]):
+    # B again, with two tensors forced to travel as pieces, which these workers (layerwise
+    # loads, no load plan) cannot load: q_proj as each rank's rows, o_proj as the column blocks
+    # the ranks exchange (one all-to-all, counted). Every rank pushes whole tensors again.
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    columns = dict(model_b.named_parameters())[o_proj].shape[1]
+    exchanges = counting(dist, "all_to_all")
+    with pieces_forced({"model.layers.0.self_attn.q_proj.weight": None,
+                        o_proj: [(0, columns // 2), (columns // 2, columns)]}):
         report = await pusher.update(model_b.named_parameters(), global_steps=4)
     out["retried"] = [report.global_steps, sorted(pusher.pieces), dict(report.pieces)]
+    out["exchanges"] = exchanges()
     if engine is not None:
         out["on_b_retried"] = await greedy(engine, "on-b-retried")
     # then rank 1 dies

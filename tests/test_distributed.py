@@ -186,9 +186,11 @@ def test_pushes_from_two_ranks_are_token_exact(outcome: dict[str, Any]) -> None:
 
 
 def test_a_piece_a_worker_cannot_load_is_pushed_again_whole(outcome: dict[str, Any]) -> None:
-    """The coordinator has a tensor pushed as pieces (each rank its own rows) that the workers
-    cannot load (no load plan): they refuse it (``PieceNotPlannedError``), the coordinator's
-    verdict tells every rank, and both push whole tensors in the same update, which lands."""
+    """The coordinator has two tensors pushed as pieces (q_proj as each rank's rows, o_proj as
+    the column blocks the ranks exchange, in one all-to-all) that the workers cannot load (no
+    load plan): they refuse them (``PieceNotPlannedError``), the coordinator's verdict tells
+    every rank, and both push whole tensors in the same update, which lands."""
+    assert outcome["exchanges"] == 1  # o_proj's blocks, exchanged as its bucket was packed
     assert outcome["retried"] == [4, [], {}]  # the update's last push carried no pieces
     assert outcome["on_b_retried"] == outcome["fresh_b"]
 

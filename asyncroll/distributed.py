@@ -273,8 +273,9 @@ class DistributedWeightPusher:
 
     @property
     def pieces(self) -> frozenset[str]:
-        """The tensors the last update pushed as pieces: each rank its own rows, where those
-        are all that the workers it serves read (no gather)."""
+        """The tensors the last update pushed as pieces (no gather): each rank its own rows,
+        where those are all that the workers it serves read, or the column blocks the ranks
+        exchanged (``UpdateReport.pieces`` says which)."""
         return self._last_pieces
 
     async def aclose(self) -> None:
@@ -305,7 +306,7 @@ class DistributedWeightPusher:
         with_pieces: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
         self._last_pieces = frozenset(pieces)
         try:
-            with_pieces = self._with_pieces(pushed, named, pieces)
+            with_pieces = self._with_pieces(pushed, named, pieces, made)
             if connect:
                 await self._connect(list(workers))
             how = {name: "rows" if windows is None else "columns"
@@ -329,11 +330,14 @@ class DistributedWeightPusher:
         the first is packed; a whole one, views."""
         if not any(n.endswith(FUSED_EXPERTS) and _dims(t) == 3 for n, t in pairs):
             return list(pairs)
-        plan = Unfusing()
+        plan: Unfusing | tuple[str, str] = Unfusing()
         if self._pusher is not None:
-            plan = unfusing([n for n, _ in pairs], self._pusher.channel.checkpoint_names())
+            try:
+                plan = unfusing([n for n, _ in pairs], self._pusher.channel.checkpoint_names())
+            except Exception as exc:  # (an unreadable checkpoint) the others must hear of it
+                plan = ("failed", f"rank {self.rank}: the engines' checkpoint names: {exc}")
         plan = await self._broadcast(plan)
-        if not isinstance(plan, Unfusing):  # the coordinator did not answer
+        if not isinstance(plan, Unfusing):  # the coordinator failed, or did not answer
             raise WeightSyncError(str(plan[1]))
         out: list[tuple[str, torch.Tensor | ExpertPart]] = []
         for name, tensor in pairs:
@@ -397,6 +401,7 @@ class DistributedWeightPusher:
         pushed: dict[str, torch.Tensor | LazyTensor],
         named: Mapping[str, torch.Tensor | ExpertPart],
         pieces: Mapping[str, Windows | None],
+        made: set[str],
     ) -> dict[str, torch.Tensor | LazyTensor | Piece]:
         """``pushed``, with each of ``pieces`` as this rank's rows of it, or as the column
         block its workers read (exchanged when packed); cast to ``dtype`` as they are packed,
@@ -406,7 +411,8 @@ class DistributedWeightPusher:
             tensor = named[name]
             assert not isinstance(tensor, ExpertPart)  # (never chosen: ``_piece_names``)
             if windows is not None:
-                block = _column_block(tensor.detach(), windows, self.rank, self._dtype)
+                block = _column_block(tensor.detach(), windows, self.rank, self._dtype,
+                                      name=name, made=made)
                 out[name] = Piece(block, whole=tuple(tensor.shape), offset=0,
                                   columns=windows[self.rank])
                 continue
@@ -638,10 +644,11 @@ class DistributedWeightPusher:
     ) -> None:
         """Make, in plan order, what this rank's push did not (it failed, or this rank
         serves no worker): the other ranks' collectives wait for ours."""
-        rest = {
-            name: tensor if isinstance(tensor, LazyTensor) and name not in made else torch.empty(0)
-            for name, tensor in pushed.items()  # (a piece's lazy tensor is a cast: no collective)
-        }
+        rest: dict[str, torch.Tensor | LazyTensor] = {}
+        for name, tensor in pushed.items():  # (a piece's own: a cast, or a column exchange)
+            inner = tensor.tensor if isinstance(tensor, Piece) else tensor
+            lazy = isinstance(inner, LazyTensor) and name not in made
+            rest[name] = inner if lazy else torch.empty(0)
         if not any(isinstance(tensor, LazyTensor) for tensor in rest.values()):
             return
         metas = [  # the plan the push made (a piece travels as its own tensor)
@@ -886,25 +893,35 @@ def _column_windows(reads: Sequence[tuple[int, ...]], world: int) -> Windows | N
 
 
 def _column_block(
-    tensor: torch.Tensor, windows: Windows, rank: int, dtype: torch.dtype | None
+    tensor: torch.Tensor,
+    windows: Windows,
+    rank: int,
+    dtype: torch.dtype | None,
+    *,
+    name: str = "",
+    made: set[str] | None = None,
 ) -> LazyTensor:
     """The columns ``windows[rank]`` of every row of ``tensor`` (a 2-D ``DTensor``,
     ``Shard(0)`` evenly over the ranks), made when packed by one all-to-all: each rank sends
-    every other rank its own rows' block of that rank's columns, and stacks the blocks it
-    receives in rank order (the rows' order). Each rank moves only what its workers load."""
+    every other rank its own rows' block of that rank's columns (cast to ``dtype`` first: a
+    float32 master moves as bf16), and stacks the blocks it receives in rank order (the rows'
+    order). Each rank moves only what its workers load. Once made, ``name`` is in ``made``
+    (``_finish_makes`` makes what a failed push did not: every rank joins each exchange)."""
     local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
     group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
     first, end = windows[rank]
     target = dtype if dtype is not None and local.is_floating_point() else local.dtype
-
     widest = max(b - a for a, b in windows)
 
     def make() -> torch.Tensor:
+        if made is not None:
+            made.add(name)
         with torch.no_grad():  # blocks of one width (gloo's all-to-all takes no other)
-            sends = [_widened(local[:, a:b], widest) for a, b in windows]
-            received = [local.new_empty((local.shape[0], widest)) for _ in windows]
+            sends = [_widened(local[:, a:b].to(target), widest) for a, b in windows]
+            received = [local.new_empty((local.shape[0], widest), dtype=target) for _ in windows]
             dist.all_to_all(received, sends, group=group)
-            return torch.cat(received)[:, : end - first]
+            block = torch.cat(received)
+            return block if end - first == widest else block[:, : end - first].contiguous()
 
     return LazyTensor(shape=(tensor.shape[0], end - first), dtype=target, device=local.device,
                       make=make)

@@ -126,6 +126,10 @@ def expert_parts(
     (``f"{block}.{expert}.{projection}.weight"``), expert and rows of that expert."""
     gate, up, down = projections
     experts, rows = shape[0], shape[1]
+    if which != "down_proj" and rows % 2:
+        raise InvalidRequestError(
+            f"{block}: a fused gate_up_proj of {rows} rows (gate; up: an even count)"
+        )
     if which == "down_proj":
         return [(f"{block}.{e}.{down}.weight", e, slice(0, rows)) for e in range(experts)]
     half = rows // 2

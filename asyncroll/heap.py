@@ -38,8 +38,10 @@ def frozen_heap(*, young_threshold: int = YOUNG_THRESHOLD) -> Iterator[int]:
 
     Nests: an inner one freezes what was made since the outer one, and thaws nothing on exit
     (the outermost exit thaws all)."""
-    if young_threshold < 1:
-        raise ValueError(f"young_threshold must be at least 1, not {young_threshold}")
+    if not isinstance(young_threshold, int) or isinstance(young_threshold, bool) or (
+        young_threshold < 1
+    ):
+        raise ValueError(f"young_threshold must be an int of at least 1, not {young_threshold!r}")
     thresholds = gc.get_threshold()
     outermost = gc.get_freeze_count() == 0
     gc.collect()

@@ -211,7 +211,9 @@ class ReceivingPort(WeightPort, Protocol):
 
     async def read_ranges(self) -> list[dict[str, tuple[int, ...]] | None]:
         """Per worker, in order: the range of elements ``[first, end)`` of each pushed tensor
-        its load reads (its load plan's, once a push taught it), or None (no load plan)."""
+        its load reads, and where it reads only some columns of every row, those too:
+        ``(first, end, first column, end column)`` (its load plan's, once a push taught it);
+        or None (no load plan)."""
 
 
 @runtime_checkable

@@ -122,8 +122,9 @@ def gathers_match(model: torch.nn.Module) -> bool:
 
 
 def blocks_match(model: torch.nn.Module) -> list[str]:
-    """Every 2-D parameter's column blocks, exchanged (``_column_block``: one all-to-all),
-    against ``full_tensor()``'s columns, for even and uneven windows; the names that differ."""
+    """Every 2-D parameter's column blocks, exchanged as bf16 (``_column_block``: one
+    all-to-all), against ``full_tensor()``'s columns, for even and uneven windows; the names
+    that differ."""
     from asyncroll.distributed import _column_block
 
     rank, wrong = dist.get_rank(), []
@@ -135,7 +136,7 @@ def blocks_match(model: torch.nn.Module) -> list[str]:
         for windows in ([(0, columns // 2), (columns // 2, columns)], [(0, 3), (1, columns)]):
             made = _column_block(tensor, windows, rank, torch.bfloat16).make()
             first, end = windows[rank]
-            expected = tensor.full_tensor()[:, first:end]  # type: ignore[attr-defined]
+            expected = tensor.full_tensor()[:, first:end].to(torch.bfloat16)  # type: ignore[attr-defined]
             if not torch.equal(made, expected):
                 wrong.append(name)
     return wrong

@@ -88,6 +88,8 @@ def test_the_plan_from_names_alone_gives_each_experts_rows_and_moves_the_router(
         (f"{block}.0.w1.weight", 0, slice(0, 3)), (f"{block}.0.w3.weight", 0, slice(3, 6)),
         (f"{block}.1.w1.weight", 1, slice(0, 3)), (f"{block}.1.w3.weight", 1, slice(3, 6)),
     ]
+    with pytest.raises(InvalidRequestError, match="an even count"):
+        expert_parts(block, "gate_up_proj", (2, 5, 4), ("w1", "w3", "w2"))
     assert expert_parts(block, "down_proj", (2, 4, 3), ("w1", "w3", "w2")) == [
         (f"{block}.0.w2.weight", 0, slice(0, 4)), (f"{block}.1.w2.weight", 1, slice(0, 4)),
     ]

@@ -56,6 +56,9 @@ def test_an_inner_block_thaws_nothing_and_the_outer_thaws_all() -> None:
 
 def test_a_threshold_below_one_is_refused_and_nothing_changes() -> None:
     before = gc.get_threshold()
-    with pytest.raises(ValueError, match="at least 1"), frozen_heap(young_threshold=0):
-        pass
+    for bad in (0, 5e4, True):
+        with pytest.raises(ValueError, match="an int of at least 1"), frozen_heap(
+            young_threshold=bad  # type: ignore[arg-type]
+        ):
+            pass
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == before

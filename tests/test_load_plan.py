@@ -26,6 +26,7 @@ from asyncroll.receive.load_plan import LoadPlan
 from asyncroll.transport import LazyTensor, Part, Piece, ShmBackend, WeightReceiver, wire
 from asyncroll.transport.packing import FUSE_BYTES
 from asyncroll.transport.sender import open_weight_sender
+from asyncroll.vllm.engine import read_ranges_of
 
 H, KV, INTER, VOCAB, PADDED = 16, 8, 24, 40, 48
 TP_RANK, TP_SIZE = 1, 2
@@ -522,6 +523,8 @@ def test_a_worker_loads_pieces_of_its_own_rows_exactly(rank: int) -> None:
     assert end - first > H * H // 2 and columns == [rank * H // 2, (rank + 1) * H // 2]
     assert ranges["norm.weight"] == (0, H)
     # A column block is the worker's whole o_proj shard: it lands there byte for byte.
+    # What the engine's port hands on from the workers' RPC (msgpack: lists): the same.
+    assert read_ranges_of({n: list(r) for n, r in ranges.items()}) == ranges
     o_proj = tensor_parallel_push(0)["o_proj.weight"]
     _, part = columns_of(o_proj, rank)
     landing = plan.destination("o_proj.weight", o_proj.dtype, (H, H // 2), part)
@@ -635,6 +638,9 @@ async def test_a_bad_piece_is_refused_by_the_sender() -> None:
         with pytest.raises(ValueError, match=r"columns \[2, 6\) .* do not fit"):  # 4 columns
             await sender.push({"w": Piece(torch.ones(3, 4), whole=(3, 4), offset=0,
                                           columns=(2, 6))}, version=1)
+        with pytest.raises(ValueError, match=r"columns \[0, 2\) .* at -4 do not fit"):
+            await sender.push({"w": Piece(torch.ones(2, 2), whole=(3, 4), offset=-4,
+                                          columns=(0, 2))}, version=1)
         with pytest.raises(ValueError, match="4 rows at 0 do not fit"):
             await sender.push({"w": Piece(torch.ones(4, 2), whole=(3, 4), offset=0,
                                           columns=(0, 2))}, version=1)

@@ -61,7 +61,7 @@ class Piece:
         first, end = self.columns
         row = math.prod(self.whole[1:]) if len(self.whole) > 1 else 0
         width = end - first
-        if not 0 <= first < end <= row or count % width or self.offset % row:
+        if not 0 <= first < end <= row or count % width or self.offset < 0 or self.offset % row:
             raise ValueError(
                 f"columns [{first}, {end}) of {count} elements at {self.offset} do not fit"
                 f" {self.whole} (rows of {row})"

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import secrets
 import time
@@ -826,8 +827,12 @@ def _part(entry: wire.Entry) -> Part | None:
     if not entry.part:
         return None
     offset, *whole = entry.part
-    first, end = entry.columns if len(entry.columns) == 2 else (None, None)
-    columns = None if first is None or end is None else (first, end)
+    columns = None
+    if entry.columns:
+        first, end = entry.columns  # (a sender's ``Piece.part`` checked them; a bad one fails)
+        if len(whole) < 2 or not 0 <= first < end <= math.prod(whole[1:]):
+            raise ValueError(f"{entry.name!r}: columns {entry.columns} do not fit {whole}")
+        columns = (first, end)
     return Part(whole=tuple(whole), offset=offset, columns=columns)
 
 

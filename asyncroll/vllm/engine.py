@@ -248,10 +248,10 @@ class VLLMEngine:
             label = version_label(global_steps)
             if label is not None and engine.native_versions:
                 await engine.call_vllm(llm.update_weight_version(label))
-            prepacked = await engine.call_vllm(llm.collective_rpc("asyncroll_prepacked_experts"))
-            engine._weights.prepacked_experts = tuple(sorted(set().union(*prepacked)))
             engine._rendezvous_files = compat.rendezvous_files(
                 await engine.call_vllm(llm.collective_rpc("asyncroll_rendezvous")))
+            prepacked = await engine.call_vllm(llm.collective_rpc("asyncroll_prepacked_experts"))
+            engine._weights.prepacked_experts = tuple(sorted(set().union(*prepacked)))
             counting = await engine.call_vllm(llm.collective_rpc("asyncroll_count_samples"))
             # One worker: several (tensor parallel) would each decide their load's fate alone
             # in the commit's RPC, and one could roll back while another finishes.
@@ -484,15 +484,17 @@ class VLLMEngine:
 
     async def _shut_down(self) -> None:
         processes = compat.engine_core_processes(self._llm)
-        await asyncio.to_thread(self._llm.shutdown)
-        # AsyncLLM.__del__ shuts down again, which fails at interpreter exit; once is enough.
-        self._llm.shutdown = _already_shut_down  # type: ignore[method-assign]
-        # vLLM stops its EngineCore but leaves the exited process unreaped (a zombie until
-        # the next process starts): reap it.
-        await asyncio.to_thread(_reap, processes)
-        for path in self._rendezvous_files:  # its workers are gone: nobody meets there again
-            with contextlib.suppress(OSError):
-                path.unlink()
+        try:
+            await asyncio.to_thread(self._llm.shutdown)
+            # AsyncLLM.__del__ shuts down again, which fails at interpreter exit; once is enough.
+            self._llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+            # vLLM stops its EngineCore but leaves the exited process unreaped (a zombie until
+            # the next process starts): reap it.
+            await asyncio.to_thread(_reap, processes)
+        finally:
+            for path in self._rendezvous_files:  # its workers are gone: nobody meets there
+                with contextlib.suppress(OSError):
+                    path.unlink()
         await asyncio.sleep(0)  # vLLM's socket closes, queued on this loop, run first
         compat.release_client(self._llm)
 
@@ -991,11 +993,10 @@ class VLLMWeightPort:
         return all(whole)
 
     async def read_ranges(self) -> list[dict[str, tuple[int, ...]] | None]:
+        """Per worker, ``LoadPlan.read_ranges``: ``(first, end)`` of each tensor, and the
+        columns ``(first, end, first column, end column)`` where it reads only those."""
         ranges = await self._engine.collective_rpc("asyncroll_read_ranges")
-        return [
-            None if found is None else {name: (int(a), int(b)) for name, (a, b) in found.items()}
-            for found in ranges
-        ]
+        return [read_ranges_of(found) for found in ranges]
 
     async def _answers(
         self,
@@ -1150,6 +1151,14 @@ def _check_model_path(model_path: str | os.PathLike[str]) -> Path:
     if not path.exists() and (path.is_absolute() or str(model_path).startswith(".")):
         raise EngineStartError(f"model folder {str(model_path)!r} does not exist")
     return path
+
+
+def read_ranges_of(found: Mapping[str, Sequence[int]] | None) -> dict[str, tuple[int, ...]] | None:
+    """One worker's ``asyncroll_read_ranges`` answer as tuples of ints (a range, or a range
+    and the columns read: two or four numbers)."""
+    if found is None:
+        return None
+    return {name: tuple(int(x) for x in read) for name, read in found.items()}
 
 
 def _reap(processes: Sequence[Any], timeout: float = 5.0) -> None:

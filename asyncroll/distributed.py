@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from asyncroll.errors import InvalidRequestError, PieceNotPlannedError, WeightSyncError
 from asyncroll.experts import FUSED_EXPERTS, Unfusing, expert_parts, split_experts, unfusing
-from asyncroll.fingerprints import SAMPLES, Fingerprinter
+from asyncroll.fingerprints import SAMPLES, Fingerprinter, sampled
 from asyncroll.interfaces import INFLIGHT_MODES, ReceivingEngine, ResumeMode, UpdateReport
 from asyncroll.transport import (
     CudaIpcBackend,
@@ -826,13 +826,10 @@ class ExpertPart:
         another layout (fingerprinted as it is made)."""
         if not _gathers_in_one_call(self.tensor):
             return None
-        n = self.numel()
-        count = _sample_count(n)
         held = self.held()
         if held is None:
-            return torch.zeros(count, dtype=dtype)
-        positions = torch.arange(count, device=held.device) * (n // SAMPLES if n > SAMPLES else 1)
-        return held.reshape(-1)[positions].to(dtype)
+            return torch.zeros(_sample_count(self.numel()), dtype=dtype)
+        return sampled(held).to(dtype)
 
 
 class _FusedGather:

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["SAMPLES", "Fingerprinter", "fingerprints", "holds_exactly"]
+__all__ = ["SAMPLES", "Fingerprinter", "fingerprints", "holds_exactly", "sampled"]
 
 SAMPLES: Final = 64
 
@@ -172,13 +172,13 @@ class Fingerprinter:
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
             for tensor in tensors.values():
                 if not tensor.is_contiguous():
-                    samples.append(_sample(tensor))  # a copy: nothing to keep
+                    samples.append(sampled(tensor))  # a copy: nothing to keep
                     continue
                 key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
                        tensor.device)
                 view = self._views.get(key)
                 if view is None:
-                    view = _sample(tensor)
+                    view = sampled(tensor)
                 views[key] = view
                 samples.append(view)
         self._views = views
@@ -228,8 +228,10 @@ def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
     return Fingerprinter()(tensors)
 
 
-def _sample(tensor: torch.Tensor) -> torch.Tensor:
-    """The sampled elements: a strided view of a contiguous tensor (no copy)."""
+def sampled(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements a fingerprint samples: element ``i * (n // SAMPLES)`` of the flattened
+    tensor, ``SAMPLES`` of them, or all of a tensor of ``SAMPLES`` or fewer; a strided view of
+    a contiguous tensor (no copy)."""
     flat = tensor.reshape(-1)
     n = flat.numel()
     if n <= SAMPLES:

@@ -598,13 +598,13 @@ def _read_columns(entry: _Entry) -> tuple[int, ...]:
     of rows, and not every column; else ``()``."""
     if len(entry.shape) < 2:
         return ()
-    row = math.prod(entry.shape[1:])
+    row, count = math.prod(entry.shape[1:]), math.prod(entry.shape)
+    rows = Part(whole=entry.shape, offset=0, columns=(0, row))  # every column: the whole
     first, end = row, 0
     for copy in entry.copies:
         if not all(copy.size):
             continue
-        rows = Part(whole=entry.shape, offset=0, columns=(0, row))
-        if rows.source_view(copy.size, copy.stride, copy.offset, math.prod(entry.shape)) is None:
+        if rows.source_view(copy.size, copy.stride, copy.offset, count) is None:
             return ()
         left = copy.offset % row
         first, end = min(first, left), max(end, left + copy.size[-1])

@@ -70,8 +70,9 @@ def pieces_forced(pieces: dict[str, Any]) -> Any:
         DistributedWeightPusher._piece_names = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
 def counting(module: Any, name: str) -> Any:
-    """Count the calls of ``module.name`` from now on; returns a function giving the count."""
+    """Count the calls of ``module.name`` inside; yields a one-item list holding the count."""
     original, calls = getattr(module, name), [0]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -79,7 +80,10 @@ def counting(module: Any, name: str) -> Any:
         return original(*args, **kwargs)
 
     setattr(module, name, counted)
-    return lambda: calls[0]
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
 
 
 def die_in_gather(after: int) -> None:
@@ -319,12 +323,12 @@ async def run(
     # the ranks exchange (one all-to-all, counted). Every rank pushes whole tensors again.
     o_proj = "model.layers.0.self_attn.o_proj.weight"
     columns = dict(model_b.named_parameters())[o_proj].shape[1]
-    exchanges = counting(dist, "all_to_all")
-    with pieces_forced({"model.layers.0.self_attn.q_proj.weight": None,
-                        o_proj: [(0, columns // 2), (columns // 2, columns)]}):
+    forced = {"model.layers.0.self_attn.q_proj.weight": None,
+              o_proj: [(0, columns // 2), (columns // 2, columns)]}
+    with counting(dist, "all_to_all") as exchanges, pieces_forced(forced):
         report = await pusher.update(model_b.named_parameters(), global_steps=4)
     out["retried"] = [report.global_steps, sorted(pusher.pieces), dict(report.pieces)]
-    out["exchanges"] = exchanges()
+    out["exchanges"] = exchanges[0]
     if engine is not None:
         out["on_b_retried"] = await greedy(engine, "on-b-retried")
     # then rank 1 dies

@@ -20,8 +20,8 @@ update:
 3. The coordinator runs the update sequence (pause, push, label, cache reset, resume) while
    every other rank pushes into its workers. Where every worker reads only rows that its rank
    holds (the workers' load plans say what they read, asked after the first pushes), each rank
-   pushes its own rows as a ``Piece`` (``asyncroll.transport.piece``), with no gather; where
-   every worker reads only some columns of each row (a row-parallel shard: o, down), the ranks
+   pushes its own rows as a ``Piece`` (``asyncroll.transport.piece``), with no gather; with
+   ``column_blocks``, where every worker reads only some columns of each row (o, down), the ranks
    exchange those column blocks (one all-to-all when the tensor's bucket is packed) and each
    pushes its workers' block as a piece. The coordinator chooses these in step 1's collective,
    so every rank plans the same buckets. Any other sharded tensor (``DTensor``) is gathered when
@@ -125,6 +125,7 @@ class DistributedWeightPusher:
         check_finite: bool = True,
         verify: bool = True,
         pieces: bool = True,
+        column_blocks: bool = False,
     ) -> None:
         """Call on every rank at once (it makes a process group). Args as ``WeightPusher``,
         and:
@@ -139,6 +140,11 @@ class DistributedWeightPusher:
                 tensor-parallel shard of q, k, v, gate, up, the embedding, the head), push
                 each rank's own rows, with no gather (learned from the workers' load plans
                 after the first push; ``pieces``). False: always whole tensors.
+            column_blocks: Where every worker reads only some columns of each row (the
+                row-parallel shard of o and down), the ranks exchange those column blocks
+                (one all-to-all per tensor) and push each worker its block, instead of
+                gathering the whole tensor (needs ``pieces``). Off by default until it has run
+                into GPU engines: checked on CPU through the load plan and gloo only.
         """
         if not dist.is_initialized():
             raise InvalidRequestError("torch.distributed is not initialized (init_process_group)")
@@ -160,6 +166,7 @@ class DistributedWeightPusher:
         self._verify = verify
         self._check_finite = check_finite
         self._use_pieces = pieces
+        self._column_blocks = column_blocks
         self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         self._pusher = (
             WeightPusher(
@@ -363,8 +370,9 @@ class DistributedWeightPusher:
         - None: each rank's own rows, with no exchange, where every worker reads only rows of
           the rank that serves it (a column-parallel shard: q, k, v, gate, up, the embedding);
         - per rank, the columns ``[first, end)`` its workers read of every row (a row-parallel
-          shard: o, down): the ranks exchange those column blocks (``_column_block``: each
-          rank receives only what its workers load) instead of gathering the whole tensor.
+          shard: o, down; with ``column_blocks``): the ranks exchange those column blocks
+          (``_column_block``: each rank receives only what its workers load) instead of
+          gathering the whole tensor.
         Only tensors ``Shard(0)`` over all ranks, evenly."""
         reads = self._reads
         if not self._use_pieces or not reads or any(r is None for r in reads):
@@ -391,7 +399,9 @@ class DistributedWeightPusher:
                    for w, r in enumerate(known)):
                 chosen[name] = None
                 continue
-            windows = _column_windows(known, world) if tensor.dim() == 2 else None
+            windows = None
+            if self._column_blocks and tensor.dim() == 2:
+                windows = _column_windows(known, world)
             if windows is not None:
                 chosen[name] = windows
         return chosen

@@ -158,7 +158,8 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
     if not correctness:
         options["load_format"] = "dummy"
     async with maybe_engine(folder, name=f"tp2-{size}", **options) as engine:
-        pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=300)
+        pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=300,
+                                         column_blocks=True)
         checks: dict[str, bool] = {}
         if correctness:
             fresh_a = await greedy(engine, "fresh-a") if engine is not None else None
@@ -204,8 +205,11 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
             section["checks"] = checks
             log(f"{size} checks: {checks}")
         section["gather only ms"] = gather_ms(weights_b)
-        variants = {"ours": {}, "ours unverified": {"verify": False},
-                    "ours 1 GiB x2": {"bucket_bytes": 1 << 30},
+        # "ours": rows and column blocks as pieces; "ours rows only": the default until the
+        # column blocks have run here (the same run's A/B).
+        variants = {"ours": {"column_blocks": True}, "ours rows only": {},
+                    "ours unverified": {"verify": False, "column_blocks": True},
+                    "ours 1 GiB x2": {"bucket_bytes": 1 << 30, "column_blocks": True},
                     "ours whole tensors (no pieces)": {"pieces": False},
                     "ours whole tensors 1 GiB x2": {"pieces": False, "bucket_bytes": 1 << 30}}
         for label, extra in variants.items():

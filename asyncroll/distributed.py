@@ -839,7 +839,7 @@ class ExpertPart:
         held = self.held()
         if held is None:
             return torch.zeros(_sample_count(self.numel()), dtype=dtype)
-        return sampled(held).to(dtype)
+        return sampled(held).to(dtype).contiguous()  # (a strided view where no cast copies)
 
 
 class _FusedGather:

@@ -16,13 +16,20 @@ paused. The manager (``AsyncServerManager.update_adapter``) owns the revisions:
 - each revision has a name of its own in vLLM (``name@revision``), so vLLM's prefix cache,
   keyed by the LoRA's name, never serves one revision's KV to another.
 
+An adapter travels packed (``pack_adapter``): its tensors joined into one flat tensor per dtype,
+with a layout saying where each lies. A rank-64 adapter of a 7B model is 392 small matrices; one
+tensor a push, not one a matrix, keeps every per-tensor cost (a view, a fingerprint's sample, a
+message entry, a copy) off the update, on both sides. Each matrix is still fingerprinted on its
+own (``asyncroll.fingerprints.packed_fingerprints``), so the check proves what it proved before.
+
 This module is pure (torch only): the tensors' names and shapes checked against what an engine
-serves (``AdapterLayout``), and the revision table (``Revisions``).
+serves (``AdapterLayout``), the packing, and the revision table (``Revisions``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import re
@@ -33,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncroll.errors import InvalidRequestError
+from asyncroll.errors import InvalidRequestError, WeightSyncError
 from asyncroll.update_check import nonfinite
 
 if TYPE_CHECKING:
@@ -45,12 +52,17 @@ __all__ = [
     "AdapterLayout",
     "AdapterReport",
     "AdapterRevision",
+    "PackedAdapter",
+    "Placement",
     "Revisions",
     "adapter_tensors",
     "check_adapter",
     "check_adapter_name",
     "check_finite",
     "decoder_shapes",
+    "pack_adapter",
+    "pack_finite",
+    "unpack_adapter",
 ]
 
 _NAME = re.compile(
@@ -177,8 +189,8 @@ def adapter_tensors(
     out: dict[str, torch.Tensor] = {}
     halves: dict[str, set[str]] = {}
     for name, tensor in items:
-        match = _NAME.match(name) if isinstance(name, str) else None
-        if match is None:
+        parsed = _parsed(name) if isinstance(name, str) else None
+        if parsed is None:
             raise InvalidRequestError(
                 f"{name!r} is not a LoRA tensor (want <module>.lora_A.weight or"
                 " <module>.lora_B.weight, PEFT's names)"
@@ -187,17 +199,118 @@ def adapter_tensors(
             raise InvalidRequestError(f"{name!r}: a LoRA tensor is a 2-d torch.Tensor")
         if not tensor.is_floating_point():
             raise InvalidRequestError(f"{name!r}: dtype {tensor.dtype} is not floating point")
-        module, half = match["module"], match["ab"]
-        peft = f"base_model.model.{module}.lora_{half}.weight"
+        peft, module, half = parsed
         if peft in out:
             raise InvalidRequestError(f"{name!r}: {module}'s lora_{half} is given twice")
-        out[peft] = tensor.detach()
+        out[peft] = tensor  # (packed under no_grad: nothing of autograd travels)
         halves.setdefault(module, set()).add(half)
     if not out:
         raise InvalidRequestError("no adapter tensors to push")
     lonely = sorted(m for m, h in halves.items() if h != {"A", "B"})
     if lonely:
         raise InvalidRequestError(f"modules with only one of lora_A, lora_B: {lonely[:4]}")
+    return out
+
+
+Placement = tuple[str, str, int, tuple[int, ...]]
+"""Where one tensor of a packed adapter lies: (its name, its chunk, its first element there,
+its shape)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedAdapter:
+    """An adapter as it travels: one flat tensor (a *chunk*) per dtype, and where each of its
+    tensors lies in them (``pack_adapter``; ``unpack_adapter`` gives the tensors back)."""
+
+    chunks: dict[str, torch.Tensor]
+    """Chunk name (``asyncroll.adapter.<dtype>``) -> a 1-d tensor."""
+    layout: tuple[Placement, ...]
+    """Each tensor's place, in the order packed (consecutive within a chunk)."""
+
+    @property
+    def tensors(self) -> int:
+        return len(self.layout)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.chunks.values())
+
+
+def pack_adapter(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:
+    """Join ``tensors`` into one flat tensor per dtype (one copy of their bytes, one kernel a
+    dtype on a GPU), on their device.
+
+    Raises:
+        InvalidRequestError: tensors on more than one device.
+    """
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise InvalidRequestError(
+            f"an adapter's tensors are on one device, not on {sorted(map(str, devices))}"
+        )
+    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        groups.setdefault(tensor.dtype, []).append((name, tensor))
+    chunks: dict[str, torch.Tensor] = {}
+    layout: list[Placement] = []
+    with torch.no_grad():
+        for dtype, members in groups.items():
+            chunk = f"asyncroll.adapter.{str(dtype).removeprefix('torch.')}"
+            offset = 0
+            for name, tensor in members:
+                layout.append((name, chunk, offset, tuple(tensor.shape)))
+                offset += tensor.numel()
+            flats = [t.reshape(-1) for _, t in members]
+            chunks[chunk] = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+    return PackedAdapter(chunks, tuple(layout))
+
+
+def pack_finite(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:
+    """``pack_adapter``, every value checked finite on the way (one pass over the chunks).
+
+    Raises:
+        InvalidRequestError: names the tensors holding a NaN or an inf; or as
+            ``pack_adapter``.
+    """
+    packed = pack_adapter(tensors)
+    if nonfinite(packed.chunks):
+        check_finite(tensors)  # names the tensors at fault
+    return packed
+
+
+def unpack_adapter(
+    chunks: Mapping[str, torch.Tensor], layout: Iterable[Placement]
+) -> dict[str, torch.Tensor]:
+    """The tensors of a packed adapter: views of ``chunks`` (no copy), by name.
+
+    Raises:
+        WeightSyncError: a layout that does not tile the chunks exactly (a chunk missing, a
+            gap, an overlap, a size that does not add up).
+    """
+    placed: dict[str, list[Placement]] = {}
+    for place in layout:
+        placed.setdefault(place[1], []).append(place)
+    if placed.keys() != chunks.keys():
+        raise WeightSyncError(
+            f"the adapter's layout names chunks {sorted(placed)}, the push delivered"
+            f" {sorted(chunks)}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for chunk, places in placed.items():
+        flat = chunks[chunk]
+        sizes, at = [], 0
+        for name, _, offset, shape in places:
+            if offset != at:
+                raise WeightSyncError(f"{name}: at element {offset} of {chunk}, want {at}")
+            size = math.prod(shape)
+            sizes.append(size)
+            at += size
+        if flat.dim() != 1 or at != flat.numel():
+            raise WeightSyncError(
+                f"{chunk}: {tuple(flat.shape)} delivered, the layout fills {at} elements"
+            )
+        for (name, _, _, shape), part in zip(places, torch.split(flat, sizes), strict=True):
+            out[name] = part.view(shape)
     return out
 
 
@@ -242,12 +355,24 @@ def decoder_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
     }
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _parsed(name: str) -> tuple[str, str, str] | None:
+    """PEFT's name of a LoRA tensor, its module path and its half (``A`` or ``B``); None if
+    ``name`` is no LoRA tensor's. (An adapter's names come back with every push.)"""
+    match = _NAME.match(name)
+    if match is None:
+        return None
+    module, half = match["module"], match["ab"]
+    return f"base_model.model.{module}.lora_{half}.weight", module, half
+
+
 def modules_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Module path -> (lora_A, lora_B), from ``adapter_tensors``'s names."""
     pairs: dict[str, list[torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        module = name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
-        pairs.setdefault(module, [tensor, tensor])[0 if ".lora_A." in name else 1] = tensor
+        parsed = _parsed(name)
+        assert parsed is not None, name
+        pairs.setdefault(parsed[1], [tensor, tensor])[parsed[2] == "B"] = tensor
     return {module: (a, b) for module, (a, b) in pairs.items()}
 
 

@@ -22,7 +22,14 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["SAMPLES", "Fingerprinter", "fingerprints", "holds_exactly", "sampled"]
+__all__ = [
+    "SAMPLES",
+    "Fingerprinter",
+    "fingerprints",
+    "holds_exactly",
+    "packed_fingerprints",
+    "sampled",
+]
 
 SAMPLES: Final = 64
 
@@ -226,6 +233,53 @@ def holds_exactly(served: torch.dtype, pushed: torch.dtype) -> bool:
 def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
     """The fingerprint of each tensor (see the module doc)."""
     return Fingerprinter()(tensors)
+
+
+def packed_fingerprints(
+    chunks: Mapping[str, torch.Tensor],
+    layout: tuple[tuple[str, str, int, tuple[int, ...]], ...],
+) -> dict[str, bytes]:
+    """The fingerprint of each tensor of a packed adapter (``asyncroll.adapters.pack_adapter``:
+    ``layout`` places each one in a flat chunk), equal to ``fingerprints`` of the tensors
+    themselves, from one gather and one copy to the host per chunk."""
+    out: dict[str, bytes] = {}
+    with torch.no_grad():
+        for chunk, flat in chunks.items():
+            names, index, ends = _packed_samples(layout, chunk, flat.device)
+            blob = flat[index].cpu().view(torch.uint8).numpy().tobytes()
+            size, at = flat.element_size(), 0
+            for name, end in zip(names, ends, strict=True):
+                out[name] = blob[at * size:end * size]
+                at = end
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _packed_samples(
+    layout: tuple[tuple[str, str, int, tuple[int, ...]], ...], chunk: str, device: torch.device
+) -> tuple[list[str], torch.Tensor, list[int]]:
+    """The positions ``sampled`` reads of each tensor of ``chunk``, as one index into it; the
+    tensors' names, and where each one's samples end."""
+    names: list[str] = []
+    firsts: list[int] = []
+    steps: list[int] = []
+    counts: list[int] = []
+    for name, where, offset, shape in layout:
+        if where != chunk:
+            continue
+        n = 1
+        for dim in shape:
+            n *= dim
+        names.append(name)
+        firsts.append(offset)
+        steps.append(n // SAMPLES if n > SAMPLES else 1)
+        counts.append(min(n, SAMPLES))
+    count = torch.tensor(counts)
+    ends = count.cumsum(0)
+    owner = torch.repeat_interleave(torch.arange(len(names)), count)
+    within = torch.arange(int(ends[-1])) - (ends - count)[owner] if names else torch.zeros(0)
+    index = torch.tensor(firsts)[owner] + within * torch.tensor(steps)[owner]
+    return names, index.to(device), ends.tolist()
 
 
 def sampled(tensor: torch.Tensor) -> torch.Tensor:

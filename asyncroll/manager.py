@@ -33,7 +33,7 @@ from asyncroll.adapters import (
     adapter_tensors,
     check_adapter,
     check_adapter_name,
-    check_finite,
+    pack_finite,
 )
 from asyncroll.errors import (
     EngineDeadError,
@@ -628,7 +628,9 @@ class AsyncServerManager:
                         f" {layout.slots} in a step: start it with max_loras = max_cpu_loras,"
                         " or calls pinned to older revisions wait behind the newest's"
                     )
-            await asyncio.to_thread(check_finite, tensors)  # reads every byte: off the loop
+            # One flat tensor a dtype travels (``pack_adapter``); its check reads every byte
+            # once: off the loop.
+            packed = await asyncio.to_thread(pack_finite, tensors)
             resident = min(layout.resident for layout in layouts)
             needed = len(self._revisions.adapters() | {adapter}) + 1
             if resident < needed:
@@ -643,7 +645,7 @@ class AsyncServerManager:
             pushed = time.perf_counter()
             try:
                 push = await channel.push_adapter(
-                    engines, tensors, revision, config.peft_config(tensors), drop=dropped
+                    engines, packed, revision, config.peft_config(tensors), drop=dropped
                 )
             except BaseException as exc:
                 await shielded(self._forget(engines, [revision, *dropped]))
@@ -663,7 +665,7 @@ class AsyncServerManager:
                 push_seconds=ended - pushed,
                 dropped=tuple(r.revision for r in dropped),
                 tensors=len(tensors),
-                bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                bytes=packed.nbytes,
                 push=push,
                 deliveries=channel.deliveries(),
             )

@@ -46,7 +46,7 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.experts import FUSED_EXPERTS, unfused_experts
-from asyncroll.fingerprints import Fingerprinter, fingerprints
+from asyncroll.fingerprints import Fingerprinter, fingerprints, packed_fingerprints
 from asyncroll.interfaces import (
     INFLIGHT_MODES,
     Delivery,
@@ -78,7 +78,7 @@ from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
 from asyncroll.validation import check_global_steps, check_resume_mode
 
 if TYPE_CHECKING:
-    from asyncroll.adapters import AdapterRevision
+    from asyncroll.adapters import AdapterRevision, PackedAdapter
 
 __all__ = [
     "SenderChannel",
@@ -502,27 +502,33 @@ class SenderChannel:
     async def push_adapter(
         self,
         engines: Sequence[Any],
-        tensors: Mapping[str, torch.Tensor],
+        packed: PackedAdapter,
         revision: AdapterRevision,
         config: Mapping[str, Any],
         *,
         drop: Sequence[AdapterRevision] = (),
     ) -> PushReport:
-        """Push an adapter's tensors (checked: ``asyncroll.adapters.check_adapter``) into every
-        engine as ``revision`` (``VLLMAdapterPort.take``): no engine pauses, nothing served
-        is written. ``drop``: revisions each engine forgets in the same call."""
-        if self._one_copy and not all(t.is_cuda and t.is_contiguous() for t in tensors.values()):
+        """Push an adapter (checked: ``asyncroll.adapters.check_adapter``; packed:
+        ``pack_adapter``) into every engine as ``revision`` (``VLLMAdapterPort.take``): no
+        engine pauses, nothing served is written. Each of its tensors is fingerprinted on its
+        own. ``drop``: revisions each engine forgets in the same call."""
+        tensors = packed.chunks
+        if self._one_copy and not all(t.is_cuda for t in tensors.values()):
             raise InvalidRequestError(
                 "one_copy=True reads the trainer's tensors in place: the adapter's must be"
-                " contiguous CUDA tensors (push it staged otherwise)"
+                " CUDA tensors (push it staged otherwise)"
             )
-        self._fingerprints = self._fingerprinter(tensors) if self._verify else None
+        # (The chunks' own as well: the transport sends the prints of what it pushes.)
+        self._fingerprints = (
+            packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
+            if self._verify else None
+        )
         sender = await self._connected(engines, tensors)
         version = revision.global_steps if revision.global_steps is not None else -1
 
         async def take(engine: Any, push: int, sent: Callable[[], None]) -> Delivery | None:
             delivery: Delivery | None = await engine.adapters.take(
-                revision, config, push=push, sent=sent, drop=drop
+                revision, config, push=push, sent=sent, drop=drop, layout=packed.layout
             )
             return delivery
 

@@ -21,6 +21,9 @@
 #   bash bench/gpu_session.sh twelfth   # 1 GPU: the demo with --lora-rank; tests/test_lora.py
 #   bash bench/gpu_session.sh thirteenth # 1 GPU: the Qwen3-30B-A3B push; tests/test_moe.py
 #   bash bench/gpu_session.sh fourteenth # 1 GPU: copies fused up to 16 MiB against 1 MiB (30B-A3B, 7B)
+#   bash bench/gpu_session.sh fifteenth  # 1 GPU: packed adapters replayed into LoRA slots (7B push,
+#                                        # correctness, rollout; tests/test_lora.py)
+#   bash bench/gpu_session.sh sixteenth  # 1 GPU: the rollout's loop worst turn under frozen_heap()
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -237,6 +240,19 @@ phase_fourteenth() {  # 1 GPU: small copies fused up to 16 MiB against 1 MiB (th
     run push-7b-fuse-$fuse 0 env ASYNCROLL_FUSE_BYTES=$fuse python3 bench/gpu_e2e.py \
       --sections push --sizes 7b --repeats 5 --only-one-copy --out "$W/results/fuse-7b-$fuse"
   done
+}
+
+phase_fifteenth() {  # 1 GPU: issue 45's packed adapters, replayed into vLLM's LoRA slots
+  mkdir -p "$W/results/lora3"
+  run lora-7b-packed 0 python3 bench/gpu_lora.py --out "$W/results/lora3" --size 7b --rank 64 \
+    --requests 512 --rounds 2 --revisions 8
+  run pytest-lora 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_adapter_packing.py
+}
+
+phase_sixteenth() {  # 1 GPU: issue 42 item 4, the loop's worst turn with asyncroll.frozen_heap()
+  run rollout-heap 0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,keep,inflight --rounds 2 --out "$W/results"
 }
 
 for phase in "$@"; do

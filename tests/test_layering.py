@@ -24,7 +24,16 @@ VLLM_PRIVATES: dict[str, set[str]] = {
     # vLLM's worker LoRA manager has no public call that registers a LoRAModel built from
     # memory, nor one to answer its own reload of an evicted LoRA: these two privates of its
     # objects are vLLM's (our risk; run on 0.24 and 0.32: tests/test_lora.py).
-    "asyncroll.vllm.lora": {"_adapter_manager", "_load_adapter"},
+    # A revision replayed into a LoRA slot registers vLLM's LoRAModel stand-in itself
+    # (``_registered_adapters``), tells whether a LoRA is in a slot (``_active_adapters``), and
+    # re-registers the real model before vLLM activates it again (``_add_adapter``); torch's
+    # dispatch-mode op objects name their op and schema only privately.
+    "asyncroll.vllm.lora": {
+        "_adapter_manager", "_load_adapter", "_registered_adapters", "_active_adapters",
+        "_add_adapter", "_overloadpacket", "_schema",
+    },
+    # Tests' probe of what a LoRA slot holds.
+    "asyncroll.testing.probes": {"_adapter_manager"},
 }
 """Privates of vLLM's own objects (reached through a parameter, not an imported name) that a
 module of ``asyncroll/vllm/`` relies on, each with its reason."""

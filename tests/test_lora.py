@@ -205,6 +205,57 @@ async def test_a_revision_vllm_evicted_comes_back_from_memory_unchanged(
     assert await outputs(manager, "back") == served  # rebuilt from the worker's memory
 
 
+async def slot_digest(engine: VLLMEngine, revision: int) -> str:
+    (digest,) = await engine.collective_rpc("asyncroll_lora_slot_digest", args=(revision,))
+    assert digest is not None, f"revision {revision} holds no device slot"
+    return str(digest)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+async def test_a_revision_written_by_replay_holds_what_vllm_writes_from_a_peft_folder(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path, tmp_path: Path,
+    dtype: torch.dtype,
+) -> None:
+    # The first revision of a layout to reach a slot goes through vLLM's activation, which is
+    # recorded; later ones are replayed into recorded slots. A replayed slot must hold the
+    # very bytes vLLM writes for the same adapter loaded from a PEFT folder.
+    tensors = random_adapter(lora_model, CONFIG, seed=60, scale=0.5, dtype=dtype)
+    ways = []
+    for step in range(LORA_ARGS["max_loras"] + 2):
+        report = await manager.update_adapter("replay", tensors, config=CONFIG, global_steps=step)
+        ways.append(lora_engine.adapters.last_registration)
+    assert ways[-1] == "replayed", ways
+    replayed = await slot_digest(lora_engine, report.revision.revision)
+    pushed = await outputs(manager, "replay")
+    lora_id = 901 if dtype == torch.float32 else 902
+    folder = write_peft_adapter(tmp_path, tensors, CONFIG)
+    assert pushed == await vllms_own(lora_engine, folder, lora_id)
+    try:
+        assert await slot_digest(lora_engine, lora_id) == replayed
+    finally:
+        await vllm_client(lora_engine).remove_lora(lora_id)
+
+
+async def test_a_replayed_revision_vllm_moves_out_of_its_slot_comes_back_unchanged(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
+) -> None:
+    tensors = adapter(lora_model, 61)
+    for step in range(LORA_ARGS["max_loras"] + 2):
+        report = await manager.update_adapter("moved", tensors, config=CONFIG, global_steps=step)
+    assert lora_engine.adapters.last_registration == "replayed"
+    revision = report.revision.revision
+    before = await slot_digest(lora_engine, revision)
+    served = await outputs(manager, "moved")
+    (moved,) = await lora_engine.collective_rpc("asyncroll_lora_deactivate", args=(revision,))
+    assert moved
+    (gone,) = await lora_engine.collective_rpc("asyncroll_lora_slot_digest", args=(revision,))
+    assert gone is None
+    # A step that needs it makes vLLM activate it again: from the kept tensors, never from the
+    # weightless stand-in the replay registered.
+    assert await outputs(manager, "moved") == served
+    assert await slot_digest(lora_engine, revision) == before
+
+
 async def test_bad_adapters_are_refused_before_anything_is_sent(
     lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
 ) -> None:

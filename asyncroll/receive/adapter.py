@@ -1,21 +1,24 @@
 """An adapter push, received whole into memory of its own: one worker's side, without vLLM.
 
 A full-weight push loads into the served parameters; an adapter push loads into nothing that
-serves. Its tensors are copied out of the transport's buffers (which the next bucket reuses,
-or which are the trainer's own storages in a one-copy push) into memory the revision owns,
-one copy per bucket, then checked against the sender's fingerprints. The caller (the vLLM
-adapter) builds the revision from them only once every tensor arrived and matched, so a push
-that fails leaves nothing behind.
+serves. It arrives packed (``asyncroll.adapters.pack_adapter``: one flat chunk per dtype) and is
+copied out of the transport's buffers (which the next bucket reuses, or which are the trainer's
+own storages in a one-copy push) into memory the revision owns, one copy per bucket, then each
+of its tensors is checked against the sender's fingerprints. The caller (the vLLM adapter)
+registers the revision only once every tensor arrived and matched, so a push that fails
+leaves nothing behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from asyncroll.adapters import Placement, unpack_adapter
 from asyncroll.errors import WeightSyncError
-from asyncroll.fingerprints import Fingerprinter
+from asyncroll.fingerprints import packed_fingerprints
 from asyncroll.transport.receiver import ReceiveReport
 
 __all__ = ["AdapterTake"]
@@ -28,38 +31,55 @@ class AdapterTake:
 
     Args:
         device: Where the revision's tensors live (the worker's device).
+        layout: Where each tensor lies in the pushed chunks.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, layout: Iterable[Placement]) -> None:
         self.device = torch.device(device)
+        self.layout: tuple[Placement, ...] = tuple(
+            (str(name), str(chunk), int(offset), tuple(int(d) for d in shape))
+            for name, chunk, offset, shape in layout
+        )
+        self.chunks: dict[str, torch.Tensor] = {}
+        """The pushed chunks, in memory of the revision's own."""
         self.tensors: dict[str, torch.Tensor] = {}
+        """The adapter's tensors by name (views of ``chunks``), once checked."""
         self.verified = (0, 0)
         """Tensors checked against the sender's fingerprints, and those the push sent none for."""
-        self._fingerprinter = Fingerprinter()
+        self.check_seconds = 0.0
 
     def load(self, batch: Batch) -> None:
         """Copy one bucket out of the transport's memory (valid only during the call)."""
-        self.tensors.update(_copied(batch, self.device))
+        self.chunks.update(_copied(batch, self.device))
 
     def check(self, report: ReceiveReport) -> None:
         """Everything that arrived is whole and as the trainer fingerprinted it.
 
         Raises:
-            WeightSyncError: nothing arrived, or a tensor differs from what was pushed.
+            WeightSyncError: nothing arrived, chunks the layout does not tile, or a tensor that
+                differs from what was pushed.
         """
-        if not self.tensors:
+        started = time.perf_counter()
+        try:
+            self._check(report)
+        finally:
+            self.check_seconds = time.perf_counter() - started
+
+    def _check(self, report: ReceiveReport) -> None:
+        if not self.chunks or not self.layout:
             raise WeightSyncError(f"push {report.push}: the adapter push delivered no tensor")
+        tensors = unpack_adapter(self.chunks, self.layout)
         pushed = report.fingerprints or {}
-        found = {n: t for n, t in self.tensors.items() if n in pushed}
-        wrong = self._fingerprinter.differing(
-            found, pushed, {n: t.dtype for n, t in found.items()}
-        ) if found else []
-        self.verified = (len(found), len(self.tensors) - len(found))
+        found = packed_fingerprints(self.chunks, self.layout) if pushed else {}
+        checked = [name for name in found if name in pushed]
+        wrong = [name for name in checked if found[name] != pushed[name]]
+        self.verified = (len(checked), len(tensors) - len(checked))
         if wrong:
             raise WeightSyncError(
                 f"push {report.push}: {len(wrong)} adapter tensors differ from what was pushed"
                 f" (fingerprints): {sorted(wrong)[:5]}"
             )
+        self.tensors = tensors
 
 
 def _copied(batch: Batch, device: torch.device) -> list[tuple[str, torch.Tensor]]:

@@ -102,6 +102,28 @@ class ProbingExtension(AsyncrollWorkerExtension):
             digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
         return digest.hexdigest()
 
+    def asyncroll_lora_slot_digest(self, revision: int) -> str | None:
+        """One hash of what every LoRA layer holds in ``revision``'s device slot (None: it
+        holds none): bitwise comparisons of two ways of writing a slot."""
+        import hashlib
+
+        adapters = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        if revision not in adapters.lora_index_to_id:
+            return None
+        index = adapters.lora_index_to_id.index(revision)
+        digest = hashlib.blake2b(digest_size=16)
+        for name, module in sorted(adapters.modules.items()):
+            for stacked in (*module.lora_a_stacked, *module.lora_b_stacked):
+                digest.update(name.encode())
+                digest.update(stacked[index].contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
+        return digest.hexdigest()
+
+    def asyncroll_lora_deactivate(self, revision: int) -> bool:
+        """Take ``revision`` out of its device slot, as vLLM does when a step needs the slot
+        for another LoRA; it stays registered, and a step that names it activates it again."""
+        adapters = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
+        return bool(adapters.deactivate_adapter(revision))
+
     def asyncroll_ping(self) -> None:
         """Nothing: one round trip through vLLM's RPC (benchmarks measure the floor that the
         update's two RPCs, the receive and the finish, set under its time)."""

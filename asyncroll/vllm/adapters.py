@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncroll.adapters import AdapterLayout, AdapterRevision, decoder_shapes
+from asyncroll.adapters import AdapterLayout, AdapterRevision, Placement, decoder_shapes
 from asyncroll.errors import InvalidRequestError, WeightSyncError
 from asyncroll.interfaces import Delivery
 from asyncroll.update_check import read_checkpoint_schema
@@ -47,6 +47,10 @@ class VLLMAdapterPort:
         self._held: dict[int, AdapterRevision] = {}
         self.last_seconds: dict[str, float] = {}
         """Where the first worker's last take went (drop, receive, register; benchmarks)."""
+        self.last_registration = ""
+        """How the first worker registered the last revision: ``replayed`` (its tensors
+        written straight into a LoRA slot, as vLLM wrote an earlier revision there) or
+        ``vllm`` (vLLM's own ``LoRAModel`` and activation)."""
 
     def __repr__(self) -> str:
         return f"<VLLMAdapterPort {self._engine.name} held={sorted(self._held)}>"
@@ -106,11 +110,13 @@ class VLLMAdapterPort:
         push: int = 0,
         sent: Callable[[], None] | None = None,
         drop: Sequence[AdapterRevision] = (),
+        layout: Sequence[Placement] = (),
     ) -> Delivery | None:
         """Take a push as ``revision``: every worker receives it, checks it and registers it,
         in one RPC that runs between two engine steps. ``sent()`` once the RPC has left.
         ``drop``: revisions no request uses any more, forgotten first in the same RPC (they
-        are gone whether the push succeeds or not).
+        are gone whether the push succeeds or not). ``layout``: where each tensor lies in the
+        pushed chunks (``asyncroll.adapters.pack_adapter``).
 
         Raises:
             WeightSyncError: a worker failed (it registered nothing; what the engine held and
@@ -122,6 +128,7 @@ class VLLMAdapterPort:
             "revision": revision.revision,
             "config": dict(config),
             "drop": [r.revision for r in drop],
+            "layout": [list(place) for place in layout],
         }
         for gone in drop:
             self._held.pop(gone.revision, None)
@@ -147,6 +154,7 @@ class VLLMAdapterPort:
             )
         self._held[revision.revision] = revision
         self.last_seconds = answers[0].get("seconds", {})
+        self.last_registration = answers[0].get("registered", "")
         return summed(answers)
 
     async def drop(self, revision: AdapterRevision) -> None:

@@ -1,30 +1,56 @@
 """Inside each vLLM worker: adapter revisions pushed by asyncroll, served by vLLM's LoRA.
 
-A pushed revision becomes a ``LoRAModel`` registered with the worker's LoRA manager under its
-revision id, between two engine steps (the RPC runs there), without a file or a pause. vLLM then
-serves it as any LoRA: a request names it with a ``LoRARequest`` of the same id, and vLLM moves
-it into a device slot when a step needs it. The worker keeps each revision's tensors
-(``RevisionStore``) until asyncroll drops it, and answers vLLM's own load of a revision it
-evicted from its caches from them, never from the (made-up) path.
+A pushed revision is registered with the worker's LoRA manager under its revision id, between
+two engine steps (the RPC runs there), without a file or a pause. vLLM then serves it as any
+LoRA: a request names it with a ``LoRARequest`` of the same id. The worker keeps each
+revision's tensors (``RevisionStore``) until asyncroll drops it, and answers vLLM's own load of
+a revision it evicted from its caches from them, never from the (made-up) path.
+
+Two ways in, the same bytes in the slot:
+
+- ``vllm``: a ``LoRAModel`` built from the tensors, registered, and moved into a free device
+  slot by vLLM's own activation (for a 7B rank-64 adapter about 600 small copies and zero
+  fills, and the Python around each). The first revision of a layout to reach a slot goes this
+  way, and every write vLLM makes to the slot's tensors is recorded (``SlotWrites``).
+- ``replayed``: a later revision of the same layout, bound for a slot already recorded, is
+  written there by replaying the recording from its own tensors: one batched zero, one batched
+  copy and one batched scale (vLLM folds ``alpha / rank`` into B), in place of vLLM's loop.
+  vLLM's book-keeping (which slot holds which id, its LRU order) is still vLLM's own: its
+  activation runs with no module to write. The manager registers a stand-in ``LoRAModel``
+  with no weights; should vLLM ever activate the revision again itself (after evicting it
+  from its slot), the real one is built from the kept tensors first.
 
 Invariants:
 - a revision is registered whole or not at all: the tensors are received and checked first
-  (``asyncroll.receive.adapter``), the ``LoRAModel`` built and validated next, and only then
-  registered; a push that fails leaves every served revision as it was;
-- nothing served is written in place: a new revision takes a free slot, never a busy one.
+  (``asyncroll.receive.adapter``), then written, and only then named in a step's mapping;
+  a push that fails leaves every served revision as it was;
+- nothing served is written in place: a new revision takes a free slot, never a busy one;
+- a replay writes exactly what vLLM's activation wrote: a recording that holds anything else
+  (an op other than a copy or a zero fill, a copy from memory that is not the revision's own
+  tensors, a fill after a copy into the same tensor) is refused, and that layout keeps
+  vLLM's own way.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RevisionStore", "store_of"]
+from asyncroll.adapters import Placement, unpack_adapter
+from asyncroll.receive.adapter import AdapterTake
+
+__all__ = ["RevisionStore", "SlotWrites", "store_of"]
 
 logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
 
 
 def store_of(worker: Any) -> RevisionStore | None:
@@ -38,6 +64,13 @@ def store_of(worker: Any) -> RevisionStore | None:
     return store
 
 
+@dataclass(slots=True)
+class _Held:
+    chunks: dict[str, torch.Tensor]
+    layout: tuple[Placement, ...]
+    config: dict[str, Any]
+
+
 class RevisionStore:
     """The revisions asyncroll pushed to one worker, and their registration with vLLM."""
 
@@ -45,7 +78,11 @@ class RevisionStore:
         self._worker = worker
         self._manager = manager
         """vLLM's ``LRUCacheWorkerLoRAManager``."""
-        self._held: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+        self._held: dict[int, _Held] = {}
+        self._writes: dict[tuple[tuple[Placement, ...], int], SlotWrites | None] = {}
+        """(layout, slot) -> what vLLM's activation wrote there (None: not replayable)."""
+        self._stand_ins: set[int] = set()
+        """Revisions registered with a weightless ``LoRAModel`` (written by a replay)."""
         vllms_load = manager._load_adapter
 
         def load(lora_request: Any) -> Any:
@@ -57,9 +94,14 @@ class RevisionStore:
                 )
             if held is None:
                 return vllms_load(lora_request)
-            return self._build(lora_request.lora_int_id, *held)
+            self._stand_ins.discard(lora_request.lora_int_id)
+            return self._build(lora_request.lora_int_id, held)[0]
 
         manager._load_adapter = load  # a revision vLLM evicted comes back from memory
+        adapters = manager._adapter_manager
+        self._activate = adapters.activate_adapter
+        """vLLM's own activation (the manager's is wrapped: ``_activated``)."""
+        adapters.activate_adapter = self._activated
 
     def layout(self) -> dict[str, Any]:
         """What this worker's LoRA serves (``asyncroll.adapters.AdapterLayout``)."""
@@ -76,60 +118,239 @@ class RevisionStore:
             "modules": sorted(modules),
         }
 
-    def add(self, revision: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-        """Register a revision (built and validated first: a failure registers nothing), and
-        move it into a free device slot if there is one."""
-        lora = self._build(revision, tensors, config)
+    def add(self, revision: int, take: AdapterTake, config: dict[str, Any]) -> str:
+        """Register a revision and, if a device slot is free, write it there (replayed where
+        this layout was recorded in that slot before, else by vLLM). A failure registers
+        nothing. Returns how: ``replayed`` or ``vllm``."""
+        held = _Held(take.chunks, take.layout, dict(config))
+        peft = self._peft(config)  # validated before anything changes
         adapters = self._manager._adapter_manager
         with _sync_allowed():
-            self._manager.remove_adapter(revision)  # a retried push of the same revision
+            self.drop(revision)  # a retried push of the same revision
             if len(adapters) >= adapters.capacity:
                 # As vLLM's own add does: its least recent LoRA goes (between two steps, so
                 # no forward pass is using it); a revision of ours comes back from memory
                 # when a step needs it again (``__init__``).
                 adapters.remove_oldest_adapter()
+            slot = self._next_slot(adapters)
+            writes = self._writes.get((held.layout, slot)) if slot is not None else None
+            if writes is not None:
+                from vllm.lora.lora_model import LoRAModel
+
+                # Registered as vLLM's add does, less the packing of its (absent) weights.
+                adapters._registered_adapters[revision] = LoRAModel(revision, peft.r, {})
+                self._stand_ins.add(revision)
+                self._held[revision] = held
+                try:
+                    self._bookkeeping(revision)
+                    if adapters.lora_index_to_id.index(revision) != slot:
+                        raise RuntimeError(f"vLLM put revision {revision} elsewhere than {slot}")
+                    writes.replay(held.chunks, peft.vllm_lora_scaling_factor)
+                except BaseException:
+                    self.drop(revision)
+                    raise
+                return "replayed"
+            lora, scratch = self._build(revision, held, peft)
             adapters.add_adapter(lora)
-            self._held[revision] = (tensors, config)
-            if None in adapters.lora_index_to_id:  # a step would do it; this is between steps
-                adapters.activate_adapter(revision)
+            self._held[revision] = held
+            if slot is not None:  # a step would do it; this is between steps
+                try:
+                    with _Recording(scratch, held.layout) as recording:
+                        self._activate(revision)
+                except BaseException:
+                    self.drop(revision)
+                    raise
+                where = adapters.lora_index_to_id.index(revision)
+                self._writes[(held.layout, where)] = recording.writes()
+            return "vllm"
 
     def drop(self, revision: int) -> bool:
         """Forget a revision; True if it was held."""
         held = self._held.pop(revision, None) is not None
+        self._stand_ins.discard(revision)
         with _sync_allowed():
             self._manager.remove_adapter(revision)
         return held
 
-    def _build(
-        self, revision: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]
-    ) -> Any:
-        from vllm.lora.lora_model import LoRAModel
+    def _activated(self, lora_id: int) -> Any:
+        """vLLM activates a LoRA (a step needs it): a stand-in becomes the real ``LoRAModel``
+        first (its slot was given to another LoRA since the replay)."""
+        adapters = self._manager._adapter_manager
+        if lora_id in self._stand_ins and lora_id not in adapters._active_adapters:
+            held = self._held[lora_id]
+            adapters._add_adapter(self._build(lora_id, held)[0])
+            self._stand_ins.discard(lora_id)
+        return self._activate(lora_id)
+
+    def _next_slot(self, adapters: Any) -> int | None:
+        """The slot vLLM's activation would take now: the first free one (None: none is;
+        vLLM moves the revision into one when a step needs it)."""
+        try:
+            return int(adapters.lora_index_to_id.index(None))
+        except ValueError:
+            return None
+
+    def _bookkeeping(self, revision: int) -> None:
+        """vLLM's activation of ``revision`` with no module to write: its slot, its LRU."""
+        adapters = self._manager._adapter_manager
+        modules, adapters.modules = adapters.modules, {}
+        try:
+            self._activate(revision)
+        finally:
+            adapters.modules = modules
+
+    def _peft(self, config: Mapping[str, Any]) -> Any:
         from vllm.lora.peft_helper import PEFTHelper
 
-        manager = self._manager
         peft = PEFTHelper.from_dict(
-            {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
+            {**config, "vllm_max_position_embeddings": self._manager.max_position_embeddings}
         )
-        peft.validate_legal(manager.lora_config)
+        peft.validate_legal(self._manager.lora_config)
+        return peft
+
+    def _build(
+        self, revision: int, held: _Held, peft: Any = None
+    ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """vLLM's ``LoRAModel`` of a revision, and the chunks it was built from: a copy of
+        the kept ones in vLLM's LoRA dtype (vLLM folds alpha / rank into B in place; what the
+        store keeps stays unscaled for a rebuild, and is never scaled twice; and vLLM copies
+        from the chunks themselves, which a recording needs)."""
+        from vllm.lora.lora_model import LoRAModel
+
+        manager = self._manager
+        peft = peft if peft is not None else self._peft(held.config)
         model = manager._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         if mapper is not None and hasattr(mapper, "get_rename_mapper"):
             mapper = mapper.get_rename_mapper()
-        device = next(iter(tensors.values())).device
-        # vLLM folds alpha / rank into each lora_B in place (``optimize``) wherever the tensor
-        # it was given is already of its dtype: B goes in as a copy, so what the store keeps
-        # stays unscaled for a rebuild (``_load_adapter``) and is never scaled twice.
-        given = {n: t.clone() if ".lora_B." in n else t for n, t in tensors.items()}
-        return LoRAModel.from_lora_tensors(
+        dtype = manager.lora_config.lora_dtype
+        dtype = dtype if isinstance(dtype, torch.dtype) else None
+        scratch = {name: chunk.to(dtype=dtype, copy=True) for name, chunk in held.chunks.items()}
+        device = next(iter(scratch.values())).device
+        lora = LoRAModel.from_lora_tensors(
             lora_model_id=revision,
-            tensors=given,
+            tensors=unpack_adapter(scratch, held.layout),
             peft_helper=peft,
             device=str(device),
-            dtype=manager.lora_config.lora_dtype,
+            dtype=dtype,
             model_vocab_size=manager.vocab_size,
             weights_mapper=mapper,
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
+        return lora, scratch
+
+
+class SlotWrites:
+    """What vLLM's activation of one revision wrote into one LoRA slot, as a replay: the
+    slot regions it zero-filled, each region it copied into and from where in the revision's
+    chunks, and which of those hold B (vLLM folds ``alpha / rank`` into B before it copies)."""
+
+    def __init__(
+        self,
+        zeros: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        sources: list[tuple[str, tuple[int, ...], tuple[int, ...], int]],
+        scaled: list[torch.Tensor],
+    ) -> None:
+        self.zeros = zeros
+        self.targets = targets
+        self.sources = sources
+        """(chunk, size, stride, first element in the chunk) of each copy's source."""
+        self.scaled = scaled
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def replay(self, chunks: Mapping[str, torch.Tensor], scaling: float) -> None:
+        """Write a revision of the recorded layout into the slot: as vLLM would, in three
+        batched ops."""
+        with torch.no_grad():
+            if self.zeros:
+                torch._foreach_zero_(self.zeros)
+            sources = [
+                chunks[chunk].as_strided(size, stride, chunks[chunk].storage_offset() + first)
+                for chunk, size, stride, first in self.sources
+            ]
+            torch._foreach_copy_(self.targets, sources, non_blocking=True)
+            if self.scaled and scaling != 1:
+                torch._foreach_mul_(self.scaled, scaling)
+
+
+class _Recording(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records the writes an activation makes (``SlotWrites``), or why they cannot be
+    replayed. ``scratch``: the chunks the activated ``LoRAModel`` was built from."""
+
+    def __init__(self, scratch: Mapping[str, torch.Tensor], layout: tuple[Placement, ...]):
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._chunks = {t.untyped_storage().data_ptr(): name for name, t in scratch.items()}
+        self._b: dict[str, tuple[list[int], list[int]]] = {}
+        """chunk -> (first elements, ends) of its B tensors, in order."""
+        for name, chunk, first, shape in layout:
+            if ".lora_B." in name:
+                n = 1
+                for dim in shape:
+                    n *= dim
+                firsts, ends = self._b.setdefault(chunk, ([], []))
+                firsts.append(first)
+                ends.append(first + n)
+        self.zeros: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+        self.sources: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+        self.scaled: list[torch.Tensor] = []
+        self.refused = ""
+        self._copied_into: set[int] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.refused:
+            return out
+        packet = func._overloadpacket
+        if packet is aten.copy_:
+            self._copy(args[0], args[1])
+        elif packet is aten.zero_ or (packet is aten.fill_ and _is_zero(args[1])):
+            target = args[0]
+            if target.untyped_storage().data_ptr() in self._copied_into:
+                self.refused = "a fill after a copy into the same tensor"
+            self.zeros.append(target)
+        elif func._schema.is_mutable:
+            self.refused = f"{func} writes"
+        return out
+
+    def _copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        chunk = self._chunks.get(source.untyped_storage().data_ptr())
+        if chunk is None:
+            self.refused = "a copy from memory other than the revision's tensors"
+            return
+        if source.dtype != target.dtype or source.device != target.device:
+            self.refused = f"a copy that converts ({source.dtype} to {target.dtype})"
+            return
+        first = int(source.storage_offset())
+        self.targets.append(target)
+        self.sources.append((chunk, tuple(source.shape), tuple(source.stride()), first))
+        self._copied_into.add(target.untyped_storage().data_ptr())
+        firsts, ends = self._b.get(chunk, ([], []))
+        at = bisect.bisect_right(firsts, first) - 1
+        if at >= 0 and first < ends[at]:
+            self.scaled.append(target)
+
+    def writes(self) -> SlotWrites | None:
+        if self.refused or not self.targets:
+            logger.info("LoRA slot writes not replayable (%s): vLLM activates each revision",
+                        self.refused or "no copy")
+            return None
+        return SlotWrites(self.zeros, self.targets, self.sources, self.scaled)
+
+    def __enter__(self) -> _Recording:
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+
+def _is_zero(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(value.item() == 0)
+    return bool(value == 0)
 
 
 def _sync_allowed() -> contextlib.AbstractContextManager[Any]:
@@ -139,3 +360,5 @@ def _sync_allowed() -> contextlib.AbstractContextManager[Any]:
     except ImportError:  # vLLM 0.24
         return contextlib.nullcontext()
     return gpu_sync_allowed()  # type: ignore[no-any-return]
+
+

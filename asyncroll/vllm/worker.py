@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
+from asyncroll.adapters import Placement
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.receive.adapter import AdapterTake
 from asyncroll.receive.check import PushCheck, check_delivered
@@ -354,12 +355,12 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
 
-    def receive_adapter(self, push: int) -> AdapterTake:
-        """Receive one adapter push into memory of its own, checked (``AdapterTake``); the
-        served weights are not touched."""
+    def receive_adapter(self, push: int, layout: Sequence[Placement]) -> AdapterTake:
+        """Receive one adapter push (packed as ``layout`` says) into memory of its own,
+        checked (``AdapterTake``); the served weights are not touched."""
         assert self._receiver is not None, "init_weight_transfer_engine first"
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        take = AdapterTake(device)
+        take = AdapterTake(device, layout)
         with _outside_device_context():
             if isinstance(self._receiver, BroadcastReceiver):
                 self.last_report = self._receiver.receive(take.load, after=take.check)
@@ -750,11 +751,13 @@ class AsyncrollWorkerExtension:
         revision: int,
         config: dict[str, Any],
         drop: list[int] | None = None,
+        layout: list[Placement] | None = None,
     ) -> str | dict[str, Any]:
-        """Forget the revisions in ``drop``, then receive an adapter push and register it as
-        LoRA ``revision`` (the adapter port's ``take``). It runs between two engine steps;
-        nothing served changes but the set of revisions. Returns what the worker took, or why
-        it failed (as ``asyncroll_take_update``, it does not raise)."""
+        """Forget the revisions in ``drop``, then receive an adapter push (packed as
+        ``layout`` says) and register it as LoRA ``revision`` (the adapter port's ``take``).
+        It runs between two engine steps; nothing served changes but the set of revisions.
+        Returns what the worker took, or why it failed (as ``asyncroll_take_update``, it
+        does not raise)."""
         engine = getattr(self, "weight_transfer_engine", None)
         store = store_of(self)
         try:
@@ -766,17 +769,19 @@ class AsyncrollWorkerExtension:
             if not isinstance(engine, AsyncrollWeightTransferEngine):
                 return "no asyncroll weight-transfer engine in this worker"
             dropped = time.perf_counter()
-            take = engine.receive_adapter(int(update_info.get("push", 0)))
+            take = engine.receive_adapter(int(update_info.get("push", 0)), layout or ())
             received = time.perf_counter()
-            store.add(revision, take.tensors, config)
+            how = store.add(revision, take, config)
             report = engine.last_report
             assert report is not None
-            return {"version": report.version, "tensors": report.tensors,
-                    "bytes": report.bytes, "verified": list(take.verified),
+            return {"version": report.version, "tensors": len(take.tensors),
+                    "bytes": report.bytes, "verified": list(take.verified), "registered": how,
                     "seconds": {"drop": dropped - called, "receive": received - dropped,
+                                "of which check": take.check_seconds,
                                 "register": time.perf_counter() - received}}
         except Exception as exc:
-            logger.warning("rank %s failed the adapter push: %r", getattr(self, "rank", "?"), exc)
+            logger.warning("rank %s failed the adapter push: %r", getattr(self, "rank", "?"), exc,
+                           exc_info=True)
             return f"{type(exc).__name__}: {exc}"
 
     def asyncroll_drop_adapter(self, revision: int) -> bool:

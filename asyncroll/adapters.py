@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import itertools
 import math
 import re
@@ -60,8 +61,10 @@ __all__ = [
     "check_adapter_name",
     "check_finite",
     "decoder_shapes",
+    "layout_key",
     "pack_adapter",
     "pack_finite",
+    "placements",
     "unpack_adapter",
 ]
 
@@ -263,6 +266,27 @@ def pack_adapter(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:
             flats = [t.reshape(-1) for _, t in members]
             chunks[chunk] = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
     return PackedAdapter(chunks, tuple(layout))
+
+
+def placements(layout: Iterable[Any]) -> tuple[Placement, ...]:
+    """A layout as it arrives over an RPC (lists), as ``Placement`` tuples.
+
+    Raises:
+        WeightSyncError: an entry that is no (name, chunk, first element, shape).
+    """
+    try:
+        return tuple(
+            (str(name), str(chunk), int(first), tuple(int(d) for d in shape))
+            for name, chunk, first, shape in layout
+        )
+    except (TypeError, ValueError) as exc:
+        raise WeightSyncError(f"a malformed adapter layout: {exc}") from exc
+
+
+def layout_key(layout: tuple[Placement, ...]) -> str:
+    """A short name for a layout (the workers keep layouts by it: an adapter's layout
+    travels once, not with every push)."""
+    return hashlib.blake2b(repr(layout).encode(), digest_size=12).hexdigest()
 
 
 def pack_finite(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:

@@ -185,8 +185,9 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
             # median of the later ones, replayed, is the push's steady figure.
             steady = [r for r, way in zip(runs, ways, strict=True) if way == "replayed"]
             vllms = [r for r, way in zip(runs[1:], ways[1:], strict=True) if way == "vllm"]
-            idle = {k: round(statistics.median(r[k] for r in steady or runs[1:]), 3)
-                    for k in runs[1]}
+            chosen = steady or runs[1:]
+            idle = {k: round(statistics.median(r[k] for r in chosen if k in r), 3)
+                    for k in dict.fromkeys(k for r in chosen for k in r)}
             idle["first (attach) ms"] = round(runs[0]["ms"], 1)
             idle["registered"] = ways
             if vllms:

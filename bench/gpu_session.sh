@@ -24,6 +24,8 @@
 #   bash bench/gpu_session.sh fifteenth  # 1 GPU: packed adapters replayed into LoRA slots (7B push,
 #                                        # correctness, rollout; tests/test_lora.py)
 #   bash bench/gpu_session.sh sixteenth  # 1 GPU: the rollout's loop worst turn under frozen_heap()
+#   bash bench/gpu_session.sh seventeenth # 1 GPU: the packed adapter push again (layouts kept,
+#                                         # fills pruned); the loop's stalls, vLLM's output chunks
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -253,6 +255,16 @@ phase_fifteenth() {  # 1 GPU: issue 45's packed adapters, replayed into vLLM's L
 phase_sixteenth() {  # 1 GPU: issue 42 item 4, the loop's worst turn with asyncroll.frozen_heap()
   run rollout-heap 0 python3 bench/gpu_e2e.py --sections rollout \
     --policies none,keep,inflight --rounds 2 --out "$W/results"
+}
+
+phase_seventeenth() {  # 1 GPU: issue 45's push after its second pass; issue 42's loop stalls
+  mkdir -p "$W/results/lora4" "$W/results/chunk128" "$W/results/chunk32"
+  run lora-7b-push 0 python3 bench/gpu_lora.py --out "$W/results/lora4" --size 7b --rank 64 \
+    --sections correctness,push --revisions 8 --repeats 20
+  run rollout-stalls-128 0 python3 bench/gpu_e2e.py --sections rollout --policies none,inflight \
+    --rounds 1 --slow-turns --out "$W/results/chunk128"
+  run rollout-stalls-32 0 env VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=32 python3 bench/gpu_e2e.py \
+    --sections rollout --policies none,inflight --rounds 1 --slow-turns --out "$W/results/chunk32"
 }
 
 for phase in "$@"; do

@@ -121,12 +121,15 @@ def test_a_replay_writes_the_slot_exactly_as_the_recorded_activation_did() -> No
     writes = recorded(slots, first, 1, 2.0)
     assert writes is not None and len(writes) == 8
     assert len(writes.scaled) == 4  # the B copies
+    assert all(isinstance(source, str) for source in writes.sources)  # whole tensors
+    # Fills a copy overwrites whole are dropped: only m3's (rank 1 in slots of rank 8) stay.
+    assert len(writes.zeros) == 2
     # vLLM's way with the second revision into slot 2, the replay into slot 1 (recorded there)
     theirs = {n: t.float() for n, t in second.items()}
     Slots.fold(theirs, 2.0)
     slots.activate(2, theirs)
     packed = pack_adapter(second)  # as pushed: bf16 B, float A; the slots are float
-    writes.replay(packed.chunks, 2.0)
+    writes.replay(packed.chunks, unpack_adapter(packed.chunks, packed.layout), 2.0)
     assert all(torch.equal(x, y) for x, y in zip(slots.slot(1), slots.slot(2), strict=True))
     assert torch.equal(slots.slot(0)[0], torch.full_like(slots.slot(0)[0], 7.0))  # untouched
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from engine_helpers import ENGINE_ARGS, until_decoding
 
-from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine
+from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.adapters import AdapterConfig
 from asyncroll.recipes import BandTask, run_fully_async
 from asyncroll.testing import make_tiny_model, vllm_client
@@ -254,6 +254,33 @@ async def test_a_replayed_revision_vllm_moves_out_of_its_slot_comes_back_unchang
     # weightless stand-in the replay registered.
     assert await outputs(manager, "moved") == served
     assert await slot_digest(lora_engine, revision) == before
+
+
+async def test_an_adapters_layout_travels_once_and_again_to_a_worker_that_lost_it(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[dict[str, Any]] = []
+    rpc = lora_engine.collective_rpc
+
+    async def spied(method: str, **kwargs: Any) -> list[Any]:
+        if method == "asyncroll_take_adapter":
+            sent.append(kwargs["kwargs"])
+        return await rpc(method, **kwargs)
+
+    monkeypatch.setattr(lora_engine, "collective_rpc", spied)
+    tensors = adapter(lora_model, 70)
+    for step in range(2):
+        await manager.update_adapter("layout", tensors, config=CONFIG, global_steps=step)
+    carried = ["layout" in kwargs for kwargs in sent]
+    assert carried[-1] is False  # the workers keep it: only its key travels
+    await rpc("asyncroll_forget_adapter_layouts")
+    with pytest.raises(WeightSyncError, match="unknown adapter layout"):
+        await manager.update_adapter("layout", tensors, config=CONFIG, global_steps=2)
+    served = await outputs(manager, "layout")  # the last revision still serves
+    await manager.update_adapter("layout", tensors, config=CONFIG, global_steps=3)
+    assert "layout" in sent[-1]  # sent again after the failure
+    assert await outputs(manager, "layout") == served
 
 
 async def test_bad_adapters_are_refused_before_anything_is_sent(

@@ -12,7 +12,7 @@ leaves nothing behind.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,15 +31,12 @@ class AdapterTake:
 
     Args:
         device: Where the revision's tensors live (the worker's device).
-        layout: Where each tensor lies in the pushed chunks.
+        layout: Where each tensor lies in the pushed chunks (``asyncroll.adapters.placements``).
     """
 
-    def __init__(self, device: torch.device | str, layout: Iterable[Placement]) -> None:
+    def __init__(self, device: torch.device | str, layout: tuple[Placement, ...]) -> None:
         self.device = torch.device(device)
-        self.layout: tuple[Placement, ...] = tuple(
-            (str(name), str(chunk), int(offset), tuple(int(d) for d in shape))
-            for name, chunk, offset, shape in layout
-        )
+        self.layout = layout
         self.chunks: dict[str, torch.Tensor] = {}
         """The pushed chunks, in memory of the revision's own."""
         self.tensors: dict[str, torch.Tensor] = {}
@@ -47,6 +44,8 @@ class AdapterTake:
         self.verified = (0, 0)
         """Tensors checked against the sender's fingerprints, and those the push sent none for."""
         self.check_seconds = 0.0
+        self.seconds: dict[str, float] = {}
+        """Where the check went (benchmarks)."""
 
     def load(self, batch: Batch) -> None:
         """Copy one bucket out of the transport's memory (valid only during the call)."""
@@ -68,11 +67,16 @@ class AdapterTake:
     def _check(self, report: ReceiveReport) -> None:
         if not self.chunks or not self.layout:
             raise WeightSyncError(f"push {report.push}: the adapter push delivered no tensor")
+        began = time.perf_counter()
         tensors = unpack_adapter(self.chunks, self.layout)
+        unpacked = time.perf_counter()
         pushed = report.fingerprints or {}
         found = packed_fingerprints(self.chunks, self.layout) if pushed else {}
+        printed = time.perf_counter()
         checked = [name for name in found if name in pushed]
         wrong = [name for name in checked if found[name] != pushed[name]]
+        self.seconds = {"unpack": unpacked - began, "fingerprints": printed - unpacked,
+                        "compare": time.perf_counter() - printed}
         self.verified = (len(checked), len(tensors) - len(checked))
         if wrong:
             raise WeightSyncError(

@@ -124,6 +124,10 @@ class ProbingExtension(AsyncrollWorkerExtension):
         adapters = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
         return bool(adapters.deactivate_adapter(revision))
 
+    def asyncroll_forget_adapter_layouts(self) -> None:
+        """Forget the adapter layouts this worker keeps (as a restarted worker would)."""
+        self.__dict__.pop("_asyncroll_layouts", None)
+
     def asyncroll_ping(self) -> None:
         """Nothing: one round trip through vLLM's RPC (benchmarks measure the floor that the
         update's two RPCs, the receive and the finish, set under its time)."""

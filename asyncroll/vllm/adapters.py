@@ -14,7 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncroll.adapters import AdapterLayout, AdapterRevision, Placement, decoder_shapes
+from asyncroll.adapters import (
+    AdapterLayout,
+    AdapterRevision,
+    Placement,
+    decoder_shapes,
+    layout_key,
+)
 from asyncroll.errors import InvalidRequestError, WeightSyncError
 from asyncroll.interfaces import Delivery
 from asyncroll.update_check import read_checkpoint_schema
@@ -47,6 +53,9 @@ class VLLMAdapterPort:
         self._held: dict[int, AdapterRevision] = {}
         self.last_seconds: dict[str, float] = {}
         """Where the first worker's last take went (drop, receive, register; benchmarks)."""
+        self._layouts_sent: set[str] = set()
+        """Layouts every worker keeps (``asyncroll_take_adapter``): a push names them."""
+        self._last_layout: tuple[tuple[Placement, ...], str] = ((), "")
         self.last_registration = ""
         """How the first worker registered the last revision: ``replayed`` (its tensors
         written straight into a LoRA slot, as vLLM wrote an earlier revision there) or
@@ -123,13 +132,16 @@ class VLLMAdapterPort:
                 served is unchanged).
         """
         engine = self._engine
-        kwargs = {
+        key = self._key_of(tuple(layout))
+        kwargs: dict[str, Any] = {
             "update_info": {"version": _version(revision), "push": push},
             "revision": revision.revision,
             "config": dict(config),
             "drop": [r.revision for r in drop],
-            "layout": [list(place) for place in layout],
+            "layout_key": key,
         }
+        if key not in self._layouts_sent:  # the workers keep it from then on
+            kwargs["layout"] = [list(place) for place in layout]
         for gone in drop:
             self._held.pop(gone.revision, None)
         rpc = asyncio.ensure_future(engine.collective_rpc("asyncroll_take_adapter", kwargs=kwargs))
@@ -146,16 +158,24 @@ class VLLMAdapterPort:
                 rpc.cancel()
         failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
         if failed:
+            self._layouts_sent.discard(key)  # sent again with the next push
             await self._forget(revision)  # a worker that took it must not keep it alone
             rank, why = failed[0]
             raise WeightSyncError(
                 f"{engine.name}: the adapter push failed in {len(failed)} of {len(answers)}"
                 f" workers; rank {rank}: {why}"
             )
+        self._layouts_sent.add(key)
         self._held[revision.revision] = revision
         self.last_seconds = answers[0].get("seconds", {})
         self.last_registration = answers[0].get("registered", "")
         return summed(answers)
+
+    def _key_of(self, layout: tuple[Placement, ...]) -> str:
+        """``layout_key``, worked out again only when the layout changes."""
+        if layout != self._last_layout[0]:
+            self._last_layout = (layout, layout_key(layout))
+        return self._last_layout[1]
 
     async def drop(self, revision: AdapterRevision) -> None:
         """Forget ``revision`` (no request may be using it)."""

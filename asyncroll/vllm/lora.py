@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,10 @@ __all__ = ["RevisionStore", "SlotWrites", "store_of"]
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+
+Source = str | tuple[str, tuple[int, ...], tuple[int, ...], int]
+"""Where a recorded copy reads: a tensor's name (the whole tensor), else (chunk, size, stride,
+first element in the chunk)."""
 
 
 def store_of(worker: Any) -> RevisionStore | None:
@@ -83,6 +88,8 @@ class RevisionStore:
         """(layout, slot) -> what vLLM's activation wrote there (None: not replayable)."""
         self._stand_ins: set[int] = set()
         """Revisions registered with a weightless ``LoRAModel`` (written by a replay)."""
+        self.seconds: dict[str, float] = {}
+        """Where the last ``add`` went (benchmarks)."""
         vllms_load = manager._load_adapter
 
         def load(lora_request: Any) -> Any:
@@ -142,17 +149,23 @@ class RevisionStore:
                 self._stand_ins.add(revision)
                 self._held[revision] = held
                 try:
+                    began = time.perf_counter()
                     self._bookkeeping(revision)
                     if adapters.lora_index_to_id.index(revision) != slot:
                         raise RuntimeError(f"vLLM put revision {revision} elsewhere than {slot}")
-                    writes.replay(held.chunks, peft.vllm_lora_scaling_factor)
+                    booked = time.perf_counter()
+                    writes.replay(held.chunks, take.tensors, peft.vllm_lora_scaling_factor)
+                    self.seconds = {"bookkeeping": booked - began,
+                                    "replay": time.perf_counter() - booked}
                 except BaseException:
                     self.drop(revision)
                     raise
                 return "replayed"
+            began = time.perf_counter()
             lora, scratch = self._build(revision, held, peft)
             adapters.add_adapter(lora)
             self._held[revision] = held
+            built = time.perf_counter()
             if slot is not None:  # a step would do it; this is between steps
                 try:
                     with _Recording(scratch, held.layout) as recording:
@@ -162,6 +175,7 @@ class RevisionStore:
                     raise
                 where = adapters.lora_index_to_id.index(revision)
                 self._writes[(held.layout, where)] = recording.writes()
+            self.seconds = {"build": built - began, "activate": time.perf_counter() - built}
             return "vllm"
 
     def drop(self, revision: int) -> bool:
@@ -249,27 +263,38 @@ class SlotWrites:
         self,
         zeros: list[torch.Tensor],
         targets: list[torch.Tensor],
-        sources: list[tuple[str, tuple[int, ...], tuple[int, ...], int]],
+        sources: list[Source],
         scaled: list[torch.Tensor],
     ) -> None:
-        self.zeros = zeros
+        covered = {(t.data_ptr(), t.numel()) for t in targets if t.is_contiguous()}
+        self.zeros = [z for z in zeros if not (
+            z.is_contiguous() and (z.data_ptr(), z.numel()) in covered
+        )]
+        """The zero fills a copy does not overwrite whole (none where the rank is the
+        slots' own: then vLLM zeroes bytes it copies over at once)."""
         self.targets = targets
         self.sources = sources
-        """(chunk, size, stride, first element in the chunk) of each copy's source."""
+        """Each copy's source: a tensor's name where it is that whole tensor, else (chunk,
+        size, stride, first element in the chunk)."""
         self.scaled = scaled
 
     def __len__(self) -> int:
         return len(self.targets)
 
-    def replay(self, chunks: Mapping[str, torch.Tensor], scaling: float) -> None:
-        """Write a revision of the recorded layout into the slot: as vLLM would, in three
-        batched ops."""
+    def replay(
+        self, chunks: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
+        scaling: float,
+    ) -> None:
+        """Write a revision of the recorded layout (its ``chunks``, and its ``tensors``:
+        views of them by name) into the slot, as vLLM would, in three batched ops."""
         with torch.no_grad():
             if self.zeros:
                 torch._foreach_zero_(self.zeros)
             sources = [
-                chunks[chunk].as_strided(size, stride, chunks[chunk].storage_offset() + first)
-                for chunk, size, stride, first in self.sources
+                tensors[source] if isinstance(source, str)
+                else chunks[source[0]].as_strided(
+                    source[1], source[2], chunks[source[0]].storage_offset() + source[3])
+                for source in self.sources
             ]
             torch._foreach_copy_(self.targets, sources, non_blocking=True)
             if self.scaled and scaling != 1:
@@ -285,7 +310,10 @@ class _Recording(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._chunks = {t.untyped_storage().data_ptr(): name for name, t in scratch.items()}
         self._b: dict[str, tuple[list[int], list[int]]] = {}
         """chunk -> (first elements, ends) of its B tensors, in order."""
+        self._whole: dict[tuple[str, int], tuple[str, tuple[int, ...]]] = {}
+        """(chunk, first element) -> the tensor that starts there, and its shape."""
         for name, chunk, first, shape in layout:
+            self._whole[(chunk, first)] = (name, tuple(shape))
             if ".lora_B." in name:
                 n = 1
                 for dim in shape:
@@ -295,7 +323,7 @@ class _Recording(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 ends.append(first + n)
         self.zeros: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []
-        self.sources: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+        self.sources: list[Source] = []
         self.scaled: list[torch.Tensor] = []
         self.refused = ""
         self._copied_into: set[int] = set()
@@ -328,7 +356,11 @@ class _Recording(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return
         first = int(source.storage_offset())
         self.targets.append(target)
-        self.sources.append((chunk, tuple(source.shape), tuple(source.stride()), first))
+        whole = self._whole.get((chunk, first))
+        if whole is not None and whole[1] == tuple(source.shape) and source.is_contiguous():
+            self.sources.append(whole[0])
+        else:
+            self.sources.append((chunk, tuple(source.shape), tuple(source.stride()), first))
         self._copied_into.add(target.untyped_storage().data_ptr())
         firsts, ends = self._b.get(chunk, ([], []))
         at = bisect.bisect_right(firsts, first) - 1

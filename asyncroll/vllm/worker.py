@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
-from asyncroll.adapters import Placement
+from asyncroll.adapters import Placement, placements
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.receive.adapter import AdapterTake
 from asyncroll.receive.check import PushCheck, check_delivered
@@ -355,7 +355,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
 
-    def receive_adapter(self, push: int, layout: Sequence[Placement]) -> AdapterTake:
+    def receive_adapter(self, push: int, layout: tuple[Placement, ...]) -> AdapterTake:
         """Receive one adapter push (packed as ``layout`` says) into memory of its own,
         checked (``AdapterTake``); the served weights are not touched."""
         assert self._receiver is not None, "init_weight_transfer_engine first"
@@ -751,10 +751,12 @@ class AsyncrollWorkerExtension:
         revision: int,
         config: dict[str, Any],
         drop: list[int] | None = None,
-        layout: list[Placement] | None = None,
+        layout_key: str = "",
+        layout: list[Any] | None = None,
     ) -> str | dict[str, Any]:
-        """Forget the revisions in ``drop``, then receive an adapter push (packed as
-        ``layout`` says) and register it as LoRA ``revision`` (the adapter port's ``take``).
+        """Forget the revisions in ``drop``, then receive an adapter push (packed as the layout
+        named ``layout_key`` says: ``layout`` the first time, kept after) and register it as
+        LoRA ``revision`` (the adapter port's ``take``).
         It runs between two engine steps; nothing served changes but the set of revisions.
         Returns what the worker took, or why it failed (as ``asyncroll_take_update``, it
         does not raise)."""
@@ -769,7 +771,17 @@ class AsyncrollWorkerExtension:
             if not isinstance(engine, AsyncrollWeightTransferEngine):
                 return "no asyncroll weight-transfer engine in this worker"
             dropped = time.perf_counter()
-            take = engine.receive_adapter(int(update_info.get("push", 0)), layout or ())
+            layouts: dict[str, tuple[Placement, ...]] = self.__dict__.setdefault(
+                "_asyncroll_layouts", {})
+            if layout is not None:
+                layouts.pop(layout_key, None)
+                layouts[layout_key] = placements(layout)
+                while len(layouts) > 8:
+                    layouts.pop(next(iter(layouts)))
+            known = layouts.get(layout_key)
+            if known is None:
+                return f"unknown adapter layout {layout_key!r}: send it with the push"
+            take = engine.receive_adapter(int(update_info.get("push", 0)), known)
             received = time.perf_counter()
             how = store.add(revision, take, config)
             report = engine.last_report
@@ -778,6 +790,8 @@ class AsyncrollWorkerExtension:
                     "bytes": report.bytes, "verified": list(take.verified), "registered": how,
                     "seconds": {"drop": dropped - called, "receive": received - dropped,
                                 "of which check": take.check_seconds,
+                                **{f"check: {k}": v for k, v in take.seconds.items()},
+                                **{f"register: {k}": v for k, v in store.seconds.items()},
                                 "register": time.perf_counter() - received}}
         except Exception as exc:
             logger.warning("rank %s failed the adapter push: %r", getattr(self, "rank", "?"), exc,

@@ -65,6 +65,7 @@ __all__ = [
     "pack_adapter",
     "pack_finite",
     "placements",
+    "split_adapter",
     "unpack_adapter",
 ]
 
@@ -302,40 +303,69 @@ def pack_finite(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:
     return packed
 
 
+def split_adapter(
+    chunks: Mapping[str, torch.Tensor], layout: tuple[Placement, ...]
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each chunk's tensors, flat (1-d views, in the layout's order: one split a chunk, no
+    view a tensor).
+
+    Raises:
+        WeightSyncError: a layout that does not tile the chunks exactly (a chunk missing, a
+            gap, an overlap, a size that does not add up).
+    """
+    tiles = _tiles(layout)
+    if tiles.keys() != chunks.keys():
+        raise WeightSyncError(
+            f"the adapter's layout names chunks {sorted(tiles)}, the push delivered"
+            f" {sorted(chunks)}"
+        )
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for chunk, sizes in tiles.items():
+        flat = chunks[chunk]
+        if flat.dim() != 1 or sum(sizes) != flat.numel():
+            raise WeightSyncError(
+                f"{chunk}: {tuple(flat.shape)} delivered, the layout fills {sum(sizes)} elements"
+            )
+        out[chunk] = torch.split(flat, sizes)
+    return out
+
+
 def unpack_adapter(
     chunks: Mapping[str, torch.Tensor], layout: Iterable[Placement]
 ) -> dict[str, torch.Tensor]:
     """The tensors of a packed adapter: views of ``chunks`` (no copy), by name.
 
     Raises:
-        WeightSyncError: a layout that does not tile the chunks exactly (a chunk missing, a
-            gap, an overlap, a size that does not add up).
+        WeightSyncError: as ``split_adapter``.
     """
-    placed: dict[str, list[Placement]] = {}
-    for place in layout:
-        placed.setdefault(place[1], []).append(place)
-    if placed.keys() != chunks.keys():
-        raise WeightSyncError(
-            f"the adapter's layout names chunks {sorted(placed)}, the push delivered"
-            f" {sorted(chunks)}"
-        )
+    layout = tuple(layout)
+    pieces = split_adapter(chunks, layout)
+    at = dict.fromkeys(pieces, 0)
     out: dict[str, torch.Tensor] = {}
-    for chunk, places in placed.items():
-        flat = chunks[chunk]
-        sizes, at = [], 0
-        for name, _, offset, shape in places:
-            if offset != at:
-                raise WeightSyncError(f"{name}: at element {offset} of {chunk}, want {at}")
-            size = math.prod(shape)
-            sizes.append(size)
-            at += size
-        if flat.dim() != 1 or at != flat.numel():
-            raise WeightSyncError(
-                f"{chunk}: {tuple(flat.shape)} delivered, the layout fills {at} elements"
-            )
-        for (name, _, _, shape), part in zip(places, torch.split(flat, sizes), strict=True):
-            out[name] = part.view(shape)
+    for name, chunk, _, shape in layout:
+        out[name] = pieces[chunk][at[chunk]].view(shape)
+        at[chunk] += 1
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _tiles(layout: tuple[Placement, ...]) -> dict[str, list[int]]:
+    """Each chunk's tensor sizes, in order, checked to follow one another.
+
+    Raises:
+        WeightSyncError: a gap or an overlap.
+    """
+    tiles: dict[str, list[int]] = {}
+    ends: dict[str, int] = {}
+    for name, chunk, first, shape in layout:
+        if first != ends.get(chunk, 0):
+            raise WeightSyncError(
+                f"{name}: at element {first} of {chunk}, want {ends.get(chunk, 0)}"
+            )
+        size = math.prod(shape)
+        tiles.setdefault(chunk, []).append(size)
+        ends[chunk] = first + size
+    return tiles
 
 
 def check_adapter_name(name: object) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from asyncroll.adapters import Placement, unpack_adapter
+from asyncroll.adapters import Placement, split_adapter
 from asyncroll.errors import WeightSyncError
 from asyncroll.fingerprints import packed_fingerprints
 from asyncroll.transport.receiver import ReceiveReport
@@ -27,7 +27,7 @@ Batch = Sequence[tuple[str, torch.Tensor]]
 
 
 class AdapterTake:
-    """Collects one adapter push (``load`` per bucket, then ``check``); ``tensors`` holds it.
+    """Collects one adapter push (``load`` per bucket, then ``check``); ``chunks`` holds it.
 
     Args:
         device: Where the revision's tensors live (the worker's device).
@@ -39,8 +39,9 @@ class AdapterTake:
         self.layout = layout
         self.chunks: dict[str, torch.Tensor] = {}
         """The pushed chunks, in memory of the revision's own."""
-        self.tensors: dict[str, torch.Tensor] = {}
-        """The adapter's tensors by name (views of ``chunks``), once checked."""
+        self.pieces: dict[str, tuple[torch.Tensor, ...]] = {}
+        """Each chunk's tensors, flat, in the layout's order (``split_adapter``), once
+        checked."""
         self.verified = (0, 0)
         """Tensors checked against the sender's fingerprints, and those the push sent none for."""
         self.check_seconds = 0.0
@@ -68,22 +69,22 @@ class AdapterTake:
         if not self.chunks or not self.layout:
             raise WeightSyncError(f"push {report.push}: the adapter push delivered no tensor")
         began = time.perf_counter()
-        tensors = unpack_adapter(self.chunks, self.layout)
+        pieces = split_adapter(self.chunks, self.layout)
         unpacked = time.perf_counter()
         pushed = report.fingerprints or {}
         found = packed_fingerprints(self.chunks, self.layout) if pushed else {}
         printed = time.perf_counter()
         checked = [name for name in found if name in pushed]
         wrong = [name for name in checked if found[name] != pushed[name]]
-        self.seconds = {"unpack": unpacked - began, "fingerprints": printed - unpacked,
+        self.seconds = {"split": unpacked - began, "fingerprints": printed - unpacked,
                         "compare": time.perf_counter() - printed}
-        self.verified = (len(checked), len(tensors) - len(checked))
+        self.verified = (len(checked), len(self.layout) - len(checked))
         if wrong:
             raise WeightSyncError(
                 f"push {report.push}: {len(wrong)} adapter tensors differ from what was pushed"
                 f" (fingerprints): {sorted(wrong)[:5]}"
             )
-        self.tensors = tensors
+        self.pieces = pieces
 
 
 def _copied(batch: Batch, device: torch.device) -> list[tuple[str, torch.Tensor]]:

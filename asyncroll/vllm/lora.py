@@ -53,9 +53,9 @@ logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-Source = str | tuple[str, tuple[int, ...], tuple[int, ...], int]
-"""Where a recorded copy reads: a tensor's name (the whole tensor), else (chunk, size, stride,
-first element in the chunk)."""
+Source = tuple[str, int] | tuple[str, tuple[int, ...], tuple[int, ...], int]
+"""Where a recorded copy reads: (chunk, index) for a whole tensor copied flat (the index-th of
+its chunk, ``split_adapter``), else (chunk, size, stride, first element in the chunk)."""
 
 
 def store_of(worker: Any) -> RevisionStore | None:
@@ -154,7 +154,7 @@ class RevisionStore:
                     if adapters.lora_index_to_id.index(revision) != slot:
                         raise RuntimeError(f"vLLM put revision {revision} elsewhere than {slot}")
                     booked = time.perf_counter()
-                    writes.replay(held.chunks, take.tensors, peft.vllm_lora_scaling_factor)
+                    writes.replay(held.chunks, take.pieces, peft.vllm_lora_scaling_factor)
                     self.seconds = {"bookkeeping": booked - began,
                                     "replay": time.perf_counter() - booked}
                 except BaseException:
@@ -274,24 +274,23 @@ class SlotWrites:
         slots' own: then vLLM zeroes bytes it copies over at once)."""
         self.targets = targets
         self.sources = sources
-        """Each copy's source: a tensor's name where it is that whole tensor, else (chunk,
-        size, stride, first element in the chunk)."""
+        """Each copy's source (``Source``)."""
         self.scaled = scaled
 
     def __len__(self) -> int:
         return len(self.targets)
 
     def replay(
-        self, chunks: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor],
-        scaling: float,
+        self, chunks: Mapping[str, torch.Tensor],
+        pieces: Mapping[str, tuple[torch.Tensor, ...]], scaling: float,
     ) -> None:
-        """Write a revision of the recorded layout (its ``chunks``, and its ``tensors``:
-        views of them by name) into the slot, as vLLM would, in three batched ops."""
+        """Write a revision of the recorded layout (its ``chunks``, and their ``pieces``:
+        ``split_adapter``) into the slot, as vLLM would, in three batched ops."""
         with torch.no_grad():
             if self.zeros:
                 torch._foreach_zero_(self.zeros)
             sources = [
-                tensors[source] if isinstance(source, str)
+                pieces[source[0]][source[1]] if len(source) == 2
                 else chunks[source[0]].as_strided(
                     source[1], source[2], chunks[source[0]].storage_offset() + source[3])
                 for source in self.sources
@@ -310,10 +309,13 @@ class _Recording(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._chunks = {t.untyped_storage().data_ptr(): name for name, t in scratch.items()}
         self._b: dict[str, tuple[list[int], list[int]]] = {}
         """chunk -> (first elements, ends) of its B tensors, in order."""
-        self._whole: dict[tuple[str, int], tuple[str, tuple[int, ...]]] = {}
-        """(chunk, first element) -> the tensor that starts there, and its shape."""
+        self._whole: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
+        """(chunk, first element) -> the index in its chunk of the tensor that starts there,
+        and its shape."""
+        counts: dict[str, int] = {}
         for name, chunk, first, shape in layout:
-            self._whole[(chunk, first)] = (name, tuple(shape))
+            self._whole[(chunk, first)] = (counts.get(chunk, 0), tuple(shape))
+            counts[chunk] = counts.get(chunk, 0) + 1
             if ".lora_B." in name:
                 n = 1
                 for dim in shape:
@@ -355,12 +357,16 @@ class _Recording(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.refused = f"a copy that converts ({source.dtype} to {target.dtype})"
             return
         first = int(source.storage_offset())
-        self.targets.append(target)
         whole = self._whole.get((chunk, first))
-        if whole is not None and whole[1] == tuple(source.shape) and source.is_contiguous():
-            self.sources.append(whole[0])
+        if (
+            whole is not None and whole[1] == tuple(source.shape) and source.is_contiguous()
+            and target.is_contiguous()
+        ):  # flat into flat: the chunk's own split gives the source
+            target = target.view(-1)
+            self.sources.append((chunk, whole[0]))
         else:
             self.sources.append((chunk, tuple(source.shape), tuple(source.stride()), first))
+        self.targets.append(target)
         self._copied_into.add(target.untyped_storage().data_ptr())
         firsts, ends = self._b.get(chunk, ([], []))
         at = bisect.bisect_right(firsts, first) - 1

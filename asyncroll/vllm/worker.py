@@ -786,7 +786,7 @@ class AsyncrollWorkerExtension:
             how = store.add(revision, take, config)
             report = engine.last_report
             assert report is not None
-            return {"version": report.version, "tensors": len(take.tensors),
+            return {"version": report.version, "tensors": len(take.layout),
                     "bytes": report.bytes, "verified": list(take.verified), "registered": how,
                     "seconds": {"drop": dropped - called, "receive": received - dropped,
                                 "of which check": take.check_seconds,

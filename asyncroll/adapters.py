@@ -52,6 +52,8 @@ __all__ = [
     "AdapterConfig",
     "AdapterLayout",
     "AdapterReport",
+    "LAYOUTS_KEPT",
+    "LAYOUTS_SENT",
     "AdapterRevision",
     "PackedAdapter",
     "Placement",
@@ -253,8 +255,8 @@ def pack_adapter(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:
             f"an adapter's tensors are on one device, not on {sorted(map(str, devices))}"
         )
     groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in tensors.items():
-        groups.setdefault(tensor.dtype, []).append((name, tensor))
+    for name in sorted(tensors):  # one layout whatever order the caller's dict is in
+        groups.setdefault(tensors[name].dtype, []).append((name, tensors[name]))
     chunks: dict[str, torch.Tensor] = {}
     layout: list[Placement] = []
     with torch.no_grad():
@@ -282,6 +284,14 @@ def placements(layout: Iterable[Any]) -> tuple[Placement, ...]:
         )
     except (TypeError, ValueError) as exc:
         raise WeightSyncError(f"a malformed adapter layout: {exc}") from exc
+
+
+LAYOUTS_SENT = 8
+"""Layouts an engine's port remembers having sent (the most recently used): a push of one of
+them names it by its key alone."""
+LAYOUTS_KEPT = 32
+"""Layouts a worker keeps (the most recently named). More than the port remembers, so that a
+layout the port names by key alone is still there, whatever pushes failed in between."""
 
 
 def layout_key(layout: tuple[Placement, ...]) -> str:

@@ -246,6 +246,8 @@ def packed_fingerprints(
     with torch.no_grad():
         for chunk, flat in chunks.items():
             names, index, ends = _packed_samples(layout, chunk, flat.device)
+            if not names:
+                continue
             blob = flat[index].cpu().view(torch.uint8).numpy().tobytes()
             size, at = flat.element_size(), 0
             for name, end in zip(names, ends, strict=True):
@@ -274,10 +276,12 @@ def _packed_samples(
         firsts.append(offset)
         steps.append(n // SAMPLES if n > SAMPLES else 1)
         counts.append(min(n, SAMPLES))
+    if not names:
+        return names, torch.zeros(0, dtype=torch.long, device=device), []
     count = torch.tensor(counts)
     ends = count.cumsum(0)
     owner = torch.repeat_interleave(torch.arange(len(names)), count)
-    within = torch.arange(int(ends[-1])) - (ends - count)[owner] if names else torch.zeros(0)
+    within = torch.arange(int(ends[-1])) - (ends - count)[owner]
     index = torch.tensor(firsts)[owner] + within * torch.tensor(steps)[owner]
     return names, index.to(device), ends.tolist()
 

@@ -515,8 +515,9 @@ class SenderChannel:
         tensors = packed.chunks
         if self._one_copy and not all(t.is_cuda for t in tensors.values()):
             raise InvalidRequestError(
-                "one_copy=True reads the trainer's tensors in place: the adapter's must be"
-                " CUDA tensors (push it staged otherwise)"
+                "one_copy=True reads the pushed storages in place (for an adapter, its pack"
+                " on the tensors' device): the adapter's tensors must be CUDA tensors (push it"
+                " staged otherwise)"
             )
         # (The chunks' own as well: the transport sends the prints of what it pushes.)
         self._fingerprints = (

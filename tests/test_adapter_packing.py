@@ -50,6 +50,12 @@ def test_a_changed_element_changes_the_fingerprint_of_its_tensor_only() -> None:
     assert [n for n in before if before[n] != after[n]] == [name]
 
 
+def test_one_adapter_packs_to_one_layout_whatever_the_order_of_its_tensors() -> None:
+    tensors = adapter()
+    reversed_order = dict(reversed(list(tensors.items())))
+    assert pack_adapter(reversed_order).layout == pack_adapter(tensors).layout
+
+
 def test_unpacking_refuses_a_layout_that_does_not_tile_the_chunks() -> None:
     packed = pack_adapter(adapter())
     name, chunk, first, shape = packed.layout[1]
@@ -154,8 +160,9 @@ def test_an_activation_a_replay_cannot_reproduce_is_refused() -> None:
         next(iter(slots.a.values()))[index] = 0
 
     def converts(index: int, views: dict[str, torch.Tensor]) -> None:
+        slots.activate(index, views)
         name = next(iter(slots.a))
-        slots.a[name][index, 0, :8, :96].copy_(views[name].double())
+        torch.empty(8, 96, dtype=torch.float64).copy_(views[name])  # from the revision's own
 
     for activate in (scales_in_place, copies_from_elsewhere, zeros_after_copying, converts):
         assert recorded(slots, tensors, 0, 1.0, activate) is None, activate.__name__

@@ -217,18 +217,21 @@ async def test_a_revision_written_by_replay_holds_what_vllm_writes_from_a_peft_f
     dtype: torch.dtype,
 ) -> None:
     # The first revision of a layout to reach a slot goes through vLLM's activation, which is
-    # recorded; later ones are replayed into recorded slots. A replayed slot must hold the
-    # very bytes vLLM writes for the same adapter loaded from a PEFT folder.
-    tensors = random_adapter(lora_model, CONFIG, seed=60, scale=0.5, dtype=dtype)
-    ways = []
-    for step in range(LORA_ARGS["max_loras"] + 2):
-        report = await manager.update_adapter("replay", tensors, config=CONFIG, global_steps=step)
-        ways.append(lora_engine.adapters.last_registration)
-    assert ways[-1] == "replayed", ways
+    # recorded; later ones are replayed into recorded slots. Fill every slot with one adapter,
+    # then push another (other values, another alpha) into a slot the first one holds: the
+    # replayed slot must hold the very bytes vLLM writes for the second adapter loaded from a
+    # PEFT folder, and sample what vLLM samples with it.
+    first = random_adapter(lora_model, CONFIG, seed=60, scale=0.5, dtype=dtype)
+    for step in range(LORA_ARGS["max_loras"] + 1):
+        await manager.update_adapter("replay", first, config=CONFIG, global_steps=step)
+    config = AdapterConfig(rank=8, alpha=5)
+    second = random_adapter(lora_model, config, seed=61, scale=0.5, dtype=dtype)
+    report = await manager.update_adapter("replay", second, config=config, global_steps=9)
+    assert lora_engine.adapters.last_registration == "replayed"
     replayed = await slot_digest(lora_engine, report.revision.revision)
     pushed = await outputs(manager, "replay")
     lora_id = 901 if dtype == torch.float32 else 902
-    folder = write_peft_adapter(tmp_path, tensors, CONFIG)
+    folder = write_peft_adapter(tmp_path, second, config)
     assert pushed == await vllms_own(lora_engine, folder, lora_id)
     try:
         assert await slot_digest(lora_engine, lora_id) == replayed

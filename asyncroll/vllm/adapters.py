@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncroll.adapters import (
+    LAYOUTS_SENT,
     AdapterLayout,
     AdapterRevision,
     Placement,
@@ -53,8 +54,9 @@ class VLLMAdapterPort:
         self._held: dict[int, AdapterRevision] = {}
         self.last_seconds: dict[str, float] = {}
         """Where the first worker's last take went (drop, receive, register; benchmarks)."""
-        self._layouts_sent: set[str] = set()
-        """Layouts every worker keeps (``asyncroll_take_adapter``): a push names them."""
+        self._layouts_sent: dict[str, None] = {}
+        """Layouts every worker keeps (``asyncroll_take_adapter``), the most recently used
+        last (at most ``LAYOUTS_SENT``): a push names them by key alone."""
         self._last_layout: tuple[tuple[Placement, ...], str] = ((), "")
         self.last_registration = ""
         """How the first worker registered the last revision: ``replayed`` (its tensors
@@ -158,14 +160,17 @@ class VLLMAdapterPort:
                 rpc.cancel()
         failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
         if failed:
-            self._layouts_sent.discard(key)  # sent again with the next push
+            self._layouts_sent.pop(key, None)  # sent again with the next push
             await self._forget(revision)  # a worker that took it must not keep it alone
             rank, why = failed[0]
             raise WeightSyncError(
                 f"{engine.name}: the adapter push failed in {len(failed)} of {len(answers)}"
                 f" workers; rank {rank}: {why}"
             )
-        self._layouts_sent.add(key)
+        self._layouts_sent.pop(key, None)
+        self._layouts_sent[key] = None
+        while len(self._layouts_sent) > LAYOUTS_SENT:
+            self._layouts_sent.pop(next(iter(self._layouts_sent)))
         self._held[revision.revision] = revision
         self.last_seconds = answers[0].get("seconds", {})
         self.last_registration = answers[0].get("registered", "")

@@ -72,7 +72,8 @@ __all__ = ["VLLMEngine", "VLLMWeightPort", "parse_version", "version_label", "vl
 logger = logging.getLogger(__name__)
 
 _CLIENT_ENV_DEFAULTS = {"VLLM_V1_OUTPUT_PROC_CHUNK_SIZE": "32"}
-"""What ``start`` sets in this process where the user set nothing. vLLM's front end turns each
+"""What ``start`` sets in this process's environment where the user set nothing (so every vLLM
+engine this process starts, and its children, see it too). vLLM's front end turns each
 step's outputs into request outputs on the event loop, 128 requests a turn by default; 32 a
 turn kept the rollout benchmark's worst loop turn at 12-16 ms against 13-35 ms (one H200,
 1024 requests from 256 callers, docs/performance.md), the loop every call shares."""

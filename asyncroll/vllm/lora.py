@@ -85,7 +85,8 @@ class RevisionStore:
         """vLLM's ``LRUCacheWorkerLoRAManager``."""
         self._held: dict[int, _Held] = {}
         self._writes: dict[tuple[tuple[Placement, ...], int], SlotWrites | None] = {}
-        """(layout, slot) -> what vLLM's activation wrote there (None: not replayable)."""
+        """(layout, slot) -> what vLLM's activation wrote there (None: not replayable, or a
+        replay failed there: vLLM activates each revision of that layout into that slot)."""
         self._stand_ins: set[int] = set()
         """Revisions registered with a weightless ``LoRAModel`` (written by a replay)."""
         self.seconds: dict[str, float] = {}
@@ -140,7 +141,11 @@ class RevisionStore:
                 # when a step needs it again (``__init__``).
                 adapters.remove_oldest_adapter()
             slot = self._next_slot(adapters)
-            writes = self._writes.get((held.layout, slot)) if slot is not None else None
+            key = (held.layout, slot if slot is not None else -1)
+            # vLLM 0.32 reads per-module ranks and scales (PEFT's patterns): a replay scales
+            # by one; asyncroll's AdapterConfig sets none.
+            uniform = not config.get("rank_pattern") and not config.get("alpha_pattern")
+            writes = self._writes.get(key) if slot is not None and uniform else None
             if writes is not None:
                 from vllm.lora.lora_model import LoRAModel
 
@@ -159,6 +164,7 @@ class RevisionStore:
                                     "replay": time.perf_counter() - booked}
                 except BaseException:
                     self.drop(revision)
+                    self._writes[key] = None  # vLLM's own way from now on
                     raise
                 return "replayed"
             began = time.perf_counter()
@@ -167,14 +173,19 @@ class RevisionStore:
             self._held[revision] = held
             built = time.perf_counter()
             if slot is not None:  # a step would do it; this is between steps
+                record = uniform and key not in self._writes  # (None: refused before)
                 try:
-                    with _Recording(scratch, held.layout) as recording:
+                    if record:
+                        with _Recording(scratch, held.layout) as recording:
+                            self._activate(revision)
+                    else:
                         self._activate(revision)
                 except BaseException:
                     self.drop(revision)
                     raise
-                where = adapters.lora_index_to_id.index(revision)
-                self._writes[(held.layout, where)] = recording.writes()
+                if record:
+                    where = adapters.lora_index_to_id.index(revision)
+                    self._writes[(held.layout, where)] = recording.writes()
             self.seconds = {"build": built - began, "activate": time.perf_counter() - built}
             return "vllm"
 
@@ -360,7 +371,7 @@ class _Recording(TorchDispatchMode):  # type: ignore[no-untyped-call]
         whole = self._whole.get((chunk, first))
         if (
             whole is not None and whole[1] == tuple(source.shape) and source.is_contiguous()
-            and target.is_contiguous()
+            and target.is_contiguous() and target.numel() == source.numel()
         ):  # flat into flat: the chunk's own split gives the source
             target = target.view(-1)
             self.sources.append((chunk, whole[0]))

@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import layerwise
 
-from asyncroll.adapters import Placement, placements
+from asyncroll.adapters import LAYOUTS_KEPT, Placement, placements
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.receive.adapter import AdapterTake
 from asyncroll.receive.check import PushCheck, check_delivered
@@ -773,14 +773,13 @@ class AsyncrollWorkerExtension:
             dropped = time.perf_counter()
             layouts: dict[str, tuple[Placement, ...]] = self.__dict__.setdefault(
                 "_asyncroll_layouts", {})
-            if layout is not None:
-                layouts.pop(layout_key, None)
-                layouts[layout_key] = placements(layout)
-                while len(layouts) > 8:
-                    layouts.pop(next(iter(layouts)))
-            known = layouts.get(layout_key)
+            known = placements(layout) if layout is not None else layouts.pop(layout_key, None)
             if known is None:
                 return f"unknown adapter layout {layout_key!r}: send it with the push"
+            layouts.pop(layout_key, None)
+            layouts[layout_key] = known  # the most recently named last
+            while len(layouts) > LAYOUTS_KEPT:
+                layouts.pop(next(iter(layouts)))
             take = engine.receive_adapter(int(update_info.get("push", 0)), known)
             received = time.perf_counter()
             how = store.add(revision, take, config)

@@ -306,6 +306,7 @@ async def test_bad_adapters_are_refused_before_anything_is_sent(
         }, CONFIG, 3),
         ("a shape that does not fit", {**good, q_a: torch.zeros(8, 64)}, CONFIG, 3),
         ("a NaN", {**good, q_b: torch.full_like(good[q_b], float("nan"))}, CONFIG, 3),
+        ("tensors on two devices", {**good, q_b: good[q_b].to("meta")}, CONFIG, 3),
         ("an A without its B", {q_a: good[q_a]}, CONFIG, 3),
         ("not a LoRA name", {"model.layers.0.self_attn.q_proj.weight": good[q_a]}, CONFIG, 3),
         ("global_steps below the last revision's", good, CONFIG, 1),

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 __all__ = [
     "AdapterConfig",
     "AdapterLayout",
+    "AdapterPlan",
+    "AdapterPlans",
     "AdapterReport",
     "LAYOUTS_KEPT",
     "LAYOUTS_SENT",
@@ -80,6 +82,12 @@ _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _revision_ids = itertools.count(1 << 20)
 """vLLM's own dummy LoRAs (its warm-up, CUDA-graph capture) take ids from 1 up: ours start far
 above them."""
+LAYOUTS_SENT = 8
+"""Layouts an engine's port remembers having sent (the most recently used): a push of one of
+them names it by its key alone."""
+LAYOUTS_KEPT = 32
+"""Layouts a worker keeps (the most recently named). More than the port remembers, so that a
+layout the port names by key alone is still there, whatever pushes failed in between."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,7 +113,7 @@ class AdapterConfig:
 
     def peft_config(self, names: Iterable[str]) -> dict[str, Any]:
         """PEFT's ``adapter_config.json`` for the tensors of these (PEFT) names."""
-        modules = {n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in names}
+        modules = {_module_leaf(name) for name in names}
         return {
             "peft_type": "LORA",
             "r": self.rank,
@@ -164,15 +172,21 @@ class AdapterReport:
     revision: AdapterRevision
     engines: int
     seconds: float
-    """From the call to the last engine holding the revision."""
+    """From the call to the last engine holding the revision (not counting a wait for another
+    update to end)."""
     waited_seconds: float
     """Spent waiting for room: every revision that could go was pinned by a live call."""
     push_seconds: float
-    dropped: tuple[int, ...]
+    check_seconds: float = 0.0
+    """Checking the tensors against the engines' LoRA (names, ranks, shapes), before the
+    pack."""
+    pack_seconds: float = 0.0
+    """Packing them (``pack_adapter``) and checking every value finite."""
+    dropped: tuple[int, ...] = ()
     """Revisions dropped to make room (superseded ones no call used any more)."""
-    tensors: int
-    bytes: int
-    push: PushReport | None
+    tensors: int = 0
+    bytes: int = 0
+    push: PushReport | None = None
     deliveries: Mapping[str, Delivery] = field(default_factory=dict)
 
     @property
@@ -249,26 +263,145 @@ def pack_adapter(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:
     Raises:
         InvalidRequestError: tensors on more than one device.
     """
+    return _plan(tensors).pack(tuple(tensors.values()))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class AdapterPlan:
+    """What every push of an adapter with the same names, shapes, dtypes and device shares,
+    worked out once (``AdapterPlans``): its tensors checked as ``adapter_tensors`` checks them,
+    the order they are packed in, the layout and its key, the engines' checks passed."""
+
+    names: tuple[str, ...]
+    """PEFT's name of each tensor, in the order given."""
+    order: tuple[int, ...]
+    """Positions in the order given, in the order packed."""
+    chunks: tuple[tuple[str, int], ...]
+    """Each chunk's name and how many tensors of ``order`` it takes, in turn."""
+    layout: tuple[Placement, ...]
+    modules: tuple[str, ...]
+    """The leaf names of the modules covered (PEFT's ``target_modules``), sorted."""
+    passed: list[tuple[AdapterLayout, int]] = field(default_factory=list)
+    """The engine layouts and ranks ``check_adapter`` passed the adapter against."""
+
+    def tensors(self, values: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        """PEFT's name -> tensor, from the values in the order given."""
+        return dict(zip(self.names, values, strict=True))
+
+    def check(self, values: tuple[torch.Tensor, ...], config: AdapterConfig,
+              layout: AdapterLayout, *, engine: str) -> None:
+        """``check_adapter``, once per engine layout and rank.
+
+        Raises:
+            InvalidRequestError: as ``check_adapter``.
+        """
+        if any(known is layout and rank == config.rank for known, rank in self.passed):
+            return
+        check_adapter(self.tensors(values), config, layout, engine=engine)
+        self.passed.append((layout, config.rank))
+
+    def pack(self, values: tuple[torch.Tensor, ...]) -> PackedAdapter:
+        """``pack_adapter`` of the values (in the order given)."""
+        chunks: dict[str, torch.Tensor] = {}
+        at = 0
+        with torch.no_grad():
+            for chunk, count in self.chunks:
+                flats = [values[i].reshape(-1) for i in self.order[at:at + count]]
+                chunks[chunk] = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+                at += count
+        return PackedAdapter(chunks, self.layout)
+
+    def pack_finite(self, values: tuple[torch.Tensor, ...]) -> PackedAdapter:
+        """``pack``, every value checked finite on the way (``pack_finite``).
+
+        Raises:
+            InvalidRequestError: names the tensors holding a NaN or an inf.
+        """
+        packed = self.pack(values)
+        if nonfinite(packed.chunks):
+            check_finite(self.tensors(values))  # names the tensors at fault
+        return packed
+
+
+def _plan(tensors: Mapping[str, torch.Tensor]) -> AdapterPlan:
+    """The plan of an adapter's tensors, by name (``adapter_tensors``).
+
+    Raises:
+        InvalidRequestError: tensors on more than one device.
+    """
     devices = {t.device for t in tensors.values()}
     if len(devices) > 1:
         raise InvalidRequestError(
             f"an adapter's tensors are on one device, not on {sorted(map(str, devices))}"
         )
-    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name in sorted(tensors):  # one layout whatever order the caller's dict is in
-        groups.setdefault(tensors[name].dtype, []).append((name, tensors[name]))
-    chunks: dict[str, torch.Tensor] = {}
+    names = tuple(tensors)  # in the order given
+    position = {name: i for i, name in enumerate(names)}
+    groups: dict[torch.dtype, list[str]] = {}
+    for name in sorted(names):  # one layout whatever order the caller's dict is in
+        groups.setdefault(tensors[name].dtype, []).append(name)
+    chunks: list[tuple[str, int]] = []
     layout: list[Placement] = []
-    with torch.no_grad():
-        for dtype, members in groups.items():
-            chunk = f"asyncroll.adapter.{str(dtype).removeprefix('torch.')}"
-            offset = 0
-            for name, tensor in members:
-                layout.append((name, chunk, offset, tuple(tensor.shape)))
-                offset += tensor.numel()
-            flats = [t.reshape(-1) for _, t in members]
-            chunks[chunk] = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
-    return PackedAdapter(chunks, tuple(layout))
+    for dtype, members in groups.items():
+        chunk = f"asyncroll.adapter.{str(dtype).removeprefix('torch.')}"
+        offset = 0
+        for name in members:
+            layout.append((name, chunk, offset, tuple(tensors[name].shape)))
+            offset += tensors[name].numel()
+        chunks.append((chunk, len(members)))
+    return AdapterPlan(
+        names=names,
+        order=tuple(position[name] for members in groups.values() for name in members),
+        chunks=tuple(chunks),
+        layout=tuple(layout),
+        modules=tuple(sorted({_module_leaf(name) for name in names})),
+    )
+
+
+def _module_leaf(name: str) -> str:
+    """``q_proj`` of ``...self_attn.q_proj.lora_A.weight`` (of any name: its last part before
+    ``.lora_``)."""
+    parsed = _parsed(name)
+    module = parsed[1] if parsed is not None else name.rsplit(".lora_", 1)[0]
+    return module.rsplit(".", 1)[-1]
+
+
+class AdapterPlans:
+    """The plans of the adapter layouts pushed lately (``LAYOUTS_SENT``, the most recently
+    used): a revision of a layout seen before is checked and packed without working out its
+    names, order and layout again (a rank-64 adapter of a 7B model is 392 tensors)."""
+
+    def __init__(self, kept: int = LAYOUTS_SENT) -> None:
+        self._kept = kept
+        self._plans: dict[Any, AdapterPlan] = {}
+
+    def plan(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> tuple[AdapterPlan, tuple[torch.Tensor, ...]]:
+        """The adapter's plan and its tensors, in the order given.
+
+        Raises:
+            InvalidRequestError: as ``adapter_tensors``; tensors on more than one device.
+        """
+        items = tuple(named_tensors.items() if isinstance(named_tensors, Mapping)
+                      else named_tensors)
+        try:  # what the plan depends on; anything that is not a tensor has no plan
+            signature: Any = tuple(
+                (name, tensor.dtype, tensor.shape, tensor.device)
+                for name, tensor in items if isinstance(tensor, torch.Tensor)
+            )
+            if len(signature) != len(items):
+                signature = None
+            hash(signature)
+        except (TypeError, ValueError):  # not (name, tensor) pairs, or a name unhashable
+            signature = None
+        plan = self._plans.pop(signature, None) if signature is not None else None
+        if plan is None:
+            plan = _plan(adapter_tensors(items))
+        if signature is not None:
+            self._plans[signature] = plan  # the most recently used last
+            while len(self._plans) > self._kept:
+                self._plans.pop(next(iter(self._plans)))
+        return plan, tuple(tensor for _, tensor in items)
 
 
 def placements(layout: Iterable[Any]) -> tuple[Placement, ...]:
@@ -286,14 +419,6 @@ def placements(layout: Iterable[Any]) -> tuple[Placement, ...]:
         raise WeightSyncError(f"a malformed adapter layout: {exc}") from exc
 
 
-LAYOUTS_SENT = 8
-"""Layouts an engine's port remembers having sent (the most recently used): a push of one of
-them names it by its key alone."""
-LAYOUTS_KEPT = 32
-"""Layouts a worker keeps (the most recently named). More than the port remembers, so that a
-layout the port names by key alone is still there, whatever pushes failed in between."""
-
-
 def layout_key(layout: tuple[Placement, ...]) -> str:
     """A short name for a layout (the workers keep layouts by it: an adapter's layout
     travels once, not with every push)."""
@@ -307,10 +432,7 @@ def pack_finite(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:
         InvalidRequestError: names the tensors holding a NaN or an inf; or as
             ``pack_adapter``.
     """
-    packed = pack_adapter(tensors)
-    if nonfinite(packed.chunks):
-        check_finite(tensors)  # names the tensors at fault
-    return packed
+    return _plan(tensors).pack_finite(tuple(tensors.values()))
 
 
 def split_adapter(

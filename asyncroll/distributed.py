@@ -923,24 +923,21 @@ def _column_block(
     def make() -> torch.Tensor:
         if made is not None:
             made.add(name)
+        rows = local.shape[0]
         with torch.no_grad():  # blocks of one width (gloo's all-to-all takes no other)
-            sends = [_widened(local[:, a:b].to(target), widest) for a, b in windows]
-            received = [local.new_empty((local.shape[0], widest), dtype=target) for _ in windows]
-            dist.all_to_all(received, sends, group=group)
-            block = torch.cat(received)
+            even = all(b - a == widest for a, b in windows)
+            send = (local.new_empty if even else local.new_zeros)(
+                (len(windows), rows, widest), dtype=target)
+            for peer, (a, b) in enumerate(windows):  # cast and gathered in one copy a peer
+                send[peer, :, : b - a].copy_(local[:, a:b])
+            # Peer j's block lands in rows [j * rows, (j + 1) * rows): the rows' own order,
+            # so the block is made in place (no copy after the exchange).
+            block = local.new_empty((len(windows) * rows, widest), dtype=target)
+            dist.all_to_all_single(block, send.view(-1, widest), group=group)
             return block if end - first == widest else block[:, : end - first].contiguous()
 
     return LazyTensor(shape=(tensor.shape[0], end - first), dtype=target, device=local.device,
                       make=make)
-
-
-def _widened(block: torch.Tensor, width: int) -> torch.Tensor:
-    """``block`` as a contiguous tensor of ``width`` columns (zeros after its own)."""
-    if block.shape[1] == width:
-        return block.contiguous()
-    out = block.new_zeros((block.shape[0], width))
-    out[:, : block.shape[1]] = block
-    return out
 
 
 class _PiecesFailed(WeightSyncError):

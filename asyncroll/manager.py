@@ -27,13 +27,11 @@ import torch
 
 from asyncroll.adapters import (
     AdapterConfig,
+    AdapterPlans,
     AdapterReport,
     AdapterRevision,
     Revisions,
-    adapter_tensors,
-    check_adapter,
     check_adapter_name,
-    pack_finite,
 )
 from asyncroll.errors import (
     EngineDeadError,
@@ -210,6 +208,7 @@ class AsyncServerManager:
         self._update_metrics = UpdateMetrics()
         self._staleness = Histogram(STALENESS_BOUNDS)
         self._revisions = Revisions()
+        self._adapter_plans = AdapterPlans()
         """LoRA adapters' revisions held by the engines, and the calls pinned to each."""
         self._adapter_pusher: WeightPusher | None = None
         """Pushes adapters where no ``WeightPusher`` of the manager's can (``rolling``)."""
@@ -596,14 +595,17 @@ class AsyncServerManager:
             WeightSyncError: the push failed; no engine keeps the new revision, and every
                 revision in use serves on.
         """
+        started = time.perf_counter()
         self._check_open()
         adapter = check_adapter_name(adapter)
         global_steps = check_global_steps(global_steps)
         if not isinstance(config, AdapterConfig):
             raise InvalidRequestError(f"config must be an AdapterConfig, not {config!r}")
-        tensors = adapter_tensors(named_tensors)
+        # The names, order and layout of an adapter seen lately are not worked out again.
+        plan, values = self._adapter_plans.plan(named_tensors)
+        entered = time.perf_counter()
         async with self._update_lock:
-            started = time.perf_counter()
+            locked = time.perf_counter()
             previous = self._revisions.newest(adapter)
             if (
                 previous is not None and previous.global_steps is not None
@@ -621,16 +623,13 @@ class AsyncServerManager:
                 raise InvalidRequestError(f"engines {missing} take no LoRA adapters")
             layouts = await asyncio.gather(*(e.adapters.layout() for e in engines))  # type: ignore[attr-defined]
             for engine, layout in zip(engines, layouts, strict=True):
-                check_adapter(tensors, config, layout, engine=engine.name)
+                plan.check(values, config, layout, engine=engine.name)
                 if layout.slots < layout.resident:
                     raise InvalidRequestError(
                         f"{engine.name} holds {layout.resident} LoRA revisions but runs"
                         f" {layout.slots} in a step: start it with max_loras = max_cpu_loras,"
                         " or calls pinned to older revisions wait behind the newest's"
                     )
-            # One flat tensor a dtype travels (``pack_adapter``); its check reads every byte
-            # once: off the loop.
-            packed = await asyncio.to_thread(pack_finite, tensors)
             resident = min(layout.resident for layout in layouts)
             needed = len(self._revisions.adapters() | {adapter}) + 1
             if resident < needed:
@@ -639,13 +638,18 @@ class AsyncServerManager:
                     " needed: one per adapter, and one more for the next revision to arrive"
                     " while calls finish on the last"
                 )
+            checked = time.perf_counter()
+            # One flat tensor a dtype travels (``pack_adapter``); its check reads every byte
+            # once: off the loop.
+            packed = await asyncio.to_thread(plan.pack_finite, values)
+            packed_at = time.perf_counter()
             channel = self._adapter_channel(engines)
             dropped, waited = await self._make_room(resident)
             revision = AdapterRevision.next(adapter, global_steps)
             pushed = time.perf_counter()
             try:
                 push = await channel.push_adapter(
-                    engines, packed, revision, config.peft_config(tensors), drop=dropped
+                    engines, packed, revision, config.peft_config(plan.modules), drop=dropped
                 )
             except BaseException as exc:
                 await shielded(self._forget(engines, [revision, *dropped]))
@@ -660,11 +664,13 @@ class AsyncServerManager:
             return AdapterReport(
                 revision=revision,
                 engines=len(engines),
-                seconds=ended - started,
+                seconds=(entered - started) + (ended - locked),  # not another's wait for the lock
                 waited_seconds=waited,
                 push_seconds=ended - pushed,
+                check_seconds=checked - locked,
+                pack_seconds=packed_at - checked,
                 dropped=tuple(r.revision for r in dropped),
-                tensors=len(tensors),
+                tensors=len(plan.names),
                 bytes=packed.nbytes,
                 push=push,
                 deliveries=channel.deliveries(),

@@ -10,8 +10,10 @@ on its GPU). Per shape:
 - correctness (1.5B): the engine starts on weights A from disk; after pushing B its greedy
   outputs differ, after pushing A back they equal the fresh engine's; hybrid: the engine sleeps,
   the trainer allocates and computes, the engine wakes, takes B, and serves B's outputs;
-- timing: the update (push plus label, ``UpdateReport``) over 5 pushes, median; the extra GPU
-  memory of each rank during a push (``max_memory_allocated`` above what it held before);
+- timing: the update (push plus label, ``UpdateReport``), median of ``--repeats`` pushes, for
+  each of ``--variants`` in turn, ``--rounds`` times (each round's median kept: the same run's
+  A/B); the extra GPU memory of each rank during a push (``max_memory_allocated`` above what it
+  held before);
 - the one-GPU update of the same shape (TP=1 engine on GPU 0, ``WeightPusher`` from full
   tensors on GPU 0), and the one-GPU two-copy limit, measured in the same run;
 - the baseline (``--skip-ipc`` leaves it out): vLLM's own ``ipc`` weight-transfer backend into a
@@ -136,8 +138,24 @@ async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Ite
             "pieces": max(pieces), "GiB moved (this rank)": round(max(moved) / GiB, 3)}
 
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    # "ours": rows and column blocks as pieces; "ours rows only": row-parallel tensors
+    # gathered whole (the same run's A/B of the column exchange).
+    "ours": {"column_blocks": True},
+    "ours rows only": {},
+    "ours unverified": {"verify": False, "column_blocks": True},
+    "ours 1 GiB x2": {"bucket_bytes": 1 << 30, "column_blocks": True},
+    "ours rows only 1 GiB x2": {"bucket_bytes": 1 << 30},
+    "ours whole tensors (no pieces)": {"pieces": False},
+    "ours whole tensors 1 GiB x2": {"pieces": False, "bucket_bytes": 1 << 30},
+}
+DEFAULT_VARIANTS = ("ours", "ours rows only", "ours unverified", "ours 1 GiB x2",
+                    "ours whole tensors (no pieces)", "ours whole tensors 1 GiB x2")
+
+
 async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
-                correctness: bool) -> None:
+                correctness: bool, chosen: tuple[str, ...] = DEFAULT_VARIANTS,
+                repeats: int = 5, rounds: int = 1) -> None:
     rank = dist.get_rank()
     shape = SHAPES[size]
     folder = work / f"{size}-a"
@@ -205,23 +223,26 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
             section["checks"] = checks
             log(f"{size} checks: {checks}")
         section["gather only ms"] = gather_ms(weights_b)
-        # "ours": rows and column blocks as pieces; "ours rows only": the default until the
-        # column blocks have run here (the same run's A/B).
-        variants = {"ours": {"column_blocks": True}, "ours rows only": {},
-                    "ours unverified": {"verify": False, "column_blocks": True},
-                    "ours 1 GiB x2": {"bucket_bytes": 1 << 30, "column_blocks": True},
-                    "ours whole tensors (no pieces)": {"pieces": False},
-                    "ours whole tensors 1 GiB x2": {"pieces": False, "bucket_bytes": 1 << 30}}
-        for label, extra in variants.items():
-            if label != "ours":
+        # What the engine must serve after a push of A (a collective: both ranks, same order).
+        expected_a = {name: float(weights_a[name].full_tensor().sum(dtype=torch.float64))
+                      for name in SERVED_CHECKED}
+        for turn in range(rounds):  # the variants in turn, ``rounds`` times: the same run's A/B
+            for label in chosen:
                 await pusher.aclose()
                 pusher = DistributedWeightPusher(
-                    [engine] if engine is not None else [], timeout=300, **extra)
-            section[label] = await timed_pushes(pusher, weights_b, steps)
-            found: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(found, section[label])
-            section[label]["per rank"] = found
-            log(f"{size} two GPUs, {label}: {section[label]}")
+                    [engine] if engine is not None else [], timeout=300, **VARIANTS[label])
+                found = await timed_pushes(pusher, weights_b, steps, repeats)
+                if turn == 0:  # then A, by the same pusher: the engine serves what it pushed
+                    await pusher.update(weights_a, global_steps=next(steps))
+                    if engine is not None:
+                        found["serves A after its push"] = await served(engine, expected_a)
+                ranks: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(ranks, found)
+                found["per rank"] = ranks
+                if turn == 0:
+                    section[label] = found | {"rounds update_ms": []}
+                section[label]["rounds update_ms"].append(round(found["update_ms"], 2))
+                log(f"{size} two GPUs, {label} (round {turn + 1}): {found}")
         section["bucket MiB x buffers"] = "512 x2"
         await pusher.aclose()
     del weights_a, weights_b
@@ -273,9 +294,8 @@ async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: in
     if rank == 0:
         write_config(folder, shape)
     weights = sharded(random_weights(shape, seed=1))  # multi()'s weights B
-    checked = ("model.norm.weight", "model.layers.0.mlp.down_proj.weight")  # served() checks
     expected = {name: float(weights[name].full_tensor().sum(dtype=torch.float64))
-                for name in checked}  # a collective: both ranks, same order
+                for name in SERVED_CHECKED}  # a collective: both ranks, same order
     section: dict[str, Any] = out.setdefault(f"{size} two GPUs", {})
     options = engine_args(gpu_memory_utilization=0.3 if size != "7b" else 0.35,
                           tensor_parallel_size=2,
@@ -391,6 +411,9 @@ async def ipc_update(engine: Any, weights: dict[str, torch.Tensor], packed: bool
     return errors[0] if errors else None
 
 
+SERVED_CHECKED = ("model.norm.weight", "model.layers.0.mlp.down_proj.weight")
+
+
 async def served(engine: Any, expected: dict[str, float]) -> dict[str, Any]:
     """Whether the engine serves the pushed tensors: per-worker parameter sums (the worker
     extension's ``asyncroll_weight_digest``); a replicated tensor (a norm) whole on every
@@ -442,9 +465,18 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="1.5b,7b")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"of {', '.join(VARIANTS)}; the first is the ratio's")
+    parser.add_argument("--repeats", type=int, default=5, help="timed pushes a variant")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the variants in turn, this many times (each round's median kept)")
     parser.add_argument("--skip-ipc", action="store_true",
                         help="leave out the vLLM ipc backend baseline (TP=2)")
     args = parser.parse_args()
+    chosen = tuple(args.variants.split(","))
+    unknown = [label for label in chosen if label not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose among {list(VARIANTS)}")
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -459,11 +491,12 @@ async def main() -> None:
             (args.out / "gpu_multi.json").write_text(json.dumps(out, indent=1))
 
     for size in args.sizes.split(","):
-        await multi(size, work, out, steps, correctness=size == "1.5b")
+        await multi(size, work, out, steps, correctness=size == "1.5b", chosen=chosen,
+                    repeats=args.repeats, rounds=args.rounds)
         save()
         await single(size, work, out, steps)
         if rank == 0:
-            two, one = out[f"{size} two GPUs"]["ours"], out[f"{size} one GPU"]["ours"]
+            two, one = out[f"{size} two GPUs"][chosen[0]], out[f"{size} one GPU"]["ours"]
             out[f"{size} two GPUs"]["vs one GPU"] = round(two["update_ms"] / one["update_ms"], 3)
             log(f"{size}: two GPUs {two['update_ms']:.1f} ms, one GPU {one['update_ms']:.1f} ms,"
                 f" ratio {out[f'{size} two GPUs']['vs one GPU']}")

@@ -26,6 +26,11 @@
 #   bash bench/gpu_session.sh sixteenth  # 1 GPU: the rollout's loop worst turn under frozen_heap()
 #   bash bench/gpu_session.sh seventeenth # 1 GPU: the packed adapter push again (layouts kept,
 #                                         # fills pruned); the loop's stalls, vLLM's output chunks
+#   bash bench/gpu_session.sh eighteenth  # 2 GPUs: column blocks into a TP=2 engine (1.5B, 7B)
+#   bash bench/gpu_session.sh nineteenth  # 2 GPUs: the 7B push (GPU 0) beside tests/test_lora.py
+#                                         # (GPU 1); the loop's worst turn over rounds (GPU 0)
+#   bash bench/gpu_session.sh twentieth   # 2 GPUs: the adapter push with its plan kept (GPU 0);
+#                                         # the column exchange in place, A/B against rows (7B)
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -265,6 +270,40 @@ phase_seventeenth() {  # 1 GPU: issue 45's push after its second pass; issue 42'
     --rounds 1 --slow-turns --out "$W/results/chunk128"
   run rollout-stalls-32 0 env VLLM_V1_OUTPUT_PROC_CHUNK_SIZE=32 python3 bench/gpu_e2e.py \
     --sections rollout --policies none,inflight --rounds 1 --slow-turns --out "$W/results/chunk32"
+}
+
+phase_eighteenth() {  # 2 GPUs: issue 44, the column-block exchange's first engine runs
+  # (its checkpoints go to $W/multi, outside the results that every step packs)
+  mkdir -p "$W/results/multi"
+  for size in 1.5b 7b; do
+    run multi-$size 0,1 torchrun --nproc-per-node 2 --master-port 29521 bench/gpu_multi.py \
+      --out "$W/multi-$size" --sizes $size --skip-ipc
+    cp "$W/multi-$size/gpu_multi.json" "$W/results/multi/gpu_multi-$size.json" 2>/dev/null
+    rm -rf "$W/multi-$size"
+  done
+}
+
+phase_nineteenth() {  # 2 GPUs: the 7B push after session 32's wire (GPU 0) beside the LoRA
+  # tests (GPU 1); then the loop's worst turn over two rounds with vLLM's output chunk of 32
+  mkdir -p "$W/results/push7b" "$W/results/rounds"
+  run push-7b 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/push7b" &
+  run pytest-lora 1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_adapter_packing.py &
+  wait
+  run rollout-rounds 0 python3 bench/gpu_e2e.py --sections rollout --policies none,keep,inflight \
+    --rounds 2 --slow-turns --out "$W/results/rounds"
+}
+
+phase_twentieth() {  # 2 GPUs: issue 45's trainer side (plans kept), issue 44's column blocks
+  # made in place by one all_to_all_single, against rows only, two rounds each (7B)
+  mkdir -p "$W/results/lora5" "$W/results/multi"
+  run lora-7b-plans 0 python3 bench/gpu_lora.py --out "$W/results/lora5" --size 7b --rank 64 \
+    --sections push --revisions 8 --repeats 20
+  run multi-7b-ab 0,1 torchrun --nproc-per-node 2 --master-port 29524 bench/gpu_multi.py \
+    --out "$W/multi-7b-ab" --sizes 7b --skip-ipc --rounds 2 \
+    --variants "ours,ours rows only,ours 1 GiB x2,ours rows only 1 GiB x2"
+  cp "$W/multi-7b-ab/gpu_multi.json" "$W/results/multi/gpu_multi-7b-ab.json" 2>/dev/null
+  rm -rf "$W/multi-7b-ab"
 }
 
 for phase in "$@"; do

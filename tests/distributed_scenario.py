@@ -325,7 +325,7 @@ async def run(
     columns = dict(model_b.named_parameters())[o_proj].shape[1]
     forced = {"model.layers.0.self_attn.q_proj.weight": None,
               o_proj: [(0, columns // 2), (columns // 2, columns)]}
-    with counting(dist, "all_to_all") as exchanges, pieces_forced(forced):
+    with counting(dist, "all_to_all_single") as exchanges, pieces_forced(forced):
         report = await pusher.update(model_b.named_parameters(), global_steps=4)
     out["retried"] = [report.global_steps, sorted(pusher.pieces), dict(report.pieces)]
     out["exchanges"] = exchanges[0]

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from asyncroll import InvalidRequestError, WeightSyncError
-from asyncroll.adapters import pack_adapter, pack_finite, split_adapter, unpack_adapter
+from asyncroll.adapters import (
+    AdapterConfig,
+    AdapterLayout,
+    AdapterPlans,
+    pack_adapter,
+    pack_finite,
+    split_adapter,
+    unpack_adapter,
+)
 from asyncroll.fingerprints import fingerprints, packed_fingerprints
 from asyncroll.vllm.lora import SlotWrites, _Recording
 
@@ -54,6 +62,69 @@ def test_one_adapter_packs_to_one_layout_whatever_the_order_of_its_tensors() -> 
     tensors = adapter()
     reversed_order = dict(reversed(list(tensors.items())))
     assert pack_adapter(reversed_order).layout == pack_adapter(tensors).layout
+
+
+def engine_layout(tensors: dict[str, torch.Tensor], rank: int = 8) -> AdapterLayout:
+    shapes = {}
+    for name, tensor in tensors.items():
+        module, half = name.removeprefix("base_model.model.").split(".lora_")
+        out_in = shapes.setdefault(module, [0, 0])
+        if half.startswith("A"):
+            out_in[1] = tensor.shape[1]
+        else:
+            out_in[0] = tensor.shape[0]
+    return AdapterLayout(max_rank=rank, slots=2, resident=2,
+                         modules=frozenset({"m0", "m1", "m2", "m3"}),
+                         shapes={m: (o, i) for m, (o, i) in shapes.items()})
+
+
+def test_a_plan_is_worked_out_once_a_layout_and_packs_each_revision_as_pack_adapter() -> None:
+    plans = AdapterPlans(kept=2)
+    first, second = adapter(0), adapter(1)
+    plan, values = plans.plan(first)
+    again, values2 = plans.plan(list(second.items()))  # same names, shapes, dtypes, device
+    assert again is plan
+    for tensors, vals in ((first, values), (second, values2)):
+        packed, expected = plan.pack(vals), pack_adapter(tensors)
+        assert packed.layout == expected.layout
+        assert all(torch.equal(packed.chunks[c], expected.chunks[c]) for c in expected.chunks)
+    # The prefix is optional: the plan names tensors as PEFT does.
+    bare = {k.removeprefix("base_model.model."): v for k, v in first.items()}
+    assert plans.plan(bare)[0].names == plan.names
+    # A changed shape or dtype is another layout; the least recently used goes past ``kept``.
+    wider = dict(first, **{"base_model.model.m3.lora_A.weight": torch.zeros(1, 4)})
+    assert plans.plan(wider)[0] is not plan
+    halved = {k: v.to(torch.bfloat16) for k, v in first.items()}
+    assert plans.plan(halved)[0] is not plan
+    assert plans.plan(first)[0] is not plan  # evicted (kept=2)
+
+
+def test_a_known_plan_still_refuses_what_does_not_fit_the_engine_or_is_not_a_lora() -> None:
+    plans = AdapterPlans()
+    tensors = adapter()
+    plan, values = plans.plan(tensors)
+    config, layout = AdapterConfig(rank=8, alpha=16), engine_layout(tensors)
+    # m3's rank is 1: refused, and refused again (a failed check is not remembered).
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="rank 8"):
+            plan.check(values, config, layout, engine="e")
+    fitting = {k: v for k, v in tensors.items() if ".m3." not in k}
+    plan, values = plans.plan(fitting)
+    plan.check(values, config, engine_layout(fitting), engine="e")
+    narrow = engine_layout(fitting, rank=4)  # another engine's layout: checked on its own
+    with pytest.raises(InvalidRequestError, match="max_lora_rank 4"):
+        plan.check(values, config, narrow, engine="e2")
+    with pytest.raises(InvalidRequestError, match="not of rank 4"):
+        plan.check(values, AdapterConfig(rank=4, alpha=8), engine_layout(fitting), engine="e")
+    # Names the plans know, values that are not tensors or not LoRA names: typed errors.
+    with pytest.raises(InvalidRequestError, match=r"2-d torch\.Tensor"):
+        plans.plan({name: [[1.0]] for name in fitting})
+    with pytest.raises(InvalidRequestError, match="not a LoRA tensor"):
+        plans.plan({"model.m0.weight": torch.zeros(2, 2)})
+    with pytest.raises(InvalidRequestError, match="not a LoRA tensor"):
+        plans.plan([(["unhashable"], torch.zeros(2, 2))])
+    with pytest.raises(InvalidRequestError, match="non-finite values"):
+        plan.pack_finite(tuple(v.clone().fill_(float("nan")) for v in values))
 
 
 def test_unpacking_refuses_a_layout_that_does_not_tile_the_chunks() -> None:

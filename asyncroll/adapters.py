@@ -283,6 +283,10 @@ class AdapterPlan:
     """The leaf names of the modules covered (PEFT's ``target_modules``), sorted."""
     passed: list[tuple[AdapterLayout, int]] = field(default_factory=list)
     """The engine layouts and ranks ``check_adapter`` passed the adapter against."""
+    kept: list[PackedAdapter] = field(default_factory=list)
+    """The pack ``pack(keep=True)`` writes each revision into (made by the first)."""
+    _views: list[torch.Tensor] = field(default_factory=list)
+    """Each tensor's place in the kept pack, in ``order``, as a view of its shape."""
 
     def tensors(self, values: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
         """PEFT's name -> tensor, from the values in the order given."""
@@ -300,8 +304,15 @@ class AdapterPlan:
         check_adapter(self.tensors(values), config, layout, engine=engine)
         self.passed.append((layout, config.rank))
 
-    def pack(self, values: tuple[torch.Tensor, ...]) -> PackedAdapter:
-        """``pack_adapter`` of the values (in the order given)."""
+    def pack(self, values: tuple[torch.Tensor, ...], *, keep: bool = False) -> PackedAdapter:
+        """``pack_adapter`` of the values (in the order given). ``keep``: into the pack kept
+        from the last such call (one batched copy, no allocation), whose tensors this call
+        overwrites: for a caller that is done with the last pack (the manager, whose pushes
+        run one at a time and are over when they return)."""
+        if keep and self.kept:
+            with torch.no_grad():
+                torch._foreach_copy_(self._views, [values[i] for i in self.order])
+            return self.kept[0]
         chunks: dict[str, torch.Tensor] = {}
         at = 0
         with torch.no_grad():
@@ -309,15 +320,24 @@ class AdapterPlan:
                 flats = [values[i].reshape(-1) for i in self.order[at:at + count]]
                 chunks[chunk] = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
                 at += count
-        return PackedAdapter(chunks, self.layout)
+        packed = PackedAdapter(chunks, self.layout)
+        if keep:
+            self.kept.append(packed)
+            self._views.extend(
+                chunks[chunk][first:first + math.prod(shape)].view(shape)
+                for _, chunk, first, shape in self.layout
+            )
+        return packed
 
-    def pack_finite(self, values: tuple[torch.Tensor, ...]) -> PackedAdapter:
+    def pack_finite(
+        self, values: tuple[torch.Tensor, ...], *, keep: bool = False
+    ) -> PackedAdapter:
         """``pack``, every value checked finite on the way (``pack_finite``).
 
         Raises:
             InvalidRequestError: names the tensors holding a NaN or an inf.
         """
-        packed = self.pack(values)
+        packed = self.pack(values, keep=keep)
         if nonfinite(packed.chunks):
             check_finite(self.tensors(values))  # names the tensors at fault
         return packed

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -639,9 +640,10 @@ class AsyncServerManager:
                     " while calls finish on the last"
                 )
             checked = time.perf_counter()
-            # One flat tensor a dtype travels (``pack_adapter``); its check reads every byte
-            # once: off the loop.
-            packed = await asyncio.to_thread(plan.pack_finite, values)
+            # One flat tensor a dtype travels (``pack_adapter``), the same one every push of
+            # this layout (the last push is over); its check reads every byte once: off the
+            # loop.
+            packed = await asyncio.to_thread(functools.partial(plan.pack_finite, keep=True), values)
             packed_at = time.perf_counter()
             channel = self._adapter_channel(engines)
             dropped, waited = await self._make_room(resident)

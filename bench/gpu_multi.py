@@ -23,8 +23,8 @@ on its GPU). Per shape:
   IPC handles (keyed by GPU UUID) so that each worker opens the copy on its own GPU; rank 0
   sends. Packed (1 GiB buffer, its default; 2 GiB: 7B's embedding exceeds 1 GiB) and unpacked;
   the update from ``start_weight_update`` to ``finish_weight_update`` on rank 0, median of 5
-  after a warm-up; ``ours vs vLLM ipc``: our ``ours 1 GiB x2`` update over vLLM's best. Checks:
-  the engine serves the pushed tensors (a replicated norm on every worker, the shards of a
+  after a warm-up; ``ours vs vLLM ipc``: our ``ours`` update (the defaults) over vLLM's best.
+  Checks: the engine serves the pushed tensors (a replicated norm on every worker, the shards of a
   row-parallel weight summed over the workers).
 
 Prints a table and writes OUT/gpu_multi.json (rank 0).
@@ -139,18 +139,20 @@ async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Ite
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # "ours": rows and column blocks as pieces; "ours rows only": row-parallel tensors
-    # gathered whole (the same run's A/B of the column exchange).
-    "ours": {"column_blocks": True},
-    "ours rows only": {},
-    "ours unverified": {"verify": False, "column_blocks": True},
-    "ours 1 GiB x2": {"bucket_bytes": 1 << 30, "column_blocks": True},
-    "ours rows only 1 GiB x2": {"bucket_bytes": 1 << 30},
+    # "ours": the defaults (rows as pieces, row-parallel tensors gathered, 1 GiB buckets x2 on
+    # GPUs); the others change one thing. Session 34 (2026-11-29) ran the column blocks as
+    # "ours" and the default as "ours rows only", both at 512 MiB ("ours 1 GiB x2": columns).
+    "ours": {},
+    "ours column blocks": {"column_blocks": True},
+    "ours 512 MiB x2": {"bucket_bytes": 512 << 20},
+    "ours column blocks 512 MiB x2": {"column_blocks": True, "bucket_bytes": 512 << 20},
+    "ours unverified": {"verify": False},
     "ours whole tensors (no pieces)": {"pieces": False},
-    "ours whole tensors 1 GiB x2": {"pieces": False, "bucket_bytes": 1 << 30},
+    "ours whole tensors 512 MiB x2": {"pieces": False, "bucket_bytes": 512 << 20},
 }
-DEFAULT_VARIANTS = ("ours", "ours rows only", "ours unverified", "ours 1 GiB x2",
-                    "ours whole tensors (no pieces)", "ours whole tensors 1 GiB x2")
+DEFAULT_VARIANTS = ("ours", "ours column blocks", "ours 512 MiB x2",
+                    "ours column blocks 512 MiB x2", "ours unverified",
+                    "ours whole tensors (no pieces)")
 
 
 async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
@@ -243,7 +245,7 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
                     section[label] = found | {"rounds update_ms": []}
                 section[label]["rounds update_ms"].append(round(found["update_ms"], 2))
                 log(f"{size} two GPUs, {label} (round {turn + 1}): {found}")
-        section["bucket MiB x buffers"] = "512 x2"
+        section["bucket MiB x buffers"] = "1024 x2 unless named"
         await pusher.aclose()
     del weights_a, weights_b
     gc.collect()
@@ -339,11 +341,11 @@ async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: in
             log(f"{size} vLLM ipc checks: {section['vLLM ipc checks']}")
     timed = {label: section[label]["update_ms"] for label, _, _ in IPC_VARIANTS
              if "update_ms" in section[label]}
-    if timed and "update_ms" in section.get("ours 1 GiB x2", {}):
+    if timed and "update_ms" in section.get("ours", {}):
         best = min(timed, key=timed.__getitem__)
-        section["ours vs vLLM ipc"] = round(section["ours 1 GiB x2"]["update_ms"] / timed[best], 3)
+        section["ours vs vLLM ipc"] = round(section["ours"]["update_ms"] / timed[best], 3)
         section["best vLLM ipc"] = best
-        log(f"{size} two GPUs: ours 1 GiB x2 {section['ours 1 GiB x2']['update_ms']:.1f} ms, "
+        log(f"{size} two GPUs: ours {section['ours']['update_ms']:.1f} ms, "
             f"{best} {timed[best]:.1f} ms, ratio {section['ours vs vLLM ipc']}")
     del weights
     gc.collect()

@@ -88,6 +88,12 @@ def test_a_plan_is_worked_out_once_a_layout_and_packs_each_revision_as_pack_adap
         packed, expected = plan.pack(vals), pack_adapter(tensors)
         assert packed.layout == expected.layout
         assert all(torch.equal(packed.chunks[c], expected.chunks[c]) for c in expected.chunks)
+    # Packed into the kept pack (the manager's way): the same tensors, each revision's values.
+    kept = plan.pack(values, keep=True)
+    for tensors, vals in ((second, values2), (first, values)):
+        assert plan.pack(vals, keep=True) is kept
+        expected = pack_adapter(tensors)
+        assert all(torch.equal(kept.chunks[c], expected.chunks[c]) for c in expected.chunks)
     # The prefix is optional: the plan names tensors as PEFT does.
     bare = {k.removeprefix("base_model.model."): v for k, v in first.items()}
     assert plans.plan(bare)[0].names == plan.names

@@ -94,8 +94,9 @@ class LoopLag:
 
 class SlowTurns:
     """Where the event loop's long turns go: a watchdog thread samples the loop thread's stack
-    whenever a turn has run past ``threshold`` seconds (wall), and gc callbacks time every
-    collection. Sampling costs nothing on the loop; the loop only stamps a heartbeat a turn."""
+    (and where the other threads are) whenever a turn has run past ``threshold`` seconds
+    (wall), and gc callbacks time every collection. Sampling costs nothing on the loop; the
+    loop only stamps a heartbeat a turn."""
 
     def __init__(
         self, threshold: float = 0.02, period: float = 0.005, *, enabled: bool = True
@@ -104,6 +105,8 @@ class SlowTurns:
         self.threshold = threshold
         self.period = period
         self.stacks: collections.Counter[str] = collections.Counter()
+        self.others: collections.Counter[str] = collections.Counter()
+        """Where the process's other threads were at each stall."""
         self.stalls = 0
         self.gc_ms: list[tuple[int, float]] = []
         self._beat = time.perf_counter()
@@ -132,10 +135,18 @@ class SlowTurns:
             if time.perf_counter() - beat < self.threshold or beat == sampled_beat:
                 continue
             sampled_beat = beat  # one sample a stall, taken once it is already long
-            frame = sys._current_frames().get(loop_thread)
+            frames = sys._current_frames()
+            frame = frames.get(loop_thread)
             if frame is not None:
                 self.stalls += 1
                 self.stacks[_summary(frame)] += 1
+                # And where every other thread is (one of them may hold the GIL the loop
+                # waits for): named, innermost frames only.
+                names = {t.ident: t.name for t in threading.enumerate()}
+                for ident, other in frames.items():
+                    if ident not in (loop_thread, threading.get_ident()):
+                        name = names.get(ident, f"thread {ident}")
+                        self.others[f"{name}: {_summary(other, depth=4)}"] += 1
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start" and info["generation"] == 2 and not self.census:
@@ -173,6 +184,7 @@ class SlowTurns:
             "gc_worst_ms": round(worst_gc, 2),
             "gc_gen2": sum(1 for gen, _ in self.gc_ms if gen == 2),
             "top_stacks": self.stacks.most_common(top),
+            "other_threads_at_stalls": self.others.most_common(2 * top),
             "gen2_census": self.census,
         }
 

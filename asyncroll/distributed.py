@@ -22,12 +22,13 @@ update:
    holds (the workers' load plans say what they read, asked after the first pushes), each rank
    pushes its own rows as a ``Piece`` (``asyncroll.transport.piece``), with no gather; with
    ``column_blocks``, where every worker reads only some columns of each row (o, down), the ranks
-   exchange those column blocks (one all-to-all when the tensor's bucket is packed) and each
-   pushes its workers' block as a piece. The coordinator chooses these in step 1's collective,
-   so every rank plans the same buckets. Any other sharded tensor (``DTensor``) is gathered when
-   its first bucket is packed (``asyncroll.transport.lazy``): every rank gathers the same
-   tensors in the same order, and the peak memory is the staging buffers plus the buckets in
-   flight, never a full copy of the model. A worker that cannot load a piece (its plan was
+   exchange those column blocks when the tensor's bucket is packed (the sends and receives of
+   a bucket's exchanges in one batch) and each pushes its workers' block as a piece. The
+   coordinator chooses these in step 1's collective, so every rank plans the same buckets.
+   Any other sharded tensor (``DTensor``) is gathered when its first bucket is packed
+   (``asyncroll.transport.lazy``): every rank gathers the same tensors in the same order, and
+   the peak memory is the staging buffers plus the buckets in flight, never a full copy of the
+   model. A worker that cannot load a piece (its plan was
    dropped) fails the push; the coordinator's verdict says so, and every rank pushes whole
    tensors in the same update.
    A transformers-5 mixture's fused experts (``mlp.experts.gate_up_proj``, sharded over the
@@ -145,9 +146,11 @@ class DistributedWeightPusher:
                 after the first push; ``pieces``). False: always whole tensors.
             column_blocks: Where every worker reads only some columns of each row (the
                 row-parallel shard of o and down), the ranks exchange those column blocks
-                (one all-to-all per tensor) and push each worker its block, instead of
-                gathering the whole tensor (needs ``pieces``). Off by default until it has run
-                into GPU engines: checked on CPU through the load plan and gloo only.
+                (a bucket's exchanges in one batch of sends and receives) and push each
+                worker its block, instead of gathering the whole tensor (needs ``pieces``).
+                Off by default: on two H200s it served token-exact, and was faster than the
+                gathers at 7B with 1 GiB buckets but slower with 512 MiB ones and at 1.5B,
+                when each tensor's exchange was its own collective (docs/performance.md).
         """
         if not dist.is_initialized():
             raise InvalidRequestError("torch.distributed is not initialized (init_process_group)")
@@ -422,12 +425,16 @@ class DistributedWeightPusher:
         block its workers read (exchanged when packed); cast to ``dtype`` as they are packed,
         if need be."""
         out: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
+        exchanges: dict[object, _Exchanges] = {}  # a group's, for this update
         for name, windows in pieces.items():
             tensor = named[name]
             assert not isinstance(tensor, ExpertPart)  # (never chosen: ``_piece_names``)
             if windows is not None:
-                block = _column_block(tensor.detach(), windows, self.rank, self._dtype,
-                                      name=name, made=made)
+                group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
+                block = _column_block(
+                    tensor.detach(), windows, self.rank, self._dtype, name=name, made=made,
+                    exchanges=exchanges.setdefault(group, _Exchanges(group)),
+                )
                 out[name] = Piece(block, whole=tuple(tensor.shape), offset=0,
                                   columns=windows[self.rank])
                 continue
@@ -904,6 +911,29 @@ def _column_windows(reads: Sequence[tuple[int, ...]], world: int) -> Windows | N
     return [window for window in windows if window is not None]
 
 
+class _Exchanges:
+    """The column exchanges of the tensors first packed in one bucket, as one batch of
+    point-to-point sends and receives (``dist.batch_isend_irecv``: one NCCL group for the
+    bucket, as its all-gathers are one call), run as the batch's context exits."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.ops: list[dist.P2POp] = []
+        self.batch = functools.partial(_exchanging, self)
+        """The one factory of the batch's context (``LazyTensor.batch``, compared by
+        identity)."""
+
+
+@contextlib.contextmanager
+def _exchanging(exchanges: _Exchanges) -> Iterator[None]:
+    exchanges.ops = []
+    yield
+    ops, exchanges.ops = exchanges.ops, []
+    if ops:
+        for request in dist.batch_isend_irecv(ops) or ():
+            request.wait()
+
+
 def _column_block(
     tensor: torch.Tensor,
     windows: Windows,
@@ -912,32 +942,64 @@ def _column_block(
     *,
     name: str = "",
     made: set[str] | None = None,
+    exchanges: _Exchanges | None = None,
 ) -> LazyTensor:
     """The columns ``windows[rank]`` of every row of ``tensor`` (a 2-D ``DTensor``,
-    ``Shard(0)`` evenly over the ranks), made when packed by one all-to-all: each rank sends
+    ``Shard(0)`` evenly over the ranks), made when packed, alone by one all-to-all: each rank sends
     every other rank its own rows' block of that rank's columns (cast to ``dtype`` first: a
     float32 master moves as bf16), and stacks the blocks it receives in rank order (the rows'
     order). Each rank moves only what its workers load. Once made, ``name`` is in ``made``
-    (``_finish_makes`` makes what a failed push did not: every rank joins each exchange)."""
+    (``_finish_makes`` makes what a failed push did not: every rank joins each exchange).
+
+    With ``exchanges`` and windows of one width (tensor parallelism's), the block is made
+    by sends and receives added to that batch instead (``_Exchanges``): each rank copies its
+    own rows' block in place, sends each other rank that rank's columns of its rows, and
+    receives its columns of their rows straight into the block; read only after the batch."""
     local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
     group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
     first, end = windows[rank]
     target = dtype if dtype is not None and local.is_floating_point() else local.dtype
     widest = max(b - a for a, b in windows)
 
+    world = len(windows)
+    even = all(b - a == widest for a, b in windows)
+
+    def exchanged() -> torch.Tensor:
+        if made is not None:
+            made.add(name)
+        assert exchanges is not None
+        rows = local.shape[0]
+        with torch.no_grad():
+            block = local.new_empty((world * rows, widest), dtype=target)
+            for peer, (a, b) in enumerate(windows):
+                if peer == rank:
+                    block[rank * rows:(rank + 1) * rows].copy_(local[:, a:b])
+                    continue
+                send = local.new_empty((rows, widest), dtype=target)
+                send.copy_(local[:, a:b])
+                other = dist.get_global_rank(group, peer)
+                exchanges.ops.append(dist.P2POp(dist.isend, send, other, group))
+                exchanges.ops.append(
+                    dist.P2POp(dist.irecv, block[peer * rows:(peer + 1) * rows], other, group)
+                )
+        return block
+
+    if exchanges is not None and even and world > 1:
+        return LazyTensor(shape=(tensor.shape[0], end - first), dtype=target,
+                          device=local.device, make=exchanged, batch=exchanges.batch)
+
     def make() -> torch.Tensor:
         if made is not None:
             made.add(name)
         rows = local.shape[0]
         with torch.no_grad():  # blocks of one width (gloo's all-to-all takes no other)
-            even = all(b - a == widest for a, b in windows)
             send = (local.new_empty if even else local.new_zeros)(
-                (len(windows), rows, widest), dtype=target)
+                (world, rows, widest), dtype=target)
             for peer, (a, b) in enumerate(windows):  # cast and gathered in one copy a peer
                 send[peer, :, : b - a].copy_(local[:, a:b])
             # Peer j's block lands in rows [j * rows, (j + 1) * rows): the rows' own order,
             # so the block is made in place (no copy after the exchange).
-            block = local.new_empty((len(windows) * rows, widest), dtype=target)
+            block = local.new_empty((world * rows, widest), dtype=target)
             dist.all_to_all_single(block, send.view(-1, widest), group=group)
             return block if end - first == widest else block[:, : end - first].contiguous()
 

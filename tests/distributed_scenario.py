@@ -129,7 +129,7 @@ def blocks_match(model: torch.nn.Module) -> list[str]:
     """Every 2-D parameter's column blocks, exchanged as bf16 (``_column_block``: one
     all-to-all), against ``full_tensor()``'s columns, for even and uneven windows; the names
     that differ."""
-    from asyncroll.distributed import _column_block
+    from asyncroll.distributed import _column_block, _Exchanges
 
     rank, wrong = dist.get_rank(), []
     for name, parameter in model.named_parameters():
@@ -137,12 +137,25 @@ def blocks_match(model: torch.nn.Module) -> list[str]:
         if tensor.dim() != 2:
             continue
         columns = tensor.shape[1]
-        for windows in ([(0, columns // 2), (columns // 2, columns)], [(0, 3), (1, columns)]):
+        even = [(0, columns // 2), (columns // 2, columns)]
+        for windows in (even, [(0, 3), (1, columns)]):
             made = _column_block(tensor, windows, rank, torch.bfloat16).make()
             first, end = windows[rank]
             expected = tensor.full_tensor()[:, first:end].to(torch.bfloat16)  # type: ignore[attr-defined]
             if not torch.equal(made, expected):
                 wrong.append(name)
+        # Batched (a bucket's exchanges as one batch of sends and receives): two tensors'
+        # blocks made inside the batch's context, read after it.
+        exchanges = _Exchanges(tensor.device_mesh.get_group())  # type: ignore[attr-defined]
+        lazies = [_column_block(tensor, even, rank, torch.bfloat16, exchanges=exchanges)
+                  for _ in range(2)]
+        assert all(lazy.batch is exchanges.batch for lazy in lazies)
+        with exchanges.batch():
+            blocks = [lazy.make() for lazy in lazies]
+        first, end = even[rank]
+        expected = tensor.full_tensor()[:, first:end].to(torch.bfloat16)  # type: ignore[attr-defined]
+        if not all(torch.equal(block, expected) for block in blocks):
+            wrong.append(f"{name} (batched)")
     return wrong
 
 
@@ -320,12 +333,13 @@ async def run(
         out[f"report_{tag}"] = [report.global_steps, report.tensors, report.push is not None]
     # B again, with two tensors forced to travel as pieces, which these workers (layerwise
     # loads, no load plan) cannot load: q_proj as each rank's rows, o_proj as the column blocks
-    # the ranks exchange (one all-to-all, counted). Every rank pushes whole tensors again.
+    # the ranks exchange (one batch of sends and receives, counted). Every rank pushes whole
+    # tensors again.
     o_proj = "model.layers.0.self_attn.o_proj.weight"
     columns = dict(model_b.named_parameters())[o_proj].shape[1]
     forced = {"model.layers.0.self_attn.q_proj.weight": None,
               o_proj: [(0, columns // 2), (columns // 2, columns)]}
-    with counting(dist, "all_to_all_single") as exchanges, pieces_forced(forced):
+    with counting(dist, "batch_isend_irecv") as exchanges, pieces_forced(forced):
         report = await pusher.update(model_b.named_parameters(), global_steps=4)
     out["retried"] = [report.global_steps, sorted(pusher.pieces), dict(report.pieces)]
     out["exchanges"] = exchanges[0]

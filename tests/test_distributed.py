@@ -167,8 +167,8 @@ async def outcome(runs: Runs) -> dict[str, Any]:
 def test_every_parameter_is_sharded_and_gathers_exactly(outcome: dict[str, Any]) -> None:
     assert outcome["sharded"]  # every parameter a DTensor: each rank holds half
     assert outcome["gathers_match"]  # our one-call gather equals DTensor.full_tensor()
-    # Each rank's column block of every 2-D parameter (the row-parallel exchange, one
-    # all-to-all) equals the full tensor's columns.
+    # Each rank's column block of every 2-D parameter (the row-parallel exchange: alone, one
+    # all-to-all; batched, sends and receives) equals the full tensor's columns.
     assert outcome["blocks_differ"] == []
 
 
@@ -187,7 +187,7 @@ def test_pushes_from_two_ranks_are_token_exact(outcome: dict[str, Any]) -> None:
 
 def test_a_piece_a_worker_cannot_load_is_pushed_again_whole(outcome: dict[str, Any]) -> None:
     """The coordinator has two tensors pushed as pieces (q_proj as each rank's rows, o_proj as
-    the column blocks the ranks exchange, in one all-to-all) that the workers cannot load (no
+    the column blocks the ranks exchange, in one batch) that the workers cannot load (no
     load plan): they refuse them (``PieceNotPlannedError``), the coordinator's verdict tells
     every rank, and both push whole tensors in the same update, which lands."""
     assert outcome["exchanges"] == 1  # o_proj's blocks, exchanged as its bucket was packed

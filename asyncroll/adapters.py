@@ -178,8 +178,9 @@ class AdapterReport:
     """Spent waiting for room: every revision that could go was pinned by a live call."""
     push_seconds: float
     check_seconds: float = 0.0
-    """Checking the tensors against the engines' LoRA (names, ranks, shapes), before the
-    pack."""
+    """Checking the tensors against the engines' LoRA (ranks, modules, shapes; each engine's
+    LoRA layout, asked once) and the revisions they hold, before the pack. (The names are
+    checked before: ``seconds`` counts them.)"""
     pack_seconds: float = 0.0
     """Packing them (``pack_adapter``) and checking every value finite."""
     dropped: tuple[int, ...] = ()
@@ -321,12 +322,12 @@ class AdapterPlan:
                 chunks[chunk] = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
                 at += count
         packed = PackedAdapter(chunks, self.layout)
-        if keep:
-            self.kept.append(packed)
-            self._views.extend(
+        if keep and not self.kept:  # the views first: a pack is kept only whole
+            self._views[:] = [
                 chunks[chunk][first:first + math.prod(shape)].view(shape)
                 for _, chunk, first, shape in self.layout
-            )
+            ]
+            self.kept.append(packed)
         return packed
 
     def pack_finite(
@@ -388,11 +389,17 @@ def _module_leaf(name: str) -> str:
 class AdapterPlans:
     """The plans of the adapter layouts pushed lately (``LAYOUTS_SENT``, the most recently
     used): a revision of a layout seen before is checked and packed without working out its
-    names, order and layout again (a rank-64 adapter of a 7B model is 392 tensors)."""
+    names, order and layout again (a rank-64 adapter of a 7B model is 392 tensors). A plan
+    packed with ``keep`` holds its pack (the adapter's size, on its device) until it is
+    evicted or ``clear``ed."""
 
     def __init__(self, kept: int = LAYOUTS_SENT) -> None:
         self._kept = kept
         self._plans: dict[Any, AdapterPlan] = {}
+
+    def clear(self) -> None:
+        """Forget every plan (and its kept pack)."""
+        self._plans.clear()
 
     def plan(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]

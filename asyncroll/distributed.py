@@ -927,11 +927,13 @@ class _Exchanges:
 @contextlib.contextmanager
 def _exchanging(exchanges: _Exchanges) -> Iterator[None]:
     exchanges.ops = []
-    yield
-    ops, exchanges.ops = exchanges.ops, []
-    if ops:
-        for request in dist.batch_isend_irecv(ops) or ():
-            request.wait()
+    try:
+        yield
+    finally:  # what was queued is issued, even where a make failed: the peers wait for it
+        ops, exchanges.ops = exchanges.ops, []
+        if ops:
+            for request in dist.batch_isend_irecv(ops) or ():
+                request.wait()
 
 
 def _column_block(

@@ -209,8 +209,9 @@ class AsyncServerManager:
         self._update_metrics = UpdateMetrics()
         self._staleness = Histogram(STALENESS_BOUNDS)
         self._revisions = Revisions()
-        self._adapter_plans = AdapterPlans()
         """LoRA adapters' revisions held by the engines, and the calls pinned to each."""
+        self._adapter_plans = AdapterPlans()
+        """The adapter layouts pushed lately: their checks, and each one's kept pack."""
         self._adapter_pusher: WeightPusher | None = None
         """Pushes adapters where no ``WeightPusher`` of the manager's can (``rolling``)."""
         self._closed = False
@@ -642,8 +643,11 @@ class AsyncServerManager:
             checked = time.perf_counter()
             # One flat tensor a dtype travels (``pack_adapter``), the same one every push of
             # this layout (the last push is over); its check reads every byte once: off the
-            # loop.
-            packed = await asyncio.to_thread(functools.partial(plan.pack_finite, keep=True), values)
+            # loop, and shielded: a cancelled call holds the lock until its pack is written,
+            # so the next push of the layout never writes the same pack at once.
+            packed = await shielded(
+                asyncio.to_thread(functools.partial(plan.pack_finite, keep=True), values)
+            )
             packed_at = time.perf_counter()
             channel = self._adapter_channel(engines)
             dropped, waited = await self._make_room(resident)
@@ -768,6 +772,7 @@ class AsyncServerManager:
         if self._closed:
             return
         self._closed = True
+        self._adapter_plans.clear()  # (their kept packs: an adapter's size each)
         updaters = [*self._retired, self._weights, *self._group_updaters.values()]
         for updater in [*updaters, self._adapter_pusher]:
             if updater is not None:

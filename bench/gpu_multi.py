@@ -237,7 +237,11 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
                 if turn == 0:  # then A, by the same pusher: the engine serves what it pushed
                     await pusher.update(weights_a, global_steps=next(steps))
                     if engine is not None:
-                        found["serves A after its push"] = await served(engine, expected_a)
+                        seen = await served(engine, expected_a)
+                        found["serves A after its push"] = seen
+                        section.setdefault("checks", {})[f"{label}: serves A after its push"] = (
+                            "digest" not in seen and all(v for k, v in seen.items()
+                                                         if k != "workers"))
                 ranks: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(ranks, found)
                 found["per rank"] = ranks
@@ -468,7 +472,7 @@ async def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="1.5b,7b")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"of {', '.join(VARIANTS)}; the first is the ratio's")
+                        help=f"of {', '.join(VARIANTS)}; the first gives the one-GPU ratio")
     parser.add_argument("--repeats", type=int, default=5, help="timed pushes a variant")
     parser.add_argument("--rounds", type=int, default=1,
                         help="the variants in turn, this many times (each round's median kept)")

@@ -298,13 +298,15 @@ phase_nineteenth() {  # 2 GPUs: the 7B push after session 32's wire (GPU 0) besi
 }
 
 phase_twentieth() {  # 2 GPUs: issue 45's trainer side (plans kept), issue 44's column blocks
-  # made in place by one all_to_all_single, against rows only, two rounds each (7B)
+  # made in place by one all_to_all_single, against rows only, two rounds each (7B; as run at
+  # 100a103 under the variant names of then: "ours,ours rows only,ours 1 GiB x2,ours rows only
+  # 1 GiB x2")
   mkdir -p "$W/results/lora5" "$W/results/multi"
   run lora-7b-plans 0 python3 bench/gpu_lora.py --out "$W/results/lora5" --size 7b --rank 64 \
     --sections push --revisions 8 --repeats 20
   run multi-7b-ab 0,1 torchrun --nproc-per-node 2 --master-port 29524 bench/gpu_multi.py \
     --out "$W/multi-7b-ab" --sizes 7b --skip-ipc --rounds 2 \
-    --variants "ours,ours rows only,ours 1 GiB x2,ours rows only 1 GiB x2"
+    --variants "ours column blocks 512 MiB x2,ours 512 MiB x2,ours column blocks,ours"
   cp "$W/multi-7b-ab/gpu_multi.json" "$W/results/multi/gpu_multi-7b-ab.json" 2>/dev/null
   rm -rf "$W/multi-7b-ab"
 }

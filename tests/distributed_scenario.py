@@ -145,17 +145,19 @@ def blocks_match(model: torch.nn.Module) -> list[str]:
             if not torch.equal(made, expected):
                 wrong.append(name)
         # Batched (a bucket's exchanges as one batch of sends and receives): two tensors'
-        # blocks made inside the batch's context, read after it.
+        # blocks (of other values: a block paired with the other's send shows) made inside
+        # the batch's context, read after it.
         exchanges = _Exchanges(tensor.device_mesh.get_group())  # type: ignore[attr-defined]
-        lazies = [_column_block(tensor, even, rank, torch.bfloat16, exchanges=exchanges)
-                  for _ in range(2)]
+        both = (tensor, tensor * 2 + 1)
+        lazies = [_column_block(t, even, rank, torch.bfloat16, exchanges=exchanges) for t in both]
         assert all(lazy.batch is exchanges.batch for lazy in lazies)
         with exchanges.batch():
             blocks = [lazy.make() for lazy in lazies]
         first, end = even[rank]
-        expected = tensor.full_tensor()[:, first:end].to(torch.bfloat16)  # type: ignore[attr-defined]
-        if not all(torch.equal(block, expected) for block in blocks):
-            wrong.append(f"{name} (batched)")
+        for t, block in zip(both, blocks, strict=True):
+            expected = t.full_tensor()[:, first:end].to(torch.bfloat16)  # type: ignore[attr-defined]
+            if not torch.equal(block, expected):
+                wrong.append(f"{name} (batched)")
     return wrong
 
 

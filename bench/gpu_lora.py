@@ -12,7 +12,8 @@ Sections (``--sections``; default all), results appended to ``OUT/gpu_lora.json`
 - ``rollout`` (on the push section's engine): ``--callers`` concurrent calls under the adapter
   over a fixed job list, with no pushes and with a push every ``--interval`` s, ``--rounds``
   times in turn: tokens/s and its ratio, and each push's time under load (its RPC waits for
-  the step in progress).
+  the step in progress). ``--window S [--warm W]``: runs of a fixed time, the tokens made
+  inside the window counted (no tail of a few long calls ending a run).
 
 On a machine without CUDA it runs on the CPU build with the tiny model (``--size tiny``), a dry
 run of the same code.
@@ -229,8 +230,15 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
 
 async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label: str,
                   rank: int, callers: int, requests: int, interval: float,
-                  rounds: int) -> None:
-    """Calls under the adapter, with no pushes and with a push every ``interval`` s."""
+                  rounds: int, window: float = 0.0, warm: float = 0.0) -> None:
+    """Calls under the adapter, with no pushes and with a push every ``interval`` s.
+
+    ``window`` > 0: each run lasts a fixed time instead of a fixed job list: the callers go
+    round the job list until ``warm + window`` seconds have passed, and the run's tokens are
+    those produced inside the window ``[warm, warm + window)``, each call's tokens counted
+    in proportion to the part of its span inside it (as if made at an even rate): no run
+    ends on a tail of a few long calls, which made the job-list runs differ by 12% with no
+    pushes at all (session 33)."""
     s = f"rollout {label} rank {rank}"
     config = AdapterConfig(rank=rank, alpha=2 * rank)
     device = "cuda" if CUDA else "cpu"
@@ -249,15 +257,24 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
         pushes: list[float] = []
         waits: list[float] = []
         done = asyncio.Event()
+        began = time.perf_counter()
+        opens, closes = began + warm, began + warm + window
+        spans: list[tuple[float, float, int]] = []
 
-        async def caller() -> int:
-            tokens = 0
-            while queue:
-                prompt, n = queue.pop()
+        async def caller(first: int = 0) -> int:
+            tokens, turn = 0, first
+            while (time.perf_counter() < closes) if window > 0 else queue:
+                if window > 0:
+                    prompt, n = jobs[turn % len(jobs)]
+                    turn += callers
+                else:
+                    prompt, n = queue.pop()
+                called = time.perf_counter()
                 out = await manager.generate(
                     f"r{next(steps)}", prompt_ids=prompt, adapter="r",
                     sampling_params={"max_tokens": n, "ignore_eos": True, "temperature": 1.0})
                 tokens += len(out.token_ids)
+                spans.append((called, time.perf_counter(), len(out.token_ids)))
             return tokens
 
         async def pusher() -> None:
@@ -274,13 +291,18 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
 
         started = time.perf_counter()
         push_task = asyncio.ensure_future(pusher()) if pushing else None
-        tokens = sum(await asyncio.gather(*(caller() for _ in range(callers))))
+        tokens = sum(await asyncio.gather(*(caller(i) for i in range(callers))))
         seconds = time.perf_counter() - started
         done.set()
         if push_task is not None:
             await push_task
         found: dict[str, Any] = {"tokens/s": round(tokens / seconds, 1),
                                  "seconds": round(seconds, 2)}
+        if window > 0:  # the window's share of each call's tokens
+            inside = sum(n * max(0.0, min(end, closes) - max(call, opens)) / (end - call)
+                         for call, end, n in spans if end > call)
+            found = {"tokens/s": round(inside / window, 1), "window s": window,
+                     "calls": len(spans), "seconds": round(seconds, 2)}
         if pushes:
             found |= {"pushes": len(pushes),
                       "push ms median": round(statistics.median(pushes), 2),
@@ -310,6 +332,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=1024 if CUDA else 64)
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--window", type=float, default=0.0,
+                        help="s: runs of a fixed time, tokens counted inside the window"
+                             " (0: each run goes through the job list once)")
+    parser.add_argument("--warm", type=float, default=0.0,
+                        help="s before the window opens (with --window)")
     parser.add_argument("--revisions", type=int, default=4,
                         help="revisions an engine holds (max_loras = max_cpu_loras): calls"
                              " outliving more pushes than this make a push wait")
@@ -328,7 +355,7 @@ async def main(args: argparse.Namespace) -> int:
         work = Path(tmp)
         def then(manager: AsyncServerManager, folder: Path) -> Any:
             return rollout(res, manager, folder, args.size, args.rank, args.callers,
-                           args.requests, args.interval, args.rounds)
+                           args.requests, args.interval, args.rounds, args.window, args.warm)
 
         steps = {
             "correctness": lambda: correctness(res, work),

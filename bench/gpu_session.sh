@@ -31,9 +31,9 @@
 #                                         # (GPU 1); the loop's worst turn over rounds (GPU 0)
 #   bash bench/gpu_session.sh twentieth   # 2 GPUs: the adapter push with its plan kept (GPU 0);
 #                                         # the column exchange in place, A/B against rows (7B)
-#   bash bench/gpu_session.sh twentyfirst # 2 GPUs: the adapter push packed into its kept pack, the
-#                                         # loop's slow turns with every thread sampled (GPU 0, 1);
-#                                         # batched column exchanges against rows (1.5B, 7B)
+#   bash bench/gpu_session.sh twentyfirst # 1 GPU: the adapter push packed into its kept pack; the
+#                                         # loop's slow turns with every thread sampled
+#   bash bench/gpu_session.sh twentysecond # 2 GPUs: batched column exchanges against rows (1.5B, 7B)
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -311,14 +311,17 @@ phase_twentieth() {  # 2 GPUs: issue 45's trainer side (plans kept), issue 44's 
   rm -rf "$W/multi-7b-ab"
 }
 
-phase_twentyfirst() {  # 2 GPUs: issue 45's kept pack (GPU 0) beside issue 42's slow turns with
-  # every thread sampled (GPU 1); then issue 44's batched column exchanges, A/B against rows
-  mkdir -p "$W/results/lora6" "$W/results/turns" "$W/results/multi"
+phase_twentyfirst() {  # 1 GPU: issue 45's kept pack, then issue 42's slow turns with every
+  # thread sampled (one after the other: the loop's turns are not shared with another client)
+  mkdir -p "$W/results/lora6" "$W/results/turns"
   run lora-7b-kept-pack 0 python3 bench/gpu_lora.py --out "$W/results/lora6" --size 7b \
-    --rank 64 --sections push --revisions 8 --repeats 20 &
-  run rollout-turns 1 python3 bench/gpu_e2e.py --sections rollout --policies none,keep,inflight \
-    --rounds 1 --slow-turns --out "$W/results/turns" &
-  wait
+    --rank 64 --sections push --revisions 8 --repeats 20
+  run rollout-turns 0 python3 bench/gpu_e2e.py --sections rollout --policies none,keep,inflight \
+    --rounds 1 --slow-turns --out "$W/results/turns"
+}
+
+phase_twentysecond() {  # 2 GPUs: issue 44's batched column exchanges, A/B against rows
+  mkdir -p "$W/results/multi"
   for size in 1.5b 7b; do
     run multi-$size-batched 0,1 torchrun --nproc-per-node 2 --master-port 29525 \
       bench/gpu_multi.py --out "$W/multi-$size" --sizes $size --skip-ipc --rounds 2 \

@@ -183,11 +183,11 @@ class AdapterReport:
     checked before: ``seconds`` counts them.)"""
     pack_seconds: float = 0.0
     """Packing them (``pack_adapter``) and checking every value finite."""
-    dropped: tuple[int, ...] = ()
+    dropped: tuple[int, ...]
     """Revisions dropped to make room (superseded ones no call used any more)."""
-    tensors: int = 0
-    bytes: int = 0
-    push: PushReport | None = None
+    tensors: int
+    bytes: int
+    push: PushReport | None
     deliveries: Mapping[str, Delivery] = field(default_factory=dict)
 
     @property

@@ -134,8 +134,8 @@ class DistributedWeightPusher:
             engines: The engines, on the coordinator rank only (empty on the others).
             coordinator: The rank that pauses, labels and resumes the engines.
             bucket_bytes: On GPUs, 1 GiB by default (``WeightPusher``'s 512 MiB): each bucket's
-                gathers run before it is packed, and larger buckets were faster in every
-                variant measured (``DEFAULT_BUCKET_BYTES``).
+                gathers run before it is packed, and at 7B the larger buckets were faster in
+                every variant measured (``DEFAULT_BUCKET_BYTES``).
             buffers: Staging buffers on each rank: 2 (not ``WeightPusher``'s 3 with CUDA IPC;
                 every rank's GPU also holds its trainer shard and the gathered buckets).
             dtype: Push floating tensors as this dtype (the engines' ``bfloat16``, say): a
@@ -148,9 +148,10 @@ class DistributedWeightPusher:
                 row-parallel shard of o and down), the ranks exchange those column blocks
                 (a bucket's exchanges in one batch of sends and receives) and push each
                 worker its block, instead of gathering the whole tensor (needs ``pieces``).
-                Off by default: on two H200s it served token-exact, and was faster than the
-                gathers at 7B with 1 GiB buckets but slower with 512 MiB ones and at 1.5B,
-                when each tensor's exchange was its own collective (docs/performance.md).
+                Off by default: on two H200s, when each tensor's exchange was its own
+                collective, it served token-exact and was faster than the gathers at 7B with
+                1 GiB buckets, but slower with 512 MiB ones and at 1.5B (docs/performance.md).
+                The batched exchange has run on gloo ranks only, not yet on NCCL.
         """
         if not dist.is_initialized():
             raise InvalidRequestError("torch.distributed is not initialized (init_process_group)")

@@ -152,6 +152,27 @@ async def correctness(res: Results, work: Path) -> None:
             res.check(s, "base outputs unchanged", await greedy(manager, None, "again") == base)
 
 
+def timeline(called: float, returned: float, report: Any,
+             worker: dict[str, float]) -> dict[str, float]:
+    """Where one push's time went, as milliseconds from the call: the manager's steps, the
+    sender's (``PushReport``) and the first worker's stamps (one clock for the host)."""
+    at: dict[str, float] = {"manager packed": report.check_seconds + report.pack_seconds}
+    push = report.push
+    if push is not None and push.began:
+        at["sender began"] = push.began - called
+        if push.timeline:
+            first = push.timeline[0]
+            at["sender copied"] = first.copied - called
+            at["sender signalled"] = first.signalled - called
+        if push.ended:
+            at["sender ended"] = push.ended - called
+    for name, stamp in worker.items():
+        if stamp:
+            at[f"worker {name}"] = stamp - called
+    at["returned"] = returned - called
+    return {f"at {k} ms": v * 1e3 for k, v in at.items()}
+
+
 async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
                then: Any = None) -> None:
     """The idle push, then (``then(manager, folder)``) the rollout on the same engine."""
@@ -179,13 +200,15 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
                 called = time.perf_counter()
                 report = await manager.update_adapter(
                     "a", adapters[i % 2], config=config, global_steps=i)
-                call_ms = (time.perf_counter() - called) * 1e3
+                returned = time.perf_counter()
+                call_ms = (returned - called) * 1e3
                 runs.append({"ms": report.seconds * 1e3, "call ms": call_ms,
                              "check ms": report.check_seconds * 1e3,
                              "pack ms": report.pack_seconds * 1e3,
                              "push ms": report.push_seconds * 1e3}
                             | {f"worker {k} ms": v * 1e3
-                               for k, v in e.adapters.last_seconds.items()})
+                               for k, v in e.adapters.last_seconds.items()}
+                            | timeline(called, returned, report, e.adapters.last_stamps))
                 ways.append(e.adapters.last_registration)
             # The first pushes to each slot go through vLLM's activation (recorded); the
             # median of the later ones, replayed, is the push's steady figure.
@@ -221,6 +244,8 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
             res.record(s, "ratios", {"asyncroll / limit": round(ms / limit_ms, 1),
                                      "vllm add_lora / asyncroll": round(statistics.median(own)
                                                                         / ms, 1)})
+            log(f"{s}: timeline (ms from the call): " + ", ".join(
+                f"{k[3:-3]} {v:.2f}" for k, v in idle.items() if k.startswith("at ")))
             log(f"{s}: asyncroll {ms:.2f} ms (check {idle['check ms']:.2f}, pack"
                 f" {idle['pack ms']:.2f}, push {idle['push ms']:.2f}), vLLM add_lora"
                 f" {statistics.median(own):.1f} ms, limit {limit_ms:.3f} ms")

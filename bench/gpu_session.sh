@@ -34,6 +34,8 @@
 #   bash bench/gpu_session.sh twentyfirst # 1 GPU: the adapter push packed into its kept pack; the
 #                                         # loop's slow turns with every thread sampled
 #   bash bench/gpu_session.sh twentysecond # 2 GPUs: batched column exchanges against rows (1.5B, 7B)
+#   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
+#                                         # windows (0); LoRA tests, then the loop's slow turns (1)
 set -uo pipefail
 OUT=${OUT:-out}
 W=${W:-/root/session}  # logs and results; only the tarball and a summary go to $OUT
@@ -318,6 +320,21 @@ phase_twentyfirst() {  # 1 GPU: issue 45's kept pack, then issue 42's slow turns
     --rank 64 --sections push --revisions 8 --repeats 20
   run rollout-turns 0 python3 bench/gpu_e2e.py --sections rollout --policies none,keep,inflight \
     --rounds 1 --slow-turns --out "$W/results/turns"
+}
+
+phase_twentythird() {  # 2 GPUs: issue 45's kept pack with the push's timeline, then the
+  # LoRA rollout in fixed windows (GPU 0); the LoRA tests, then issue 42's slow turns with every
+  # thread sampled (GPU 1)
+  mkdir -p "$W/results/lora7" "$W/results/turns"
+  run lora-7b-timeline-rollout 0 python3 bench/gpu_lora.py --out "$W/results/lora7" --size 7b \
+    --rank 64 --sections push,rollout --revisions 8 --repeats 20 --window 30 --warm 8 --rounds 3 &
+  (
+    run pytest-lora 1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_adapter_packing.py
+    run rollout-turns 1 python3 bench/gpu_e2e.py --sections rollout --policies none,keep,inflight \
+      --rounds 1 --slow-turns --out "$W/results/turns"
+  ) &
+  wait
 }
 
 phase_twentysecond() {  # 2 GPUs: issue 44's batched column exchanges, A/B against rows

@@ -58,6 +58,9 @@ class VLLMAdapterPort:
         """Layouts every worker keeps (``asyncroll_take_adapter``), the most recently used
         last (at most ``LAYOUTS_SENT``): a push names them by key alone."""
         self._last_layout: tuple[tuple[Placement, ...], str] = ((), "")
+        self.last_stamps: dict[str, float] = {}
+        """When the first worker's last take reached each point (``time.perf_counter()``,
+        one clock for the host's processes; benchmarks line it up with the sender's)."""
         self.last_registration = ""
         """How the first worker registered the last revision: ``replayed`` (its tensors
         written straight into a LoRA slot, as vLLM wrote an earlier revision there) or
@@ -173,6 +176,7 @@ class VLLMAdapterPort:
             self._layouts_sent.pop(next(iter(self._layouts_sent)))
         self._held[revision.revision] = revision
         self.last_seconds = answers[0].get("seconds", {})
+        self.last_stamps = answers[0].get("stamps", {})
         self.last_registration = answers[0].get("registered", "")
         return summed(answers)
 

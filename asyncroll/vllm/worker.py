@@ -783,15 +783,23 @@ class AsyncrollWorkerExtension:
             take = engine.receive_adapter(int(update_info.get("push", 0)), known)
             received = time.perf_counter()
             how = store.add(revision, take, config)
+            registered = time.perf_counter()
             report = engine.last_report
             assert report is not None
+            first = report.timeline[0] if report.timeline else None
             return {"version": report.version, "tensors": len(take.layout),
                     "bytes": report.bytes, "verified": list(take.verified), "registered": how,
                     "seconds": {"drop": dropped - called, "receive": received - dropped,
                                 "of which check": take.check_seconds,
                                 **{f"check: {k}": v for k, v in take.seconds.items()},
                                 **{f"register: {k}": v for k, v in store.seconds.items()},
-                                "register": time.perf_counter() - received}}
+                                "register": registered - received},
+                    # ``time.perf_counter()``: one clock for every process of the host
+                    "stamps": {"called": called, "receive began": report.began,
+                               "first arrived": first.arrived if first else 0.0,
+                               "first received": first.received if first else 0.0,
+                               "first acked": first.acked if first else 0.0,
+                               "checked": received, "registered": registered}}
         except Exception as exc:
             logger.warning("rank %s failed the adapter push: %r", getattr(self, "rank", "?"), exc,
                            exc_info=True)

@@ -702,6 +702,10 @@ class Revisions:
     def adapters(self) -> set[str]:
         return set(self._newest)
 
+    def retire(self, adapter: str) -> None:
+        """No call starts on ``adapter`` from now on; its revisions may go once unpinned."""
+        self._newest.pop(adapter, None)
+
     async def unpinned(self) -> None:
         """Return when some revision's last call ends."""
         await self._unpinned.wait()

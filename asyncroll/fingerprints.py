@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "SAMPLES",
     "Fingerprinter",
+    "PackedPrints",
     "fingerprints",
     "holds_exactly",
     "packed_fingerprints",
@@ -254,6 +255,61 @@ def packed_fingerprints(
                 out[name] = blob[at * size:end * size]
                 at = end
     return out
+
+
+class PackedPrints:
+    """``packed_fingerprints`` of chunks taken as they land: each chunk's samples are gathered
+    and sent to the host as soon as it is loaded (``start``; on a GPU, without waiting for
+    the device), and read when the check needs them (``result``). A worker's adapter
+    receive starts them before the sender's last message, which then hides their wait."""
+
+    def __init__(self, layout: tuple[tuple[str, str, int, tuple[int, ...]], ...]) -> None:
+        self._layout = layout
+        self._sizes: dict[str, int] = {}
+        for _, chunk, first, shape in layout:
+            size = 1
+            for dim in shape:
+                size *= dim
+            self._sizes[chunk] = max(self._sizes.get(chunk, 0), first + size)
+        self._started: dict[str, tuple[torch.Tensor, list[str], list[int], torch.Tensor,
+                                       Any]] = {}
+
+    def start(self, chunk: str, flat: torch.Tensor) -> None:
+        """Gather ``flat``'s samples (chunk ``chunk`` as it landed) and queue their copy."""
+        if flat.dim() != 1 or flat.numel() != self._sizes.get(chunk):
+            return  # not as the layout says: the check refuses it (and fingerprints it then)
+        with torch.no_grad():
+            names, index, ends = _packed_samples(self._layout, chunk, flat.device)
+            if not names:
+                return
+            samples = flat[index]
+            done = None
+            if samples.is_cuda:
+                host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
+                host.copy_(samples, non_blocking=True)
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record()
+                samples = host
+            self._started[chunk] = (flat, names, ends, samples, done)
+
+    def result(self, chunks: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+        """``packed_fingerprints(chunks, layout)``: from the samples started of the very
+        tensors in ``chunks``, the others' taken now."""
+        out: dict[str, bytes] = {}
+        for chunk, flat in chunks.items():
+            started = self._started.get(chunk)
+            if started is None or started[0] is not flat:
+                out.update(packed_fingerprints({chunk: flat}, self._layout))
+                continue
+            _, names, ends, samples, done = started
+            if done is not None:
+                done.synchronize()
+            blob = samples.view(torch.uint8).numpy().tobytes()
+            size, at = flat.element_size(), 0
+            for name, end in zip(names, ends, strict=True):
+                out[name] = blob[at * size:end * size]
+                at = end
+        return out
 
 
 @functools.lru_cache(maxsize=16)

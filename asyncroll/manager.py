@@ -682,6 +682,29 @@ class AsyncServerManager:
                 deliveries=channel.deliveries(),
             )
 
+    async def remove_adapter(self, adapter: str) -> list[AdapterRevision]:
+        """Retire ``adapter`` (a task or tenant done with): calls made from now on may not
+        name it; calls running on it finish on their revision. Its revisions no call uses
+        leave every engine now; the others leave once their calls end (the next
+        ``update_adapter`` drops them, as any superseded revision). Returns those that left.
+
+        Raises:
+            InvalidRequestError: a bad name, or an adapter with no revision.
+        """
+        self._check_open()
+        adapter = check_adapter_name(adapter)
+        async with self._update_lock:
+            if self._revisions.newest(adapter) is None:
+                known = sorted(self._revisions.adapters()) or "none"
+                raise InvalidRequestError(f"adapter {adapter!r} has no revision; known: {known}")
+            self._revisions.retire(adapter)
+            gone = [r for r in self._revisions.droppable() if r.adapter == adapter]
+            for revision in gone:
+                self._revisions.drop(revision)
+            engines = [engine for engine in self._engines if not engine.is_dead]
+            await shielded(self._forget(engines, gone))
+            return gone
+
     def with_adapter(self, adapter: str) -> AdapterClient:
         """A view of this manager whose ``generate`` runs every call under ``adapter`` (what
         an agent loop or a recipe's rollouts take as their ``ServerManager``).

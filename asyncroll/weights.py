@@ -519,11 +519,16 @@ class SenderChannel:
                 " on the tensors' device): the adapter's tensors must be CUDA tensors (push it"
                 " staged otherwise)"
             )
-        # (The chunks' own as well: the transport sends the prints of what it pushes.)
-        self._fingerprints = (
-            packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
-            if self._verify else None
-        )
+        # (The chunks' own as well: the transport sends the prints of what it pushes.) Taken
+        # once the takes' RPCs have left: they then travel to the workers meanwhile.
+        self._fingerprints = None
+
+        def fingerprinted() -> dict[str, bytes]:
+            self._fingerprints = (
+                packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
+            )
+            return self._fingerprints
+
         sender = await self._connected(engines, tensors)
         version = revision.global_steps if revision.global_steps is not None else -1
 
@@ -534,7 +539,10 @@ class SenderChannel:
             return delivery
 
         try:
-            return await self._transfer(engines, sender, tensors, version, take=take)
+            return await self._transfer(
+                engines, sender, tensors, version, take=take,
+                fingerprinted=fingerprinted if self._verify else None,
+            )
         except BaseException:
             if isinstance(sender, BroadcastSender):
                 sender.close()
@@ -583,6 +591,7 @@ class SenderChannel:
         *,
         mode: ResumeMode = "keep",
         take: Callable[[Any, int, Callable[[], None]], Awaitable[Delivery | None]] | None = None,
+        fingerprinted: Callable[[], dict[str, bytes]] | None = None,
     ) -> PushReport:
         """Every engine's take, then the push, failing as soon as any of them fails (a dead
         worker's engine fails its take long before the sender's ack deadline).
@@ -593,7 +602,9 @@ class SenderChannel:
         into the engines and the workers' preparation. The tensors were checked already
         (``check``); a push that still fails before its first message tells the waiting
         receivers so (``receivers_waiting``). A push group (broadcast) starts first: its
-        receivers join a collective, which only the sender can open."""
+        receivers join a collective, which only the sender can open. ``fingerprinted``: the
+        tensors' fingerprints, taken once the takes have left (before the sender's first
+        step)."""
         prints = self._fingerprints if self._fingerprints is not None else None
         lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
         if prints is not None and not set(tensors) - set(lazy) <= set(prints):
@@ -612,13 +623,18 @@ class SenderChannel:
         sent = [asyncio.Event() for _ in engines]
 
         async def pushed() -> PushReport:
+            nonlocal prints
             if receivers_first:
                 assert isinstance(sender, WeightSender)
                 try:
                     await asyncio.gather(*(event.wait() for event in sent))
+                    if fingerprinted is not None:
+                        prints = fingerprinted()
                 except BaseException as exc:  # cancelled: the receivers wait for this push
                     await sender.call_off(version, exc)
                     raise
+            elif fingerprinted is not None:
+                prints = fingerprinted()
             return await sender.push(
                 tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
                 **options,

@@ -255,7 +255,8 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
 
 async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label: str,
                   rank: int, callers: int, requests: int, interval: float,
-                  rounds: int, window: float = 0.0, warm: float = 0.0) -> None:
+                  rounds: int, window: float = 0.0, warm: float = 0.0,
+                  spread: int = 0) -> None:
     """Calls under the adapter, with no pushes and with a push every ``interval`` s.
 
     ``window`` > 0: each run lasts a fixed time instead of a fixed job list: the callers go
@@ -274,11 +275,19 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
              rng.randrange(64, 256)) for _ in range(requests)]
     res.record(s, "workload", {"requests": requests, "callers": callers,
                                "tokens": sum(n for _, n in jobs), "push every s": interval})
+    for name in manager.adapters:  # the push section's: room for the spread's
+        await manager.remove_adapter(name)
     await manager.update_adapter("r", adapters[0], config=config, global_steps=0)
     steps = iter(range(1, 1 << 30))
 
-    async def run(pushing: bool) -> dict[str, Any]:
+    async def run(pushing: bool, spread: int = 0) -> dict[str, Any]:
+        """``spread``: no pushes, but each call under one of that many adapters pushed once
+        before (the LoRA batch of a run with pushes, whose calls keep the revisions they
+        started on, without the pushes)."""
         queue = list(jobs)
+        names = [f"s{i}" for i in range(spread)] or ["r"]
+        for i, name in enumerate(names if spread else ()):
+            await manager.update_adapter(name, adapters[i % 2], config=config, global_steps=0)
         pushes: list[float] = []
         waits: list[float] = []
         done = asyncio.Event()
@@ -296,7 +305,7 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
                     prompt, n = queue.pop()
                 called = time.perf_counter()
                 out = await manager.generate(
-                    f"r{next(steps)}", prompt_ids=prompt, adapter="r",
+                    f"r{next(steps)}", prompt_ids=prompt, adapter=names[turn % len(names)],
                     sampling_params={"max_tokens": n, "ignore_eos": True, "temperature": 1.0})
                 tokens += len(out.token_ids)
                 spans.append((called, time.perf_counter(), len(out.token_ids)))
@@ -321,6 +330,8 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
         done.set()
         if push_task is not None:
             await push_task
+        for name in names if spread else ():
+            await manager.remove_adapter(name)
         found: dict[str, Any] = {"tokens/s": round(tokens / seconds, 1),
                                  "seconds": round(seconds, 2)}
         if window > 0:  # the window's share of each call's tokens
@@ -340,10 +351,17 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
     for number in range(rounds):
         row: dict[str, Any] = {"none": await run(False), "push": await run(True)}
         row["ratio"] = round(row["push"]["tokens/s"] / row["none"]["tokens/s"], 3)
+        if spread:
+            row[f"{spread} adapters, no push"] = await run(False, spread)
+            row["spread ratio"] = round(
+                row[f"{spread} adapters, no push"]["tokens/s"] / row["none"]["tokens/s"], 3)
         log(f"{s} round {number + 1}: {row}")
         table.append(row)
         res.record(s, "rounds", table)
     res.record(s, "ratio median", statistics.median(r["ratio"] for r in table))
+    if spread:
+        res.record(s, "spread ratio median",
+                   statistics.median(r["spread ratio"] for r in table))
 
 
 def parse_args() -> argparse.Namespace:
@@ -362,6 +380,9 @@ def parse_args() -> argparse.Namespace:
                              " (0: each run goes through the job list once)")
     parser.add_argument("--warm", type=float, default=0.0,
                         help="s before the window opens (with --window)")
+    parser.add_argument("--spread", type=int, default=0,
+                        help="each round also runs calls spread over this many adapters,"
+                             " pushed once, with no pushes: the LoRA batch without them")
     parser.add_argument("--revisions", type=int, default=4,
                         help="revisions an engine holds (max_loras = max_cpu_loras): calls"
                              " outliving more pushes than this make a push wait")
@@ -380,7 +401,8 @@ async def main(args: argparse.Namespace) -> int:
         work = Path(tmp)
         def then(manager: AsyncServerManager, folder: Path) -> Any:
             return rollout(res, manager, folder, args.size, args.rank, args.callers,
-                           args.requests, args.interval, args.rounds, args.window, args.warm)
+                           args.requests, args.interval, args.rounds, args.window, args.warm,
+                           args.spread)
 
         steps = {
             "correctness": lambda: correctness(res, work),

@@ -34,6 +34,8 @@
 #   bash bench/gpu_session.sh twentyfirst # 1 GPU: the adapter push packed into its kept pack; the
 #                                         # loop's slow turns with every thread sampled
 #   bash bench/gpu_session.sh twentysecond # 2 GPUs: batched column exchanges against rows (1.5B, 7B)
+#   bash bench/gpu_session.sh twentyfourth # 2 GPUs: the adapter push with landings beside cc9c9c2's
+#   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
 set -uo pipefail
@@ -334,6 +336,27 @@ phase_twentythird() {  # 2 GPUs: issue 45's kept pack with the push's timeline, 
     run rollout-turns 1 python3 bench/gpu_e2e.py --sections rollout --policies none,keep,inflight \
       --rounds 1 --slow-turns --out "$W/results/turns"
   ) &
+  wait
+}
+
+phase_twentyfourth() {  # 2 GPUs: issue 45's push with landings (this tree, GPU 0) beside
+  # cc9c9c2's (in .old, GPU 1), at the same time
+  mkdir -p "$W/results/lora8" "$W/results/lora8-old"
+  run lora-7b-push-cc9c9c2 1 $OLD_ENV python3 .old/bench/gpu_lora.py --out "$W/results/lora8-old" \
+    --size 7b --rank 64 --sections push --revisions 8 --repeats 20 &
+  run lora-7b-push 0 python3 bench/gpu_lora.py --out "$W/results/lora8" --size 7b --rank 64 \
+    --sections push --revisions 8 --repeats 20 &
+  wait
+}
+
+phase_twentyfifth() {  # 2 GPUs: the LoRA rollout in windows with the spread control (GPU 0);
+  # the LoRA tests (GPU 1)
+  mkdir -p "$W/results/lora9"
+  run lora-7b-rollout-spread 0 python3 bench/gpu_lora.py --out "$W/results/lora9" --size 7b \
+    --rank 64 --sections push,rollout --revisions 8 --repeats 4 --window 20 --warm 5 --rounds 3 \
+    --spread 6 &
+  run pytest-lora 1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_adapter_packing.py &
   wait
 }
 

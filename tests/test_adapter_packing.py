@@ -5,6 +5,8 @@ ways into a real engine and compares the slots bitwise)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,13 +15,16 @@ from asyncroll.adapters import (
     AdapterConfig,
     AdapterLayout,
     AdapterPlans,
+    PackedAdapter,
     pack_adapter,
     pack_finite,
     split_adapter,
     unpack_adapter,
 )
 from asyncroll.fingerprints import fingerprints, packed_fingerprints
-from asyncroll.vllm.lora import SlotWrites, _Recording
+from asyncroll.receive.adapter import AdapterTake, Landing
+from asyncroll.transport.receiver import ReceiveReport
+from asyncroll.vllm.lora import RevisionStore, SlotWrites, _Recording
 
 
 def adapter(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -243,3 +248,83 @@ def test_an_activation_a_replay_cannot_reproduce_is_refused() -> None:
 
     for activate in (scales_in_place, copies_from_elsewhere, zeros_after_copying, converts):
         assert recorded(slots, tensors, 0, 1.0, activate) is None, activate.__name__
+
+
+def received(packed: PackedAdapter, landing: Landing | None, prints: object = None) -> AdapterTake:
+    """An adapter push as a worker takes it (``AdapterTake``), out of one bucket."""
+    take = AdapterTake("cpu", packed.layout, landing)
+    bucket = [(name, chunk.clone()) for name, chunk in packed.chunks.items()]  # the transport's
+    take.load(bucket)
+    for _, chunk in bucket:
+        chunk.fill_(float("nan"))  # the buffer, reused by the next bucket: nothing reads it
+    total = sum(c.numel() * c.element_size() for c in packed.chunks.values())
+    take.check(ReceiveReport(
+        push=0, version=0, buckets=1, tensors=len(packed.chunks), bytes=total, seconds=0.0,
+        fingerprints=prints if prints is not None else packed_fingerprints(
+            packed.chunks, packed.layout),
+    ))
+    return take
+
+
+def test_revision_after_revision_lands_in_the_same_memory_and_views_and_replays_the_same() -> None:
+    first, second = adapter(1), adapter(2)
+    slots = Slots(first)
+    writes = recorded(slots, first, 1, 2.0)
+    assert writes is not None
+    layout = pack_adapter(first).layout
+    landing = Landing(layout)
+    take = received(pack_adapter(first), landing)
+    assert all(take.chunks[n] is c for n, c in landing.chunks.items()) and take.chunks
+    writes.replay(take.chunks, take.pieces, 2.0, landing)
+    views, sources = take.pieces, landing.sources[writes]
+    addresses = {n: c.data_ptr() for n, c in landing.chunks.items()}
+    # The next revision lands where the first did (it was dropped), reads the views made once,
+    # and writes the slot exactly as vLLM's way and as a replay from memory of its own do.
+    take = received(pack_adapter(second), landing)
+    assert take.pieces is views and {n: c.data_ptr() for n, c in take.chunks.items()} == addresses
+    writes.replay(take.chunks, take.pieces, 2.0, landing)
+    assert landing.sources[writes] is sources
+    theirs = {n: t.float() for n, t in second.items()}
+    Slots.fold(theirs, 2.0)
+    slots.activate(2, theirs)
+    assert all(torch.equal(x, y) for x, y in zip(slots.slot(1), slots.slot(2), strict=True))
+    own = received(pack_adapter(adapter(3)), None)
+    writes.replay(own.chunks, own.pieces, 2.0, landing)  # not the landing's: views of its own
+    assert landing.sources[writes] is sources
+    mine = {n: t.float() for n, t in adapter(3).items()}
+    Slots.fold(mine, 2.0)
+    slots.activate(2, mine)
+    assert all(torch.equal(x, y) for x, y in zip(slots.slot(1), slots.slot(2), strict=True))
+
+
+def test_a_landing_still_checks_every_tensor_and_the_layouts_tiling() -> None:
+    packed = pack_adapter(adapter(1))
+    landing = Landing(packed.layout)
+    received(packed, landing)
+    prints = packed_fingerprints(packed.chunks, packed.layout)
+    name = next(iter(prints))
+    with pytest.raises(WeightSyncError, match="differ from what was pushed"):
+        received(packed, landing, {**prints, name: b"\0" * len(prints[name])})
+    # A chunk of another size is new memory and views made again, and must tile the layout.
+    chunk = next(iter(packed.chunks))
+    short = PackedAdapter({**packed.chunks, chunk: packed.chunks[chunk][:-1]}, packed.layout)
+    with pytest.raises(WeightSyncError, match="the layout fills"):
+        received(short, landing, {})
+
+
+def test_a_workers_store_lends_a_dropped_revisions_landing_once_and_only_for_its_layout() -> None:
+    manager = SimpleNamespace(
+        _load_adapter=lambda request: None,
+        _adapter_manager=SimpleNamespace(activate_adapter=lambda lora_id: True),
+    )
+    store = RevisionStore(SimpleNamespace(), manager)
+    one, other = pack_adapter(adapter(1)).layout, pack_adapter({
+        k: v for k, v in adapter(1).items() if ".m0." in k}).layout
+    a = store.landing(one)
+    b = store.landing(one)
+    assert a is not b and store.landings_made == 2
+    store.release(a)
+    store.release(a)  # idempotent: lent once, back once
+    assert store.landing(other) is not a  # another layout's memory is never lent for it
+    assert store.landing(one) is a
+    assert store.landing(one) is not a and store.landings_made == 4  # a is lent again

@@ -163,6 +163,48 @@ async def test_a_call_keeps_its_revision_through_three_pushes(
     await _keeps_its_revision(manager, lora_model)
 
 
+@retry_if_late
+async def _removed(engine: VLLMEngine, manager: AsyncServerManager, model: Path) -> None:
+    long = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+    first = await manager.update_adapter("gone", adapter(model, 70), config=CONFIG,
+                                         global_steps=1)
+    kept = await manager.update_adapter("kept", adapter(model, 71), config=CONFIG,
+                                        global_steps=1)
+    alone = await manager.generate(f"alone-{next(_ids)}", prompt_ids=PROMPTS[1],
+                                   sampling_params=long, adapter="gone")
+    call = asyncio.ensure_future(manager.generate(
+        f"running-{next(_ids)}", prompt_ids=PROMPTS[1], sampling_params=long, adapter="gone"))
+    await until_decoding(manager, [call])
+    assert await manager.remove_adapter("gone") == []  # in use: it stays while the call runs
+    if call.done():
+        raise LateAction("the call ended before the adapter was removed")
+    assert "gone" not in manager.adapters
+    with pytest.raises(InvalidRequestError, match="'gone' has no revision"):
+        await manager.generate(f"late-{next(_ids)}", prompt_ids=PROMPTS[0],
+                               sampling_params=GREEDY, adapter="gone")
+    result = await call
+    assert result.token_ids == alone.token_ids and set(result.global_steps) == {1}
+    assert first.revision.revision in await vllm_client(engine).list_loras()
+    # Its call over, the next push drops it, as any superseded revision.
+    report = await manager.update_adapter("kept", adapter(model, 72), config=CONFIG,
+                                          global_steps=2)
+    assert first.revision.revision in report.dropped
+    assert first.revision.revision not in await vllm_client(engine).list_loras()
+    # An adapter no call uses leaves every engine at once; an unknown one is refused.
+    left = await manager.remove_adapter("kept")  # its newest, and the one it superseded
+    assert sorted(left, key=lambda r: r.revision) == [kept.revision, report.revision]
+    assert not {r.revision for r in left} & set(await vllm_client(engine).list_loras())
+    assert manager.adapters == {}
+    with pytest.raises(InvalidRequestError, match="'kept' has no revision"):
+        await manager.remove_adapter("kept")
+
+
+async def test_a_removed_adapter_takes_no_new_call_and_leaves_once_its_calls_end(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
+) -> None:
+    await _removed(lora_engine, manager, lora_model)
+
+
 async def test_no_call_reads_a_prefix_another_revision_computed(
     manager: AsyncServerManager, lora_model: Path
 ) -> None:
@@ -182,6 +224,8 @@ async def test_revisions_never_pile_up_in_the_engine(
 ) -> None:
     tensors = [adapter(lora_model, 40), adapter(lora_model, 41)]
     pushed: set[int] = set()
+    (memory,) = await lora_engine.collective_rpc("asyncroll_adapter_memory")
+    made = memory["landings"]
     for step in range(8):
         report = await manager.update_adapter(
             "many", tensors[step % 2], config=CONFIG, global_steps=step)
@@ -190,6 +234,13 @@ async def test_revisions_never_pile_up_in_the_engine(
         assert len(held) <= 2  # the newest, and the one it superseded until the next push
         in_vllm = set(await vllm_client(lora_engine).list_loras()) & pushed
         assert in_vllm == held  # vLLM holds exactly those too
+        # Each revision the worker holds lies in memory of its own; a dropped one's memory
+        # (and the views made of it) takes the next revision, so a few landings serve them all.
+        (memory,) = await lora_engine.collective_rpc("asyncroll_adapter_memory")
+        assert set(memory["held"]) >= held
+        addresses = [a for revision in held for a in memory["held"][revision]]
+        assert len(addresses) == len(set(addresses))
+    assert memory["landings"] <= made + 3
 
 
 async def test_a_revision_vllm_evicted_comes_back_from_memory_unchanged(

@@ -118,6 +118,15 @@ class ProbingExtension(AsyncrollWorkerExtension):
                 digest.update(stacked[index].contiguous().view(-1).view(torch.uint8).cpu().numpy().data)
         return digest.hexdigest()
 
+    def asyncroll_adapter_memory(self) -> dict[str, Any]:
+        """The landings the worker made for adapter revisions, and where each held revision's
+        chunks lie (``RevisionStore.memory``)."""
+        from asyncroll.vllm.lora import store_of
+
+        store = store_of(self)
+        assert store is not None, "LoRA is off"
+        return {"landings": store.landings_made, "held": store.memory()}
+
     def asyncroll_lora_deactivate(self, revision: int) -> bool:
         """Take ``revision`` out of its device slot, as vLLM does when a step needs the slot
         for another LoRA; it stays registered, and a step that names it activates it again."""

@@ -34,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import logging
 import time
@@ -44,14 +45,18 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from asyncroll.adapters import Placement, unpack_adapter
-from asyncroll.receive.adapter import AdapterTake
+from asyncroll.adapters import LAYOUTS_KEPT, Placement, unpack_adapter
+from asyncroll.receive.adapter import AdapterTake, Landing
 
 __all__ = ["RevisionStore", "SlotWrites", "store_of"]
 
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
+
+LANDINGS_FREE = 2
+"""Landings kept free per layout: a push drops the oldest revision before it receives the next
+(one free), and a retried push of a revision drops it again (two)."""
 
 Source = tuple[str, int] | tuple[str, tuple[int, ...], tuple[int, ...], int]
 """Where a recorded copy reads: (chunk, index) for a whole tensor copied flat (the index-th of
@@ -74,6 +79,8 @@ class _Held:
     chunks: dict[str, torch.Tensor]
     layout: tuple[Placement, ...]
     config: dict[str, Any]
+    landing: Landing | None = None
+    """The memory ``chunks`` lie in, handed on when the revision is dropped."""
 
 
 class RevisionStore:
@@ -91,6 +98,14 @@ class RevisionStore:
         """Revisions registered with a weightless ``LoRAModel`` (written by a replay)."""
         self.seconds: dict[str, float] = {}
         """Where the last ``add`` went (benchmarks)."""
+        self._landings: collections.OrderedDict[tuple[Placement, ...], list[Landing]] = (
+            collections.OrderedDict()
+        )
+        """Landings no revision holds, by layout (the layouts used last at the end)."""
+        self._lent: set[int] = set()
+        """``id`` of each landing handed out and not yet back."""
+        self.landings_made = 0
+        """Landings made so far (the rest of the revisions landed in a dropped one's)."""
         vllms_load = manager._load_adapter
 
         def load(lora_request: Any) -> Any:
@@ -126,11 +141,47 @@ class RevisionStore:
             "modules": sorted(modules),
         }
 
+    def landing(self, layout: tuple[Placement, ...]) -> Landing:
+        """Memory to receive a revision of ``layout`` into: a dropped revision's, where one is
+        free (its views made already), else new. It is the revision's once ``add`` takes it;
+        until then ``release`` gives it back."""
+        free = self._landings.get(layout)
+        if free:
+            landing = free.pop()
+        else:
+            landing = Landing(layout)
+            self.landings_made += 1
+        if layout in self._landings:
+            self._landings.move_to_end(layout)
+        self._lent.add(id(landing))
+        return landing
+
+    def release(self, landing: Landing | None) -> None:
+        """Take back a landing no revision holds (idempotent). The device may still be
+        copying out of it: the next revision's copies into it queue behind on the same
+        stream (the worker's step and its RPCs run on one thread)."""
+        if landing is None or id(landing) not in self._lent:
+            return
+        self._lent.discard(id(landing))
+        free = self._landings.setdefault(landing.layout, [])
+        self._landings.move_to_end(landing.layout)
+        if len(free) < LANDINGS_FREE:
+            free.append(landing)
+        while len(self._landings) > LAYOUTS_KEPT:
+            self._landings.popitem(last=False)
+
+    def memory(self) -> dict[int, list[int]]:
+        """Where each held revision's chunks lie (device addresses; tests)."""
+        return {
+            revision: sorted(t.data_ptr() for t in held.chunks.values())
+            for revision, held in self._held.items()
+        }
+
     def add(self, revision: int, take: AdapterTake, config: dict[str, Any]) -> str:
         """Register a revision and, if a device slot is free, write it there (replayed where
         this layout was recorded in that slot before, else by vLLM). A failure registers
         nothing. Returns how: ``replayed`` or ``vllm``."""
-        held = _Held(take.chunks, take.layout, dict(config))
+        held = _Held(take.chunks, take.layout, dict(config), take.landing)
         peft = self._peft(config)  # validated before anything changes
         adapters = self._manager._adapter_manager
         with _sync_allowed():
@@ -159,7 +210,8 @@ class RevisionStore:
                     if adapters.lora_index_to_id.index(revision) != slot:
                         raise RuntimeError(f"vLLM put revision {revision} elsewhere than {slot}")
                     booked = time.perf_counter()
-                    writes.replay(held.chunks, take.pieces, peft.vllm_lora_scaling_factor)
+                    writes.replay(held.chunks, take.pieces, peft.vllm_lora_scaling_factor,
+                                  held.landing)
                     self.seconds = {"bookkeeping": booked - began,
                                     "replay": time.perf_counter() - booked}
                 except BaseException:
@@ -191,11 +243,13 @@ class RevisionStore:
 
     def drop(self, revision: int) -> bool:
         """Forget a revision; True if it was held."""
-        held = self._held.pop(revision, None) is not None
+        held = self._held.pop(revision, None)
         self._stand_ins.discard(revision)
         with _sync_allowed():
             self._manager.remove_adapter(revision)
-        return held
+        if held is not None:
+            self.release(held.landing)
+        return held is not None
 
     def _activated(self, lora_id: int) -> Any:
         """vLLM activates a LoRA (a step needs it): a stand-in becomes the real ``LoRAModel``
@@ -294,18 +348,28 @@ class SlotWrites:
     def replay(
         self, chunks: Mapping[str, torch.Tensor],
         pieces: Mapping[str, tuple[torch.Tensor, ...]], scaling: float,
+        landing: Landing | None = None,
     ) -> None:
         """Write a revision of the recorded layout (its ``chunks``, and their ``pieces``:
-        ``split_adapter``) into the slot, as vLLM would, in three batched ops."""
+        ``split_adapter``) into the slot, as vLLM would, in three batched ops. ``landing``:
+        the chunks are that landing's, which keeps the views read (made once)."""
         with torch.no_grad():
             if self.zeros:
                 torch._foreach_zero_(self.zeros)
-            sources = [
-                pieces[source[0]][source[1]] if len(source) == 2
-                else chunks[source[0]].as_strided(
-                    source[1], source[2], chunks[source[0]].storage_offset() + source[3])
-                for source in self.sources
-            ]
+            if landing is not None and any(
+                landing.chunks.get(name) is not chunk for name, chunk in chunks.items()
+            ):
+                landing = None  # not the landing's chunks: its views read other memory
+            sources = landing.sources.get(self) if landing is not None else None
+            if sources is None:
+                sources = [
+                    pieces[source[0]][source[1]] if len(source) == 2
+                    else chunks[source[0]].as_strided(
+                        source[1], source[2], chunks[source[0]].storage_offset() + source[3])
+                    for source in self.sources
+                ]
+                if landing is not None:
+                    landing.sources[self] = sources
             torch._foreach_copy_(self.targets, sources, non_blocking=True)
             if self.scaled and scaling != 1:
                 torch._foreach_mul_(self.scaled, scaling)

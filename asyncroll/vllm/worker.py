@@ -51,7 +51,7 @@ from vllm.model_executor.model_loader.reload import layerwise
 
 from asyncroll.adapters import LAYOUTS_KEPT, Placement, placements
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
-from asyncroll.receive.adapter import AdapterTake
+from asyncroll.receive.adapter import AdapterTake, Landing
 from asyncroll.receive.check import PushCheck, check_delivered
 from asyncroll.receive.load_plan import LoadPlan, PlanStatistics
 from asyncroll.receive.rollback import Rollback
@@ -355,12 +355,15 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if worker_driven:  # 0.24 finishes the reload itself and never calls our finish
             self._commit()
 
-    def receive_adapter(self, push: int, layout: tuple[Placement, ...]) -> AdapterTake:
-        """Receive one adapter push (packed as ``layout`` says) into memory of its own,
-        checked (``AdapterTake``); the served weights are not touched."""
+    def receive_adapter(
+        self, push: int, layout: tuple[Placement, ...], landing: Landing | None = None
+    ) -> AdapterTake:
+        """Receive one adapter push (packed as ``layout`` says) into memory of its own (into
+        ``landing`` where given), checked (``AdapterTake``); the served weights are not
+        touched."""
         assert self._receiver is not None, "init_weight_transfer_engine first"
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        take = AdapterTake(device, layout)
+        take = AdapterTake(device, layout, landing)
         with _outside_device_context():
             if isinstance(self._receiver, BroadcastReceiver):
                 self.last_report = self._receiver.receive(take.load, after=take.check)
@@ -780,9 +783,14 @@ class AsyncrollWorkerExtension:
             layouts[layout_key] = known  # the most recently named last
             while len(layouts) > LAYOUTS_KEPT:
                 layouts.pop(next(iter(layouts)))
-            take = engine.receive_adapter(int(update_info.get("push", 0)), known)
-            received = time.perf_counter()
-            how = store.add(revision, take, config)
+            landing = store.landing(known)  # a dropped revision's memory, its views made
+            try:
+                take = engine.receive_adapter(int(update_info.get("push", 0)), known, landing)
+                received = time.perf_counter()
+                how = store.add(revision, take, config)
+            except BaseException:
+                store.release(landing)  # (``add`` holds nothing of a revision it refused)
+                raise
             registered = time.perf_counter()
             report = engine.last_report
             assert report is not None

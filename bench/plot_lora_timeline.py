@@ -1,0 +1,69 @@
+"""Where one adapter push's time goes, as a timeline: one row per tree, from
+``bench/gpu_lora.py --sections push`` JSON files (its ``at ... ms`` stamps: the manager's,
+the sender's and the first worker's, on one host clock).
+
+    python bench/plot_lora_timeline.py OUT.png LABEL=FILE.json [LABEL=FILE.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# (name, from stamp, to stamp): each a bar on its row; "call" is 0.
+SPANS = [
+    ("check + pack", "call", "manager packed"),
+    ("to the sender", "manager packed", "sender began"),
+    ("RPC to the worker", "manager packed", "worker called"),
+    ("worker: drop, prepare", "worker called", "worker receive began"),
+    ("sender: copy, signal", "sender began", "sender signalled"),
+    ("worker: copy out, ack", "worker first arrived", "worker first acked"),
+    ("until the end message", "worker first acked", "sender ended"),
+    ("worker: check", "sender ended", "worker checked"),
+    ("worker: register", "worker checked", "worker registered"),
+    ("RPC back", "worker registered", "returned"),
+]
+
+
+def stamps(path: Path) -> dict[str, float]:
+    data = json.loads(path.read_text())
+    idle = next(v["asyncroll idle"] for k, v in data.items() if k.startswith("push "))
+    found = {k[3:-3]: float(v) for k, v in idle.items() if k.startswith("at ")}
+    return {"call": 0.0, **found}
+
+
+def main(argv: list[str]) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out, rows = Path(argv[0]), [arg.split("=", 1) for arg in argv[1:]]
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 1.6 * len(rows)))
+    last = 0.0
+    for row, (_, file) in enumerate(rows):
+        at = stamps(Path(file))
+        height = 0.8 / len(SPANS)
+        for i, (name, start, end) in enumerate(SPANS):
+            if start in at and end in at:
+                y = row + 0.4 - (i + 0.5) * height
+                ax.barh(y, at[end] - at[start], left=at[start], height=height * 0.9,
+                        color=colours(i % 10), label=name if row == 0 else None)
+        ax.text(at["returned"] + 0.1, row, f"{at['returned']:.2f} ms", va="center")
+        last = max(last, at["returned"])
+    ax.set_xlim(0, last * 1.15)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the call (one host clock: manager, sender, first worker)")
+    ax.set_title("One adapter push (7B shape, rank 64, 392 tensors, 308 MiB), median of 20")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

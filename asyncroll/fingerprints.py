@@ -288,7 +288,7 @@ class PackedPrints:
                 host = torch.empty(samples.shape, dtype=samples.dtype, pin_memory=True)
                 host.copy_(samples, non_blocking=True)
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                done.record()
+                done.record(torch.cuda.current_stream(flat.device))
                 samples = host
             self._started[chunk] = (flat, names, ends, samples, done)
 

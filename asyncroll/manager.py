@@ -685,8 +685,9 @@ class AsyncServerManager:
     async def remove_adapter(self, adapter: str) -> list[AdapterRevision]:
         """Retire ``adapter`` (a task or tenant done with): calls made from now on may not
         name it; calls running on it finish on their revision. Its revisions no call uses
-        leave every engine now; the others leave once their calls end (the next
-        ``update_adapter`` drops them, as any superseded revision). Returns those that left.
+        leave every engine now; the others once their calls have ended, at the next
+        ``update_adapter`` or ``remove_adapter`` (as any superseded revision). Returns those
+        that left.
 
         Raises:
             InvalidRequestError: a bad name, or an adapter with no revision.
@@ -698,7 +699,8 @@ class AsyncServerManager:
                 known = sorted(self._revisions.adapters()) or "none"
                 raise InvalidRequestError(f"adapter {adapter!r} has no revision; known: {known}")
             self._revisions.retire(adapter)
-            gone = [r for r in self._revisions.droppable() if r.adapter == adapter]
+            live = self._revisions.adapters()  # (and those of adapters retired before)
+            gone = [r for r in self._revisions.droppable() if r.adapter not in live]
             for revision in gone:
                 self._revisions.drop(revision)
             engines = [engine for engine in self._engines if not engine.is_dead]

@@ -621,6 +621,9 @@ class SenderChannel:
             options["receivers_waiting"] = True
         self._delivered = {}
         sent = [asyncio.Event() for _ in engines]
+        if fingerprinted is not None and not receivers_first:
+            prints = fingerprinted()  # before any take leaves: nothing waits on a failure here
+            fingerprinted = None
 
         async def pushed() -> PushReport:
             nonlocal prints
@@ -633,8 +636,6 @@ class SenderChannel:
                 except BaseException as exc:  # cancelled: the receivers wait for this push
                     await sender.call_off(version, exc)
                     raise
-            elif fingerprinted is not None:
-                prints = fingerprinted()
             return await sender.push(
                 tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
                 **options,

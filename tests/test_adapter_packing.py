@@ -15,16 +15,18 @@ from asyncroll.adapters import (
     AdapterConfig,
     AdapterLayout,
     AdapterPlans,
+    AdapterRevision,
     PackedAdapter,
+    Revisions,
     pack_adapter,
     pack_finite,
     split_adapter,
     unpack_adapter,
 )
-from asyncroll.fingerprints import fingerprints, packed_fingerprints
+from asyncroll.fingerprints import PackedPrints, fingerprints, packed_fingerprints
 from asyncroll.receive.adapter import AdapterTake, Landing
 from asyncroll.transport.receiver import ReceiveReport
-from asyncroll.vllm.lora import RevisionStore, SlotWrites, _Recording
+from asyncroll.vllm.lora import RevisionStore, SlotWrites, _Held, _Recording
 
 
 def adapter(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -312,12 +314,63 @@ def test_a_landing_still_checks_every_tensor_and_the_layouts_tiling() -> None:
         received(short, landing, {})
 
 
-def test_a_workers_store_lends_a_dropped_revisions_landing_once_and_only_for_its_layout() -> None:
+def test_prints_started_as_chunks_land_are_those_of_the_landed_chunks() -> None:
+    packed = pack_adapter(adapter(4))
+    prints = PackedPrints(packed.layout)
+    for name, chunk in packed.chunks.items():
+        prints.start(name, chunk)
+    assert prints.result(packed.chunks) == packed_fingerprints(packed.chunks, packed.layout)
+    # A chunk that is not the one started (landed again elsewhere) is fingerprinted as it is.
+    other = pack_adapter(adapter(5))
+    assert prints.result(other.chunks) == packed_fingerprints(other.chunks, other.layout)
+    # One the layout does not tile is never started (the check refuses it, by name).
+    name = next(iter(packed.chunks))
+    late = PackedPrints(packed.layout)
+    late.start(name, packed.chunks[name][:-1])
+    late.start(name, packed.chunks[name].view(1, -1))
+    assert late.result({name: packed.chunks[name]}) == {
+        k: v for k, v in packed_fingerprints(packed.chunks, packed.layout).items()
+        if k in dict.fromkeys(n for n, c, _, _ in packed.layout if c == name)
+    }
+
+
+def test_an_adapters_revisions_leave_once_it_is_retired_and_its_calls_end() -> None:
+    revisions = Revisions()
+    first, second = AdapterRevision.next("x", 1), AdapterRevision.next("y", 1)
+    revisions.add(first)
+    revisions.add(second)
+    assert revisions.droppable() == []  # each its adapter's newest
+    with revisions.pinned("x") as pinned:
+        revisions.retire("x")
+        assert pinned == first and revisions.droppable() == []  # in use
+        with pytest.raises(InvalidRequestError, match="'x' has no revision"):
+            with revisions.pinned("x"):
+                pass
+    assert revisions.droppable() == [first] and revisions.adapters() == {"y"}
+
+
+def fake_store() -> RevisionStore:
     manager = SimpleNamespace(
         _load_adapter=lambda request: None,
         _adapter_manager=SimpleNamespace(activate_adapter=lambda lora_id: True),
+        remove_adapter=lambda lora_id: True,
     )
-    store = RevisionStore(SimpleNamespace(), manager)
+    return RevisionStore(SimpleNamespace(), manager)
+
+
+def test_a_registered_revisions_landing_is_lent_again_only_once_it_is_dropped() -> None:
+    store = fake_store()
+    layout = pack_adapter(adapter(1)).layout
+    landing = store.landing(layout)
+    store._held[7] = _Held({}, layout, {}, landing)  # as ``add`` registers revision 7
+    store.release(landing)  # a failure after registering: the revision keeps its memory
+    assert store.landing(layout) is not landing
+    assert store.drop(7)
+    assert store.landing(layout) is landing
+
+
+def test_a_workers_store_lends_a_dropped_revisions_landing_once_and_only_for_its_layout() -> None:
+    store = fake_store()
     one, other = pack_adapter(adapter(1)).layout, pack_adapter({
         k: v for k, v in adapter(1).items() if ".m0." in k}).layout
     a = store.landing(one)

@@ -225,7 +225,7 @@ async def test_revisions_never_pile_up_in_the_engine(
     tensors = [adapter(lora_model, 40), adapter(lora_model, 41)]
     pushed: set[int] = set()
     (memory,) = await lora_engine.collective_rpc("asyncroll_adapter_memory")
-    made = memory["landings"]
+    made, seen = memory["landings"], set()
     for step in range(8):
         report = await manager.update_adapter(
             "many", tensors[step % 2], config=CONFIG, global_steps=step)
@@ -240,7 +240,9 @@ async def test_revisions_never_pile_up_in_the_engine(
         assert set(memory["held"]) >= held
         addresses = [a for revision in held for a in memory["held"][revision]]
         assert len(addresses) == len(set(addresses))
+        seen.update(addresses)
     assert memory["landings"] <= made + 3
+    assert len(seen) <= 3 * len(addresses)  # 8 revisions in the memory of at most 3
 
 
 async def test_a_revision_vllm_evicted_comes_back_from_memory_unchanged(
@@ -372,6 +374,45 @@ async def test_bad_adapters_are_refused_before_anything_is_sent(
     with pytest.raises(InvalidRequestError):
         await manager.update_adapter("bad name!", good, config=CONFIG, global_steps=3)
     assert await outputs(manager, "ok") == served
+
+
+@pytest.fixture(scope="module")
+async def tp_lora_engine(lora_model: Path) -> AsyncIterator[VLLMEngine]:
+    async with VLLMEngine.launch(
+        lora_model, name="lora-tp2", tensor_parallel_size=2, **LORA_ARGS
+    ) as engine:
+        yield engine
+
+
+async def test_a_tensor_parallel_engine_serves_pushed_revisions_as_vllm_does_from_a_folder(
+    tp_lora_engine: VLLMEngine, lora_model: Path, tmp_path: Path
+) -> None:
+    # Each worker receives the whole adapter and writes its own shard of every slot: vLLM's
+    # activation (recorded) for the first revisions, a replay of it for the next. Both must
+    # hold the very bytes vLLM writes for the adapter loaded from a PEFT folder, in each
+    # worker, and sample what vLLM samples with it.
+    engine = tp_lora_engine
+    config = AdapterConfig(rank=8, alpha=5)
+    tensors = random_adapter(lora_model, config, seed=80, scale=0.5)
+    folder = write_peft_adapter(tmp_path, tensors, config)
+    async with AsyncServerManager([engine]) as manager:
+        first = await manager.update_adapter("tp", tensors, config=config, global_steps=0)
+        assert engine.adapters.last_registration == "vllm"
+        delivery = first.deliveries[engine.name]
+        assert delivery.workers == 2 and delivery.verified == 2 * first.tensors
+        served = await outputs(manager, "tp")
+        assert served == await vllms_own(engine, folder, 903)
+        theirs = await engine.collective_rpc("asyncroll_lora_slot_digest", args=(903,))
+        for step in range(1, LORA_ARGS["max_loras"] + 2):
+            report = await manager.update_adapter("tp", tensors, config=config,
+                                                  global_steps=step)
+        assert engine.adapters.last_registration == "replayed"
+        replayed = await engine.collective_rpc(
+            "asyncroll_lora_slot_digest", args=(report.revision.revision,))
+        assert len(replayed) == 2 and None not in replayed
+        assert replayed == theirs and replayed[0] != replayed[1]  # each worker its own shard
+        assert await outputs(manager, "tp") == served
+        await vllm_client(engine).remove_lora(903)
 
 
 async def test_an_engine_started_without_lora_refuses_adapters(engine: VLLMEngine) -> None:

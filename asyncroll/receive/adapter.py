@@ -40,6 +40,7 @@ class Landing:
 
     def __init__(self, layout: tuple[Placement, ...]) -> None:
         self.layout = layout
+        self._names = {chunk for _, chunk, _, _ in layout}
         self.chunks: dict[str, torch.Tensor] = {}
         self.sources: dict[object, list[torch.Tensor]] = {}
         """A replay's recording -> the views of ``chunks`` it reads (made by the replay)."""
@@ -47,7 +48,10 @@ class Landing:
 
     def chunk(self, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The landing's memory for chunk ``name``, shaped as ``like`` (new memory, and
-        every view of the old forgotten, where it was not)."""
+        every view of the old forgotten, where it was not; new memory not kept, for a chunk
+        the layout does not name: the check refuses the push)."""
+        if name not in self._names:
+            return torch.empty(like.shape, dtype=like.dtype, device=device)
         held = self.chunks.get(name)
         if (
             held is None or held.dtype != like.dtype or held.shape != like.shape
@@ -88,6 +92,8 @@ class AdapterTake:
         landing: Landing | None = None,
     ) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as a landing keeps it
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.layout = layout
         self.landing = landing
         """Where the chunks land (None: new memory)."""

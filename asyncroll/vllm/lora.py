@@ -162,6 +162,8 @@ class RevisionStore:
         stream (the worker's step and its RPCs run on one thread)."""
         if landing is None or id(landing) not in self._lent:
             return
+        if any(held.landing is landing for held in self._held.values()):
+            return  # a registered revision's memory: it goes back when that revision is dropped
         self._lent.discard(id(landing))
         free = self._landings.setdefault(landing.layout, [])
         self._landings.move_to_end(landing.layout)
@@ -243,10 +245,10 @@ class RevisionStore:
 
     def drop(self, revision: int) -> bool:
         """Forget a revision; True if it was held."""
+        with _sync_allowed():  # vLLM's first: should it fail, the revision is still ours
+            self._manager.remove_adapter(revision)
         held = self._held.pop(revision, None)
         self._stand_ins.discard(revision)
-        with _sync_allowed():
-            self._manager.remove_adapter(revision)
         if held is not None:
             self.release(held.landing)
         return held is not None

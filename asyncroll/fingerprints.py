@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -266,13 +267,13 @@ class PackedPrints:
     def __init__(self, layout: tuple[tuple[str, str, int, tuple[int, ...]], ...]) -> None:
         self._layout = layout
         self._sizes: dict[str, int] = {}
+        """Each chunk's length, as the layout tiles it."""
         for _, chunk, first, shape in layout:
-            size = 1
-            for dim in shape:
-                size *= dim
-            self._sizes[chunk] = max(self._sizes.get(chunk, 0), first + size)
+            self._sizes[chunk] = max(self._sizes.get(chunk, 0), first + math.prod(shape))
         self._started: dict[str, tuple[torch.Tensor, list[str], list[int], torch.Tensor,
                                        Any]] = {}
+        """chunk -> (the tensor it landed as, its tensors' names, where each one's samples
+        end, the samples (on the host), the event that says they are there)."""
 
     def start(self, chunk: str, flat: torch.Tensor) -> None:
         """Gather ``flat``'s samples (chunk ``chunk`` as it landed) and queue their copy."""

@@ -621,9 +621,11 @@ class SenderChannel:
             options["receivers_waiting"] = True
         self._delivered = {}
         sent = [asyncio.Event() for _ in engines]
-        if fingerprinted is not None and not receivers_first:
-            prints = fingerprinted()  # before any take leaves: nothing waits on a failure here
-            fingerprinted = None
+        # Where the receivers wait for the sender, the prints are taken once the takes have
+        # left (a failure calls the receivers off); else before any take leaves.
+        later = fingerprinted if receivers_first else None
+        if fingerprinted is not None and later is None:
+            prints = fingerprinted()
 
         async def pushed() -> PushReport:
             nonlocal prints
@@ -631,8 +633,8 @@ class SenderChannel:
                 assert isinstance(sender, WeightSender)
                 try:
                     await asyncio.gather(*(event.wait() for event in sent))
-                    if fingerprinted is not None:
-                        prints = fingerprinted()
+                    if later is not None:
+                        prints = later()
                 except BaseException as exc:  # cancelled: the receivers wait for this push
                     await sender.call_off(version, exc)
                     raise

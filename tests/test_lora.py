@@ -21,7 +21,14 @@ import pytest
 import torch
 from engine_helpers import ENGINE_ARGS, until_decoding
 
-from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
+from asyncroll import (
+    AsyncServerManager,
+    InvalidRequestError,
+    VLLMEngine,
+    WeightPusher,
+    WeightSyncError,
+)
+from asyncroll import weights as weights_module
 from asyncroll.adapters import AdapterConfig
 from asyncroll.recipes import BandTask, run_fully_async
 from asyncroll.testing import make_tiny_model, vllm_client
@@ -203,6 +210,39 @@ async def test_a_removed_adapter_takes_no_new_call_and_leaves_once_its_calls_end
     lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path
 ) -> None:
     await _removed(lora_engine, manager, lora_model)
+
+
+async def test_a_push_whose_prints_fail_after_the_take_left_calls_the_worker_off(
+    lora_engine: VLLMEngine, lora_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The trainer's fingerprints are taken once the take's RPC has left: the worker is then
+    # waiting for the push inside its engine's step loop. A failure there must call it off,
+    # and the revision in use must serve on. The push's deadline is an hour here: a worker
+    # left waiting would stop the engine's steps past the test's own timeout.
+    pusher = WeightPusher([lora_engine], timeout=3600.0)
+    try:
+        async with AsyncServerManager([lora_engine], weights=pusher) as manager:
+            await manager.update_adapter("f", adapter(lora_model, 90), config=CONFIG,
+                                         global_steps=1)
+            served = await outputs(manager, "f")
+
+            def broken(*args: object, **kwargs: object) -> dict[str, bytes]:
+                raise RuntimeError("the fingerprints broke")
+
+            monkeypatch.setattr(weights_module, "packed_fingerprints", broken)
+            with pytest.raises(WeightSyncError, match="the fingerprints broke"):
+                await manager.update_adapter("f", adapter(lora_model, 91), config=CONFIG,
+                                             global_steps=2)
+            monkeypatch.undo()
+            assert manager.adapters["f"].global_steps == 1
+            assert await outputs(manager, "f") == served  # the engine steps again, on rev. 1
+            await manager.update_adapter("f", adapter(lora_model, 92), config=CONFIG,
+                                         global_steps=3)
+            assert await outputs(manager, "f") != served
+    finally:
+        await pusher.aclose()
+        for revision in lora_engine.adapters.held:
+            await lora_engine.adapters.drop(revision)
 
 
 async def test_no_call_reads_a_prefix_another_revision_computed(

@@ -182,13 +182,22 @@ class AdapterReport:
     LoRA layout, asked once) and the revisions they hold, before the pack. (The names are
     checked before: ``seconds`` counts them.)"""
     pack_seconds: float = 0.0
-    """Packing them (``pack_adapter``) and checking every value finite."""
+    """Checking every value finite and packing them (``pack_adapter``). A layout's later
+    pushes write its pack while the takes travel to the engines: this counts that time,
+    which the whole (``seconds``) hides."""
     dropped: tuple[int, ...]
     """Revisions dropped to make room (superseded ones no call used any more)."""
     tensors: int
     bytes: int
     push: PushReport | None
     deliveries: Mapping[str, Delivery] = field(default_factory=dict)
+    stamps: Mapping[str, float] = field(default_factory=dict)
+    """When the update reached each of its points (``time.perf_counter()``, one clock for the
+    host's processes; benchmarks line them up with the sender's and the workers'):
+    ``checked`` (the checks against the engines), ``finite`` (every value checked finite, and
+    the first push of a layout packed), ``take left`` (every engine's take on its way),
+    ``filling`` and ``filled`` (a later push's pack written, meanwhile), ``printed`` (its
+    fingerprints taken)."""
 
     @property
     def pause_seconds(self) -> float:
@@ -255,6 +264,10 @@ class PackedAdapter:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.chunks.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.chunks.values())).device
 
 
 def pack_adapter(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:

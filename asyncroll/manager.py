@@ -33,6 +33,7 @@ from asyncroll.adapters import (
     AdapterRevision,
     Revisions,
     check_adapter_name,
+    check_finite,
 )
 from asyncroll.errors import (
     EngineDeadError,
@@ -51,7 +52,7 @@ from asyncroll.interfaces import (
 )
 from asyncroll.metrics import STALENESS_BOUNDS, Histogram, UpdateMetrics, staleness_runs
 from asyncroll.routing import EngineLoad, StickyTable, choose_engine
-from asyncroll.transport.aio import shielded
+from asyncroll.transport.aio import near, shielded
 from asyncroll.types import (
     FinishReason,
     ManagerStatistics,
@@ -642,20 +643,32 @@ class AsyncServerManager:
                 )
             checked = time.perf_counter()
             # One flat tensor a dtype travels (``pack_adapter``), the same one every push of
-            # this layout (the last push is over); its check reads every byte once: off the
-            # loop, and shielded: a cancelled call holds the lock until its pack is written,
-            # so the next push of the layout never writes the same pack at once.
-            packed = await shielded(
-                asyncio.to_thread(functools.partial(plan.pack_finite, keep=True), values)
-            )
+            # this layout (the last push is over). Each value is checked finite before
+            # anything is sent. The first push of a layout packs here; a later one writes the
+            # kept pack once the takes have left (``fill``), while they make their way to the
+            # workers. Off the loop where the copy is the host's; shielded: a cancelled call
+            # holds the lock until its pack is written, so the next push of the layout never
+            # writes the same pack at once.
+            fill: Callable[[], Any] | None = None
+            if plan.kept:
+                packed = plan.kept[0]
+                await near(packed.device, functools.partial(check_finite, plan.tensors(values)),
+                           packed.nbytes)
+                fill = functools.partial(plan.pack, values, keep=True)
+            else:
+                packed = await shielded(
+                    asyncio.to_thread(functools.partial(plan.pack_finite, keep=True), values)
+                )
             packed_at = time.perf_counter()
             channel = self._adapter_channel(engines)
             dropped, waited = await self._make_room(resident)
             revision = AdapterRevision.next(adapter, global_steps)
             pushed = time.perf_counter()
+            stamps: dict[str, float] = {"checked": checked, "finite": packed_at}
             try:
                 push = await channel.push_adapter(
-                    engines, packed, revision, config.peft_config(plan.modules), drop=dropped
+                    engines, packed, revision, config.peft_config(plan.modules), drop=dropped,
+                    fill=fill, stamps=stamps,
                 )
             except BaseException as exc:
                 await shielded(self._forget(engines, [revision, *dropped]))
@@ -674,12 +687,14 @@ class AsyncServerManager:
                 waited_seconds=waited,
                 push_seconds=ended - pushed,
                 check_seconds=checked - locked,
-                pack_seconds=packed_at - checked,
+                pack_seconds=packed_at - checked + stamps.get("filled", 0.0)
+                - stamps.get("filling", 0.0),
                 dropped=tuple(r.revision for r in dropped),
                 tensors=len(plan.names),
                 bytes=packed.nbytes,
                 push=push,
                 deliveries=channel.deliveries(),
+                stamps=stamps,
             )
 
     async def remove_adapter(self, adapter: str) -> list[AdapterRevision]:

@@ -64,7 +64,7 @@ from asyncroll.transport import (
     ShmBackend,
     WeightSender,
 )
-from asyncroll.transport.aio import shielded
+from asyncroll.transport.aio import near, shielded
 from asyncroll.transport.broadcast import (
     FAILED_ELSEWHERE,
     BroadcastSender,
@@ -507,11 +507,16 @@ class SenderChannel:
         config: Mapping[str, Any],
         *,
         drop: Sequence[AdapterRevision] = (),
+        fill: Callable[[], Any] | None = None,
+        stamps: dict[str, float] | None = None,
     ) -> PushReport:
         """Push an adapter (checked: ``asyncroll.adapters.check_adapter``; packed:
         ``pack_adapter``) into every engine as ``revision`` (``VLLMAdapterPort.take``): no
         engine pauses, nothing served is written. Each of its tensors is fingerprinted on its
-        own. ``drop``: revisions each engine forgets in the same call."""
+        own. ``drop``: revisions each engine forgets in the same call. ``fill``: writes the
+        revision into ``packed`` (whose memory held the last push's), run to completion
+        once the takes have left, before the sender's first message: it overlaps their way
+        to the workers. ``stamps``: when the push reached its points (``AdapterReport``)."""
         tensors = packed.chunks
         if self._one_copy and not all(t.is_cuda for t in tensors.values()):
             raise InvalidRequestError(
@@ -522,12 +527,24 @@ class SenderChannel:
         # (The chunks' own as well: the transport sends the prints of what it pushes.) Taken
         # once the takes' RPCs have left: they then travel to the workers meanwhile.
         self._fingerprints = None
+        stamps = stamps if stamps is not None else {}
 
-        def fingerprinted() -> dict[str, bytes]:
+        def prepared() -> dict[str, bytes] | None:
+            if fill is not None:
+                stamps["filling"] = time.perf_counter()
+                fill()
+                stamps["filled"] = time.perf_counter()
+            if not self._verify:
+                return None
             self._fingerprints = (
                 packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
             )
+            stamps["printed"] = time.perf_counter()
             return self._fingerprints
+
+        async def prepare() -> dict[str, bytes] | None:
+            stamps["take left"] = time.perf_counter()
+            return await near(packed.device, prepared, packed.nbytes)
 
         sender = await self._connected(engines, tensors)
         version = revision.global_steps if revision.global_steps is not None else -1
@@ -541,7 +558,7 @@ class SenderChannel:
         try:
             return await self._transfer(
                 engines, sender, tensors, version, take=take,
-                fingerprinted=fingerprinted if self._verify else None,
+                prepare=prepare if self._verify or fill is not None else None,
             )
         except BaseException:
             if isinstance(sender, BroadcastSender):
@@ -591,7 +608,7 @@ class SenderChannel:
         *,
         mode: ResumeMode = "keep",
         take: Callable[[Any, int, Callable[[], None]], Awaitable[Delivery | None]] | None = None,
-        fingerprinted: Callable[[], dict[str, bytes]] | None = None,
+        prepare: Callable[[], Awaitable[dict[str, bytes] | None]] | None = None,
     ) -> PushReport:
         """Every engine's take, then the push, failing as soon as any of them fails (a dead
         worker's engine fails its take long before the sender's ack deadline).
@@ -602,9 +619,10 @@ class SenderChannel:
         into the engines and the workers' preparation. The tensors were checked already
         (``check``); a push that still fails before its first message tells the waiting
         receivers so (``receivers_waiting``). A push group (broadcast) starts first: its
-        receivers join a collective, which only the sender can open. ``fingerprinted``: the
-        tensors' fingerprints, taken once the takes have left (before the sender's first
-        step)."""
+        receivers join a collective, which only the sender can open. ``prepare``: makes the
+        tensors ready and returns their fingerprints, once the takes have left (before the
+        sender's first step; a failure there calls the receivers off); where the sender goes
+        first, before any take leaves."""
         prints = self._fingerprints if self._fingerprints is not None else None
         lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
         if prints is not None and not set(tensors) - set(lazy) <= set(prints):
@@ -621,11 +639,11 @@ class SenderChannel:
             options["receivers_waiting"] = True
         self._delivered = {}
         sent = [asyncio.Event() for _ in engines]
-        # Where the receivers wait for the sender, the prints are taken once the takes have
-        # left (a failure calls the receivers off); else before any take leaves.
-        later = fingerprinted if receivers_first else None
-        if fingerprinted is not None and later is None:
-            prints = fingerprinted()
+        # Where the receivers wait for the sender, the tensors are made ready once the takes
+        # have left (a failure calls the receivers off); else before any take leaves.
+        later = prepare if receivers_first else None
+        if prepare is not None and later is None:
+            prints = await prepare()
 
         async def pushed() -> PushReport:
             nonlocal prints
@@ -634,7 +652,7 @@ class SenderChannel:
                 try:
                     await asyncio.gather(*(event.wait() for event in sent))
                     if later is not None:
-                        prints = later()
+                        prints = await later()
                 except BaseException as exc:  # cancelled: the receivers wait for this push
                     await sender.call_off(version, exc)
                     raise

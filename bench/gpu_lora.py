@@ -9,6 +9,8 @@ Sections (``--sections``; default all), results appended to ``OUT/gpu_lora.json`
   adapter on every linear layer, bf16. ``update_adapter`` on an idle engine, median of
   ``--repeats``, against the one-copy limit (the adapter's bytes at the device's measured copy
   rate) and vLLM's own path (``add_lora`` from a PEFT folder in /dev/shm, what peers do).
+- ``push-one-copy`` (CUDA): the same, the workers reading the trainer's pack in place
+  (``WeightPusher(one_copy=True)``: no staging copy, no bucket pipeline).
 - ``rollout`` (on the push section's engine): ``--callers`` concurrent calls under the adapter
   over a fixed job list, with no pushes and with a push every ``--interval`` s, ``--rounds``
   times in turn: tokens/s and its ratio, and each push's time under load (its RPC waits for
@@ -43,7 +45,7 @@ os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 import torch
 from gpu_e2e import PROBES, SHAPES, Results, log, write_config
 
-from asyncroll import AsyncServerManager, VLLMEngine
+from asyncroll import AsyncServerManager, VLLMEngine, WeightPusher
 from asyncroll.adapters import AdapterConfig
 from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.lora import random_adapter, write_peft_adapter
@@ -156,7 +158,11 @@ def timeline(called: float, returned: float, report: Any,
              worker: dict[str, float]) -> dict[str, float]:
     """Where one push's time went, as milliseconds from the call: the manager's steps, the
     sender's (``PushReport``) and the first worker's stamps (one clock for the host)."""
-    at: dict[str, float] = {"manager packed": report.check_seconds + report.pack_seconds}
+    stamps = getattr(report, "stamps", None) or {}
+    at: dict[str, float] = (
+        {f"manager {name}": stamp - called for name, stamp in stamps.items()} if stamps
+        else {"manager packed": report.check_seconds + report.pack_seconds}  # (trees before)
+    )
     push = report.push
     if push is not None and push.began:
         at["sender began"] = push.began - called
@@ -174,9 +180,10 @@ def timeline(called: float, returned: float, report: Any,
 
 
 async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
-               then: Any = None) -> None:
-    """The idle push, then (``then(manager, folder)``) the rollout on the same engine."""
-    s = f"push {size} rank {rank}"
+               then: Any = None, one_copy: bool = False) -> None:
+    """The idle push, then (``then(manager, folder)``) the rollout on the same engine.
+    ``one_copy``: the workers read the trainer's pack in place (CUDA IPC, no staging)."""
+    s = f"push {size} rank {rank}" + (" one-copy" if one_copy else "")
     if size == "tiny":
         folder = make_tiny_model(work / "tiny")
         extra: dict[str, Any] = {}
@@ -193,7 +200,8 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
                               "copy GB/s": round(rate, 1), "one-copy limit ms": round(limit_ms, 3)})
     log(f"{s}: {nbytes / MiB:.0f} MiB in {len(adapters[0])} tensors; limit {limit_ms:.3f} ms")
     async with VLLMEngine.launch(folder, name=f"lora-{size}", **engine_args(rank, **extra)) as e:
-        async with AsyncServerManager([e]) as manager:
+        pusher = WeightPusher([e], one_copy=True) if one_copy else None
+        async with AsyncServerManager([e], weights=pusher) as manager:
             runs: list[dict[str, float]] = []
             ways: list[str] = []
             for i in range(repeats + REVISIONS + 1):  # the first attaches the transport
@@ -251,6 +259,8 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
                 f" {statistics.median(own):.1f} ms, limit {limit_ms:.3f} ms")
             if then is not None:
                 await then(manager, folder)
+        if pusher is not None:
+            await pusher.aclose()
 
 
 async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label: str,
@@ -408,6 +418,8 @@ async def main(args: argparse.Namespace) -> int:
             "correctness": lambda: correctness(res, work),
             "push": lambda: push(res, work, args.size, args.rank, args.repeats,
                                  then if "rollout" in sections else None),
+            "push-one-copy": lambda: push(res, work, args.size, args.rank, args.repeats,
+                                          one_copy=True),
         }
         for name in sections:
             if name == "rollout":

@@ -35,6 +35,9 @@
 #                                         # loop's slow turns with every thread sampled
 #   bash bench/gpu_session.sh twentysecond # 2 GPUs: batched column exchanges against rows (1.5B, 7B)
 #   bash bench/gpu_session.sh twentyfourth # 2 GPUs: the adapter push with landings beside cc9c9c2's
+#   bash bench/gpu_session.sh twentysixth # 2 GPUs: the push with the pack filled as the take
+#                                         # travels, staged and one-copy, beside .old; slow turns
+#   bash bench/gpu_session.sh twentyseventh # 2 GPUs: LoRA rollout (0); slow turns pinned (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -346,6 +349,42 @@ phase_twentyfourth() {  # 2 GPUs: issue 45's push with landings (this tree, GPU 
     --size 7b --rank 64 --sections push --revisions 8 --repeats 20 &
   run lora-7b-push 0 python3 bench/gpu_lora.py --out "$W/results/lora8" --size 7b --rank 64 \
     --sections push --revisions 8 --repeats 20 &
+  wait
+}
+
+phase_twentysixth() {  # 2 GPUs: issue 45's push with the pack written while the take travels,
+  # staged and one-copy, then the LoRA tests (this tree, GPU 0); beside it the tree before
+  # (.old, GPU 1), then issue 42's slow turns with the scheduler's account and native stacks
+  mkdir -p "$W/results/lora10" "$W/results/lora10-old" "$W/results/turns2"
+  (
+    run lora-7b-push-fill 0 python3 bench/gpu_lora.py --out "$W/results/lora10" --size 7b \
+      --rank 64 --sections push,push-one-copy --revisions 8 --repeats 20
+    run pytest-lora 0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_adapter_packing.py
+  ) &
+  (
+    run lora-7b-push-old 1 $OLD_ENV python3 .old/bench/gpu_lora.py --out "$W/results/lora10-old" \
+      --size 7b --rank 64 --sections push --revisions 8 --repeats 20
+    run rollout-turns-sched 1 env ASYNCROLL_NATIVE_DUMPS=3 PY_SPY=/root/site2/bin/py-spy \
+      python3 bench/gpu_e2e.py --sections rollout --policies none,keep,inflight --rounds 1 \
+      --slow-turns --out "$W/results/turns2"
+  ) &
+  wait
+}
+
+phase_twentyseventh() {  # 2 GPUs: issue 45's LoRA rollout with the spread control, this tree
+  # (GPU 0, the first half of the CPUs); issue 42's slow turns (GPU 1, the other half)
+  mkdir -p "$W/results/lora11" "$W/results/turns3"
+  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+  run lora-7b-rollout-fill 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora11" \
+    --size 7b --rank 64 --sections push,rollout --revisions 8 --repeats 4 --window 20 --warm 5 \
+    --rounds 3 --spread 6 &
+  run rollout-turns-pinned 1 $pin1 env ASYNCROLL_NATIVE_DUMPS=3 \
+    PY_SPY=/root/site2/bin/py-spy python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,keep,inflight --rounds 1 --slow-turns --out "$W/results/turns3" &
   wait
 }
 

@@ -2,7 +2,9 @@
 ``bench/gpu_lora.py --sections push`` JSON files (its ``at ... ms`` stamps: the manager's,
 the sender's and the first worker's, on one host clock).
 
-    python bench/plot_lora_timeline.py OUT.png LABEL=FILE.json [LABEL=FILE.json ...]
+    python bench/plot_lora_timeline.py OUT.png LABEL=FILE.json[#SECTION] [...]
+
+(``#push 7b rank 64 one-copy``: that section of the file; the first push section without.)
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ import sys
 from pathlib import Path
 
 # (name, from stamp, to stamp): each a bar on its row; "call" is 0.
+# Trees before 2026-11-30 stamp "manager packed" only; later ones each step of the manager.
 SPANS = [
     ("check + pack", "call", "manager packed"),
     ("to the sender", "manager packed", "sender began"),
     ("RPC to the worker", "manager packed", "worker called"),
+    ("checks", "call", "manager checked"),
+    ("finite check", "manager checked", "manager finite"),
+    ("to the take leaving", "manager finite", "manager take left"),
+    ("pack (the take travelling)", "manager filling", "manager filled"),
+    ("fingerprints", "manager filled", "manager printed"),
+    ("RPC to the worker", "manager take left", "worker called"),
+    ("to the sender", "manager printed", "sender began"),
     ("worker: drop, prepare", "worker called", "worker receive began"),
     ("sender: copy, signal", "sender began", "sender signalled"),
     ("worker: copy out, ack", "worker first arrived", "worker first acked"),
@@ -26,9 +36,11 @@ SPANS = [
 ]
 
 
-def stamps(path: Path) -> dict[str, float]:
+def stamps(path: Path, section: str) -> dict[str, float]:
+    """The stamps of ``section`` (the first push section where empty)."""
     data = json.loads(path.read_text())
-    idle = next(v["asyncroll idle"] for k, v in data.items() if k.startswith("push "))
+    idle = next(v["asyncroll idle"] for k, v in data.items()
+                if k == section or (not section and k.startswith("push ")))
     found = {k[3:-3]: float(v) for k, v in idle.items() if k.startswith("at ")}
     return {"call": 0.0, **found}
 
@@ -40,17 +52,22 @@ def main(argv: list[str]) -> int:
     import matplotlib.pyplot as plt
 
     out, rows = Path(argv[0]), [arg.split("=", 1) for arg in argv[1:]]
-    colours = plt.get_cmap("tab10")
+    colours = plt.get_cmap("tab20")
+    shown: set[str] = set()
+    names = list(dict.fromkeys(name for name, _, _ in SPANS))
     fig, ax = plt.subplots(figsize=(10, 1.0 + 1.6 * len(rows)))
     last = 0.0
     for row, (_, file) in enumerate(rows):
-        at = stamps(Path(file))
+        file, _, section = file.partition("#")
+        at = stamps(Path(file), section)
         height = 0.8 / len(SPANS)
         for i, (name, start, end) in enumerate(SPANS):
             if start in at and end in at:
                 y = row + 0.4 - (i + 0.5) * height
                 ax.barh(y, at[end] - at[start], left=at[start], height=height * 0.9,
-                        color=colours(i % 10), label=name if row == 0 else None)
+                        color=colours(names.index(name) % 20),
+                        label=name if name not in shown else None)
+                shown.add(name)
         ax.text(at["returned"] + 0.1, row, f"{at['returned']:.2f} ms", va="center")
         last = max(last, at["returned"])
     ax.set_xlim(0, last * 1.15)

@@ -23,8 +23,10 @@ import collections
 import contextlib
 import gc
 import itertools
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -108,6 +110,15 @@ class SlowTurns:
         self.others: collections.Counter[str] = collections.Counter()
         """Where the process's other threads were at each stall."""
         self.stalls = 0
+        self.sched: list[dict[str, float]] = []
+        """Each stall's wall time from the loop thread's last healthy reading, and how much
+        of it the thread ran on a CPU, waited in the run queue (ready, not scheduled: the OS
+        ran something else), or neither (blocked: a syscall, a lock), from the kernel's
+        ``/proc/.../schedstat`` (ns)."""
+        self.native: list[str] = []
+        """``py-spy dump --native`` of the process at stalls (``ASYNCROLL_NATIVE_DUMPS``: at
+        most that many; py-spy at ``PY_SPY``, else on the PATH)."""
+        self._dumps = int(os.environ.get("ASYNCROLL_NATIVE_DUMPS", "0"))
         self.gc_ms: list[tuple[int, float]] = []
         self._beat = time.perf_counter()
         self._stop = threading.Event()
@@ -128,13 +139,24 @@ class SlowTurns:
             self._beat = time.perf_counter()
             await asyncio.sleep(0.002)
 
-    def _sample(self, loop_thread: int) -> None:
+    def _sample(self, loop_thread: int, native_id: int) -> None:
         sampled_beat = None
+        seen, healthy = self._beat, _schedstat(native_id)
         while not self._stop.wait(self.period):
             beat = self._beat
+            if beat != seen:  # the loop turned: a reading at most a period into this turn
+                seen, healthy = beat, _schedstat(native_id)
             if time.perf_counter() - beat < self.threshold or beat == sampled_beat:
                 continue
             sampled_beat = beat  # one sample a stall, taken once it is already long
+            now = _schedstat(native_id)
+            if healthy is not None and now is not None:
+                wall, ran, waited = (b - a for a, b in zip(healthy, now, strict=True))
+                self.sched.append({"wall ms": wall / 1e6, "on cpu ms": ran / 1e6,
+                                   "run queue ms": waited / 1e6,
+                                   "blocked ms": (wall - ran - waited) / 1e6})
+            if len(self.native) < self._dumps:
+                self.native.append(_native_dump())
             frames = sys._current_frames()
             frame = frames.get(loop_thread)
             if frame is not None:
@@ -161,7 +183,8 @@ class SlowTurns:
             return self
         self._task = asyncio.get_running_loop().create_task(self._heartbeat())
         self._thread = threading.Thread(
-            target=self._sample, args=(threading.get_ident(),), daemon=True
+            target=self._sample, args=(threading.get_ident(), threading.get_native_id()),
+            daemon=True,
         )
         self._thread.start()
         gc.callbacks.append(self._on_gc)
@@ -185,8 +208,36 @@ class SlowTurns:
             "gc_gen2": sum(1 for gen, _ in self.gc_ms if gen == 2),
             "top_stacks": self.stacks.most_common(top),
             "other_threads_at_stalls": self.others.most_common(2 * top),
+            "scheduler_at_stalls": [{k: round(v, 2) for k, v in row.items()}
+                                    for row in self.sched],
+            "native_dumps": self.native,
             "gen2_census": self.census,
         }
+
+
+def _schedstat(native_id: int) -> tuple[int, int, int] | None:
+    """(now, ns the thread ran on a CPU, ns it waited runnable in the run queue), or None
+    where the kernel does not say (no ``/proc``, no schedstats)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as file:
+            ran, waited, _ = file.read().split()
+    except (OSError, ValueError):
+        return None
+    return time.perf_counter_ns(), int(ran), int(waited)
+
+
+def _native_dump() -> str:
+    """Every thread's stack, Python and native, now (py-spy; the process is paused while it
+    reads, about 10-50 ms)."""
+    spy = os.environ.get("PY_SPY", "py-spy")
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--native", "--pid", str(os.getpid())],
+            capture_output=True, text=True, timeout=20,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"py-spy failed: {exc}"
+    return (done.stdout + done.stderr)[-6000:]
 
 
 def _summary(frame: Any, depth: int = 8) -> str:

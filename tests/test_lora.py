@@ -245,6 +245,79 @@ async def test_a_push_whose_prints_fail_after_the_take_left_calls_the_worker_off
             await lora_engine.adapters.drop(revision)
 
 
+async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure_there_calls_it_off(
+    lora_engine: VLLMEngine, lora_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A layout's first push packs before anything leaves; each later one writes the kept
+    # pack once the take's RPC has left (its values checked finite before), so the copy
+    # overlaps the RPC's way to the worker. The pack must then hold the new revision's
+    # values when the sender reads it, and a failure while writing it must call the waiting
+    # worker off, the revision in use serving on.
+    pusher = WeightPusher([lora_engine], timeout=3600.0)  # a worker left waiting: a timeout
+    try:
+        async with AsyncServerManager([lora_engine], weights=pusher) as manager:
+            first = await manager.update_adapter("w", adapter(lora_model, 93), config=CONFIG,
+                                                 global_steps=1)
+            assert "filling" not in first.stamps  # packed before the take left
+            tensors = adapter(lora_model, 94)
+            later = await manager.update_adapter("w", tensors, config=CONFIG, global_steps=2)
+            at = later.stamps
+            assert at["checked"] <= at["finite"] <= at["take left"] <= at["filling"]
+            assert at["filling"] <= at["filled"] <= at["printed"]
+            assert later.push is not None and at["printed"] <= later.push.began
+            assert later.deliveries[lora_engine.name].verified == len(tensors)
+            served = await outputs(manager, "w")
+            folder = write_peft_adapter(tmp_path, tensors, CONFIG)
+            assert served == await vllms_own(lora_engine, folder, 904)
+
+            plan = manager._adapter_plans.plan(tensors)[0]
+
+            def broken(*args: object, **kwargs: object) -> None:
+                raise RuntimeError("the pack broke")
+
+            monkeypatch.setattr(type(plan), "pack", broken)
+            with pytest.raises(WeightSyncError, match="the pack broke"):
+                await manager.update_adapter("w", adapter(lora_model, 95), config=CONFIG,
+                                             global_steps=3)
+            monkeypatch.undo()
+            assert manager.adapters["w"].global_steps == 2
+            assert await outputs(manager, "w") == served  # the engine steps again, on rev. 2
+            await manager.update_adapter("w", adapter(lora_model, 96), config=CONFIG,
+                                         global_steps=4)
+            assert await outputs(manager, "w") != served
+    finally:
+        await pusher.aclose()
+        await vllm_client(lora_engine).remove_lora(904)
+        for revision in lora_engine.adapters.held:
+            await lora_engine.adapters.drop(revision)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="one-copy pushes read CUDA IPC")
+async def test_a_one_copy_push_of_gpu_tensors_samples_what_vllm_samples_from_a_peft_folder(
+    lora_engine: VLLMEngine, lora_model: Path, tmp_path: Path
+) -> None:
+    # On a GPU the adapter's kept pack can be read in place by the workers (no staging):
+    # the first revision through vLLM's activation, the later ones replayed, each the
+    # adapter vLLM loads from a folder.
+    pusher = WeightPusher([lora_engine], one_copy=True)
+    try:
+        async with AsyncServerManager([lora_engine], weights=pusher) as manager:
+            for step in range(LORA_ARGS["max_loras"] + 2):
+                tensors = {n: t.cuda() for n, t in adapter(lora_model, 100 + step).items()}
+                report = await manager.update_adapter("gpu", tensors, config=CONFIG,
+                                                      global_steps=step)
+                assert report.deliveries[lora_engine.name].verified == len(tensors)
+            assert lora_engine.adapters.last_registration == "replayed"
+            folder = write_peft_adapter(tmp_path, {n: t.cpu() for n, t in tensors.items()},
+                                        CONFIG)
+            assert await outputs(manager, "gpu") == await vllms_own(lora_engine, folder, 905)
+    finally:
+        await pusher.aclose()
+        await vllm_client(lora_engine).remove_lora(905)
+        for revision in lora_engine.adapters.held:
+            await lora_engine.adapters.drop(revision)
+
+
 async def test_no_call_reads_a_prefix_another_revision_computed(
     manager: AsyncServerManager, lora_model: Path
 ) -> None:

@@ -194,9 +194,9 @@ class AdapterReport:
     stamps: Mapping[str, float] = field(default_factory=dict)
     """When the update reached each of its points (``time.perf_counter()``, one clock for the
     host's processes; benchmarks line them up with the sender's and the workers'):
-    ``checked`` (the checks against the engines), ``finite`` (every value checked finite, and
-    the first push of a layout packed), ``take left`` (every engine's take on its way),
-    ``filling`` and ``filled`` (a later push's pack written, meanwhile), ``printed`` (its
+    ``checked`` (the checks against the engines), ``packed`` (a layout's first push packed
+    and checked finite), ``take left`` (every engine's take on its way), ``filling`` and
+    ``filled`` (a later push's pack written and checked finite, meanwhile), ``printed`` (the
     fingerprints taken)."""
 
     @property

@@ -38,6 +38,8 @@
 #   bash bench/gpu_session.sh twentysixth # 2 GPUs: the push with the pack filled as the take
 #                                         # travels, staged and one-copy, beside .old; slow turns
 #   bash bench/gpu_session.sh twentyseventh # 2 GPUs: LoRA rollout (0); slow turns pinned (1)
+#   bash bench/gpu_session.sh twentyeighth # 2 GPUs: the push (pack checked as the take travels)
+#                                         # beside .old, LoRA tests (0); slow turns pinned (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -385,6 +387,30 @@ phase_twentyseventh() {  # 2 GPUs: issue 45's LoRA rollout with the spread contr
   run rollout-turns-pinned 1 $pin1 env ASYNCROLL_NATIVE_DUMPS=3 \
     PY_SPY=/root/site2/bin/py-spy python3 bench/gpu_e2e.py --sections rollout \
     --policies none,keep,inflight --rounds 1 --slow-turns --out "$W/results/turns3" &
+  wait
+}
+
+phase_twentyeighth() {  # 2 GPUs: issue 45's push with the pack written and checked while the
+  # take travels, then the LoRA tests but the TP=2 one (this tree, GPU 0, the first half of the
+  # CPUs); the tree before (.old), then issue 42's slow turns (GPU 1, the other half)
+  mkdir -p "$W/results/lora12" "$W/results/lora12-old" "$W/results/turns4"
+  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+  (
+    run lora-7b-push-fill2 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora12" --size 7b \
+      --rank 64 --sections push --revisions 8 --repeats 20
+    run pytest-lora 0 $pin0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_adapter_packing.py \
+      -k "not tensor_parallel"
+  ) &
+  (
+    run lora-7b-push-old2 1 $pin1 $OLD_ENV python3 .old/bench/gpu_lora.py \
+      --out "$W/results/lora12-old" --size 7b --rank 64 --sections push --revisions 8 --repeats 20
+    run rollout-turns-pinned2 1 $pin1 python3 bench/gpu_e2e.py --sections rollout \
+      --policies none,keep,inflight --rounds 1 --slow-turns --out "$W/results/turns4"
+  ) &
   wait
 }
 

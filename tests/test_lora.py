@@ -249,10 +249,10 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
     lora_engine: VLLMEngine, lora_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A layout's first push packs before anything leaves; each later one writes the kept
-    # pack once the take's RPC has left (its values checked finite before), so the copy
-    # overlaps the RPC's way to the worker. The pack must then hold the new revision's
-    # values when the sender reads it, and a failure while writing it must call the waiting
-    # worker off, the revision in use serving on.
+    # pack, and checks it finite, once the take's RPC has left, so the copy overlaps the
+    # RPC's way to the worker. The pack must then hold the new revision's values when the
+    # sender reads it, and a failure while writing it (or a value that is not finite) must
+    # call the waiting worker off, the revision in use serving on.
     pusher = WeightPusher([lora_engine], timeout=3600.0)  # a worker left waiting: a timeout
     try:
         async with AsyncServerManager([lora_engine], weights=pusher) as manager:
@@ -262,7 +262,8 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
             tensors = adapter(lora_model, 94)
             later = await manager.update_adapter("w", tensors, config=CONFIG, global_steps=2)
             at = later.stamps
-            assert at["checked"] <= at["finite"] <= at["take left"] <= at["filling"]
+            assert "packed" in first.stamps and "packed" not in at
+            assert at["checked"] <= at["take left"] <= at["filling"]
             assert at["filling"] <= at["filled"] <= at["printed"]
             assert later.push is not None and at["printed"] <= later.push.began
             assert later.deliveries[lora_engine.name].verified == len(tensors)
@@ -282,6 +283,11 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
             monkeypatch.undo()
             assert manager.adapters["w"].global_steps == 2
             assert await outputs(manager, "w") == served  # the engine steps again, on rev. 2
+            nan = {name: torch.full_like(t, float("nan")) for name, t in tensors.items()}
+            with pytest.raises(InvalidRequestError, match="non-finite"):
+                await manager.update_adapter("w", nan, config=CONFIG, global_steps=3)
+            assert manager.adapters["w"].global_steps == 2
+            assert await outputs(manager, "w") == served
             await manager.update_adapter("w", adapter(lora_model, 96), config=CONFIG,
                                          global_steps=4)
             assert await outputs(manager, "w") != served

@@ -72,6 +72,7 @@ from asyncroll.transport.broadcast import (
 )
 from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.plan import ALIGN
+from asyncroll.transport.pushes import Prints
 from asyncroll.transport.sender import open_weight_sender
 from asyncroll.types import PauseMode
 from asyncroll.update_check import Schema, check_update, read_checkpoint_schema
@@ -529,22 +530,25 @@ class SenderChannel:
         self._fingerprints = None
         stamps = stamps if stamps is not None else {}
 
-        def prepared() -> dict[str, bytes] | None:
-            if fill is not None:
-                stamps["filling"] = time.perf_counter()
-                fill()
-                stamps["filled"] = time.perf_counter()
-            if not self._verify:
-                return None
+        def fingerprinted() -> dict[str, bytes]:
             self._fingerprints = (
                 packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
             )
             stamps["printed"] = time.perf_counter()
             return self._fingerprints
 
-        async def prepare() -> dict[str, bytes] | None:
+        def filled() -> None:
+            if fill is not None:
+                stamps["filling"] = time.perf_counter()
+                fill()
+                stamps["filled"] = time.perf_counter()
+
+        async def prepare() -> Prints | None:
+            # The fingerprints are taken by the sender once it has signalled its buckets:
+            # their reads then overlap the workers' copies.
             stamps["take left"] = time.perf_counter()
-            return await near(packed.device, prepared, packed.nbytes)
+            await near(packed.device, filled, packed.nbytes)
+            return fingerprinted if self._verify else None
 
         sender = await self._connected(engines, tensors)
         version = revision.global_steps if revision.global_steps is not None else -1
@@ -608,7 +612,7 @@ class SenderChannel:
         *,
         mode: ResumeMode = "keep",
         take: Callable[[Any, int, Callable[[], None]], Awaitable[Delivery | None]] | None = None,
-        prepare: Callable[[], Awaitable[dict[str, bytes] | None]] | None = None,
+        prepare: Callable[[], Awaitable[Prints | None]] | None = None,
     ) -> PushReport:
         """Every engine's take, then the push, failing as soon as any of them fails (a dead
         worker's engine fails its take long before the sender's ack deadline).
@@ -620,14 +624,15 @@ class SenderChannel:
         (``check``); a push that still fails before its first message tells the waiting
         receivers so (``receivers_waiting``). A push group (broadcast) starts first: its
         receivers join a collective, which only the sender can open. ``prepare``: makes the
-        tensors ready and returns their fingerprints, once the takes have left (before the
-        sender's first step; a failure there calls the receivers off); where the sender goes
-        first, before any take leaves."""
-        prints = self._fingerprints if self._fingerprints is not None else None
+        tensors ready and returns their fingerprints (or what takes them: ``Prints``), once
+        the takes have left (before the sender's first step; a failure there calls the
+        receivers off); where the sender goes first, before any take leaves."""
+        early = self._fingerprints
         lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
-        if prints is not None and not set(tensors) - set(lazy) <= set(prints):
-            prints = None  # not the tensors last checked
-        unknown = prints is not None and len(prints) < len(tensors)
+        if early is not None and not set(tensors) - set(lazy) <= set(early):
+            early = None  # not the tensors last checked
+        unknown = early is not None and len(early) < len(tensors)
+        prints: Prints | None = early
         fingerprint = self._lazy_fingerprinter if lazy and unknown else None
         options: dict[str, Any] = {"fingerprint": fingerprint} if fingerprint is not None else {}
         # The push's id, read before the push can begin (in either order): the workers skip
@@ -656,6 +661,11 @@ class SenderChannel:
                 except BaseException as exc:  # cancelled: the receivers wait for this push
                     await sender.call_off(version, exc)
                     raise
+            if not isinstance(sender, WeightSender):  # (its manifest carries them at once)
+                return await sender.push(
+                    tensors, version=version, fingerprints=prints() if callable(prints)
+                    else prints, **options,
+                )
             return await sender.push(
                 tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
                 **options,

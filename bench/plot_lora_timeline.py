@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     ax.set_yticks(range(len(rows)), [label for label, _ in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms from the call (one host clock: manager, sender, first worker)")
-    ax.set_title("One adapter push (7B shape, rank 64, 392 tensors, 308 MiB), median of 20")
+    ax.set_title("One adapter push (7B shape, rank 64, 392 tensors, 308 MiB), median of 20 each")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -250,7 +250,8 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
 ) -> None:
     # A layout's first push packs before anything leaves; each later one writes the kept
     # pack, and checks it finite, once the take's RPC has left, so the copy overlaps the
-    # RPC's way to the worker. The pack must then hold the new revision's values when the
+    # RPC's way to the worker; its fingerprints are taken once the sender has signalled the
+    # bucket, while the worker copies it. The pack must then hold the new revision's values when the
     # sender reads it, and a failure while writing it (or a value that is not finite) must
     # call the waiting worker off, the revision in use serving on.
     pusher = WeightPusher([lora_engine], timeout=3600.0)  # a worker left waiting: a timeout
@@ -265,7 +266,9 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
             assert "packed" in first.stamps and "packed" not in at
             assert at["checked"] <= at["take left"] <= at["filling"]
             assert at["filling"] <= at["filled"] <= at["printed"]
-            assert later.push is not None and at["printed"] <= later.push.began
+            # The fingerprints: once the bucket is signalled (the worker copies meanwhile).
+            assert later.push is not None and at["filled"] <= later.push.began <= at["printed"]
+            assert at["printed"] <= later.push.timeline[0].signalled
             assert later.deliveries[lora_engine.name].verified == len(tensors)
             served = await outputs(manager, "w")
             folder = write_peft_adapter(tmp_path, tensors, CONFIG)

@@ -48,7 +48,7 @@ from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.packing import bucket_spans, dtype_name, fused_slots, pack_bucket
 from asyncroll.transport.peers import ControlPlane, Peer
 from asyncroll.transport.plan import Bucket
-from asyncroll.transport.pushes import Fingerprint, Pushes, PushState
+from asyncroll.transport.pushes import Fingerprint, Prints, Pushes, PushState
 from asyncroll.transport.reports import PushReport, SenderBucketTimes
 from asyncroll.transport.shared import SharedStorages
 from asyncroll.transport.staging import Staging
@@ -100,7 +100,7 @@ class PushPipeline:
         tensors: _Sources,
         version: int,
         *,
-        fingerprints: Mapping[str, bytes] | None,
+        fingerprints: Prints | None,
         makes: Makes | None = None,
         fingerprint: Fingerprint | None = None,
         pieces: frozenset[str] = frozenset(),
@@ -182,7 +182,7 @@ class PushPipeline:
         tensors: dict[str, torch.Tensor],
         version: int,
         *,
-        fingerprints: Mapping[str, bytes] | None,
+        fingerprints: Prints | None,
     ) -> PushReport:
         """One-copy mode: one message naming every tensor's storage and place; one ack from
         each receiver once its reads are done on the device."""

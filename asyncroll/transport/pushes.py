@@ -32,9 +32,11 @@ from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.peers import ControlPlane, Peer
 from asyncroll.transport.reports import PushReport, SenderBucketTimes
 
-__all__ = ["Fingerprint", "PushState", "Pushes"]
+__all__ = ["Fingerprint", "Prints", "PushState", "Pushes"]
 
 Fingerprint = Callable[[dict[str, torch.Tensor], dict[str, torch.dtype]], dict[str, bytes]]
+Prints = Mapping[str, bytes] | Callable[[], Mapping[str, bytes]]
+"""A push's fingerprints, or what takes them once its first buckets are signalled."""
 """Fingerprints the lazy tensors made for a bucket, as the dtypes pushed."""
 
 
@@ -52,6 +54,8 @@ class PushState:
     """The bucket whose signal the push's fingerprints follow (``wire.Prints``)."""
     fingerprints: dict[str, bytes] = field(default_factory=dict)
     """The push's, for its Prints (those of its lazy tensors join as they are made)."""
+    later_prints: Callable[[], Mapping[str, bytes]] | None = None
+    """Takes the push's fingerprints when its Prints are sent (``Prints``' callable form)."""
     makes: Makes | None = None
     """The push's lazy tensors (``LazyTensor``), made as their buckets are packed."""
     fingerprint: Fingerprint | None = None
@@ -100,7 +104,7 @@ class Pushes:
         *,
         buckets: int,
         buffers: int,
-        fingerprints: Mapping[str, bytes] | None,
+        fingerprints: Prints | None,
         makes: Makes | None = None,
         fingerprint: Fingerprint | None = None,
         pieces: frozenset[str] = frozenset(),
@@ -116,10 +120,13 @@ class Pushes:
         self._ids += 1
         # Fingerprints of lazy tensors are known once the last bucket is packed.
         prints_after = buckets - 1 if makes is not None else buckets // 2
+        later = fingerprints if callable(fingerprints) else None
+        given = fingerprints if fingerprints is not None and not callable(fingerprints) else {}
         state = self.current = PushState(
             id=self._ids, version=version, peers=peers, prints_after=prints_after,
-            fingerprints=dict(fingerprints or {}), makes=makes, fingerprint=fingerprint,
-            pieces=pieces, made=[[] for _ in range(buffers)],
+            fingerprints=dict(given),
+            later_prints=later, makes=makes, fingerprint=fingerprint, pieces=pieces,
+            made=[[] for _ in range(buffers)],
         )
         try:
             yield state
@@ -158,7 +165,12 @@ class Pushes:
 
     async def send_prints(self, state: PushState) -> None:
         """The push's fingerprints, once: after a signal, so the receiver decodes them while it
-        waits for the next bucket (58 KB for a 7B model: about 0.4 ms at the end of a push)."""
+        waits for the next bucket (58 KB for a 7B model: about 0.4 ms at the end of a push).
+        Fingerprints given as a callable are taken now: their reads overlap the receivers'
+        copies of the buckets signalled."""
+        if state.later_prints is not None:
+            later, state.later_prints = state.later_prints, None
+            state.fingerprints.update(later())
         if not state.fingerprints:
             return
         for peer in state.peers:

@@ -52,7 +52,7 @@ from asyncroll.transport.peers import ControlPlane, Peer, PeerHooks
 from asyncroll.transport.piece import Piece, split_pieces
 from asyncroll.transport.pipeline import PushPipeline
 from asyncroll.transport.plan import GroupOf, TensorMeta, default_group
-from asyncroll.transport.pushes import Fingerprint, Pushes
+from asyncroll.transport.pushes import Fingerprint, Prints, Pushes
 from asyncroll.transport.reports import PushReport, SenderBucketTimes
 from asyncroll.transport.security import JobIdentity
 from asyncroll.transport.shared import SharedStorages, check_shareable
@@ -234,14 +234,16 @@ class WeightSender:
         *,
         version: int,
         one_copy: bool = False,
-        fingerprints: Mapping[str, bytes] | None = None,
+        fingerprints: Prints | None = None,
         fingerprint: Fingerprint | None = None,
         receivers_waiting: bool = False,
     ) -> PushReport:
         """Move ``named_tensors`` into every ready receiver; returns once all of them loaded it.
 
         ``fingerprints`` (``asyncroll.fingerprints``) travel with the push, for each receiver's
-        loader to check what it loaded (``ReceiveReport.fingerprints``).
+        loader to check what it loaded (``ReceiveReport.fingerprints``). Given as a callable,
+        they are taken once the first buckets are signalled (their reads then overlap the
+        receivers' copies); the tensors must not change meanwhile.
 
         A ``LazyTensor`` is made when its first bucket is packed (``asyncroll.transport.lazy``:
         in plan order, so ranks that push the same layout make theirs in the same order) and
@@ -316,7 +318,7 @@ class WeightSender:
         *,
         version: int,
         one_copy: bool,
-        fingerprints: Mapping[str, bytes] | None,
+        fingerprints: Prints | None,
         fingerprint: Fingerprint | None,
         unbegun: int | None,
     ) -> PushReport:

@@ -40,6 +40,7 @@
 #   bash bench/gpu_session.sh twentyseventh # 2 GPUs: LoRA rollout (0); slow turns pinned (1)
 #   bash bench/gpu_session.sh twentyeighth # 2 GPUs: the push (pack checked as the take travels)
 #                                         # beside .old, LoRA tests (0); slow turns pinned (1)
+#   bash bench/gpu_session.sh twentyninth # 2 GPUs: the push beside .old, twice, GPUs swapped
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -412,6 +413,26 @@ phase_twentyeighth() {  # 2 GPUs: issue 45's push with the pack written and chec
       --policies none,keep,inflight --rounds 1 --slow-turns --out "$W/results/turns4"
   ) &
   wait
+}
+
+phase_twentyninth() {  # 2 GPUs: issue 45's push with its prints taken after the signal (this
+  # tree) beside the tree in .old, twice, the GPUs swapped between the runs
+  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+  for round in 1 2; do
+    local new=0 old=1 pnew=$pin0 pold=$pin1
+    [ "$round" = 2 ] && new=1 old=0 pnew=$pin1 pold=$pin0
+    mkdir -p "$W/results/lora13-$round" "$W/results/lora13-old-$round"
+    run lora-7b-push-prints-$round $new $pnew python3 bench/gpu_lora.py \
+      --out "$W/results/lora13-$round" --size 7b --rank 64 --sections push --revisions 8 \
+      --repeats 20 &
+    run lora-7b-push-old-$round $old $pold $OLD_ENV python3 .old/bench/gpu_lora.py \
+      --out "$W/results/lora13-old-$round" --size 7b --rank 64 --sections push --revisions 8 \
+      --repeats 20 &
+    wait
+  done
 }
 
 phase_twentyfifth() {  # 2 GPUs: the LoRA rollout in windows with the spread control (GPU 0);

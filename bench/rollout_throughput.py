@@ -152,9 +152,14 @@ class SlowTurns:
             now = _schedstat(native_id)
             if healthy is not None and now is not None:
                 wall, ran, waited = (b - a for a, b in zip(healthy, now, strict=True))
+                # How many callbacks the loop had queued (asyncio's; None under uvloop): a
+                # turn running hundreds of small ones (callers woken by one step's outputs)
+                # is long without any one of them being so.
+                ready = getattr(self._loop, "_ready", None)
                 self.sched.append({"wall ms": wall / 1e6, "on cpu ms": ran / 1e6,
                                    "run queue ms": waited / 1e6,
-                                   "blocked ms": (wall - ran - waited) / 1e6})
+                                   "blocked ms": (wall - ran - waited) / 1e6,
+                                   "ready callbacks": len(ready) if ready is not None else -1})
             if len(self.native) < self._dumps:
                 self.native.append(_native_dump())
             frames = sys._current_frames()
@@ -181,7 +186,8 @@ class SlowTurns:
     def __enter__(self) -> SlowTurns:
         if not self.enabled:
             return self
-        self._task = asyncio.get_running_loop().create_task(self._heartbeat())
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._heartbeat())
         self._thread = threading.Thread(
             target=self._sample, args=(threading.get_ident(), threading.get_native_id()),
             daemon=True,

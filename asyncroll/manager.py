@@ -51,7 +51,7 @@ from asyncroll.interfaces import (
 )
 from asyncroll.metrics import STALENESS_BOUNDS, Histogram, UpdateMetrics, staleness_runs
 from asyncroll.routing import EngineLoad, StickyTable, choose_engine
-from asyncroll.transport.aio import shielded
+from asyncroll.transport.aio import inline, shielded
 from asyncroll.types import (
     FinishReason,
     ManagerStatistics,
@@ -594,8 +594,11 @@ class AsyncServerManager:
                 shapes, an engine started without LoRA, engines that hold too few revisions
                 for one per adapter and one more, a ``global_steps`` below the previous
                 revision's. A value that is not finite: before any of the tensors' bytes
-                are sent (for a layout pushed before, once the takes have left, which it
-                calls off: no engine registers anything).
+                are sent (for a layout pushed before from a GPU, or of under a MiB, once
+                the takes have left, which it calls off: no engine registers anything; the
+                superseded revisions no call used are dropped all the same, and where every
+                revision that could go was in use the refusal comes after the wait for
+                room). One-copy pushes of tensors not on a GPU.
             WeightSyncError: the push failed; no engine keeps the new revision, and every
                 revision in use serves on.
         """
@@ -645,15 +648,18 @@ class AsyncServerManager:
             checked = time.perf_counter()
             # One flat tensor a dtype travels (``pack_adapter``), the same one every push of
             # this layout (the last push is over); its check that every value is finite reads
-            # every byte once. The first push of a layout packs here. A later one writes the
-            # kept pack, and checks it, once the takes have left (``fill``), while they make
-            # their way to the workers: a value that is not finite then calls them off before
-            # any byte is sent (checked value by value before the takes left, 392 tensors cost
-            # 2.2 ms on an H200, the pack's check 1.1 with its copy). Off the loop where the
+            # every byte once. The first push of a layout packs here, and so does a push of
+            # over a MiB from the host (whose copy, done while the takes wait in their
+            # engines' step loops, would hold the engines' steps). A later one from a GPU (or
+            # a small one) writes the kept pack, and checks it, once the takes have left
+            # (``fill``), while they make their way to the workers: a value that is not
+            # finite then calls them off before any byte is sent (checked value by value
+            # before the takes left, 392 tensors cost 2.2 ms on an H200, the pack's check 1.1
+            # with its copy). Off the loop where the
             # copy is the host's; shielded: a cancelled call holds the lock until its pack is
             # written, so the next push of the layout never writes the same pack at once.
             fill: Callable[[], Any] | None = None
-            if plan.kept:
+            if plan.kept and inline(plan.kept[0].device, plan.kept[0].nbytes):
                 packed = plan.kept[0]
                 fill = functools.partial(plan.pack_finite, values, keep=True)
             else:

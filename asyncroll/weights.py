@@ -517,7 +517,9 @@ class SenderChannel:
         own. ``drop``: revisions each engine forgets in the same call. ``fill``: writes the
         revision into ``packed`` (whose memory held the last push's), run to completion
         once the takes have left, before the sender's first message: it overlaps their way
-        to the workers. ``stamps``: when the push reached its points (``AdapterReport``)."""
+        to the workers (a GPU's pack: the workers wait inside their engines' step loops
+        meanwhile); an ``InvalidRequestError`` it raises calls them off and is raised as is.
+        ``stamps``: when the push reached its points (``AdapterReport``)."""
         tensors = packed.chunks
         if self._one_copy and not all(t.is_cuda for t in tensors.values()):
             raise InvalidRequestError(
@@ -526,7 +528,8 @@ class SenderChannel:
                 " staged otherwise)"
             )
         # (The chunks' own as well: the transport sends the prints of what it pushes.) Taken
-        # once the takes' RPCs have left: they then travel to the workers meanwhile.
+        # by the sender once it has signalled the pack's bucket: their reads then overlap the
+        # workers' copies.
         self._fingerprints = None
         stamps = stamps if stamps is not None else {}
 
@@ -544,9 +547,8 @@ class SenderChannel:
                 stamps["filled"] = time.perf_counter()
 
         async def prepare() -> Prints | None:
-            # The fingerprints are taken by the sender once it has signalled its buckets:
-            # their reads then overlap the workers' copies.
-            stamps["take left"] = time.perf_counter()
+            if self._receivers_first and not isinstance(sender, BroadcastSender):
+                stamps["take left"] = time.perf_counter()
             await near(packed.device, filled, packed.nbytes)
             return fingerprinted if self._verify else None
 
@@ -564,8 +566,9 @@ class SenderChannel:
                 engines, sender, tensors, version, take=take,
                 prepare=prepare if self._verify or fill is not None else None,
             )
-        except BaseException:
-            if isinstance(sender, BroadcastSender):
+        except BaseException as exc:
+            # (A value ``fill`` found not finite: before the group's first collective.)
+            if isinstance(sender, BroadcastSender) and not isinstance(exc, InvalidRequestError):
                 sender.close()
             raise
 

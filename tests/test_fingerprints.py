@@ -5,6 +5,7 @@ reads every sample from a table of their addresses, exactly what ``torch.cat`` r
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -119,3 +120,53 @@ async def test_fingerprints_reach_the_receiver_whole_once_a_push(bucket_bytes: i
     assert got[1] == fingerprints(changed) and got[1]["w3"] != prints["w3"]
     assert got[2] == {}
     assert fingerprints(loaded) == prints  # what arrived is what was fingerprinted
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 4096], ids=["one-bucket", "many-buckets"])
+async def test_prints_given_as_a_callable_are_taken_after_the_first_signal_and_arrive(
+    bucket_bytes: int,
+) -> None:
+    # The sender calls them once its first buckets are signalled (their reads overlap the
+    # receivers' copies); the receiver gets them as if given at once. A callable that
+    # raises fails the push, the receiver told by its End, and the next push works.
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"w{i}": torch.randn(300 + 11 * i, generator=g) for i in range(20)}
+    prints = fingerprints(tensors)
+    async with open_weight_sender(backend=ShmBackend(), bucket_bytes=bucket_bytes,
+                                  receivers=1) as sender:
+        receiver = WeightReceiver.from_config(sender.receiver_config(), name="later")
+        arrived: list[int] = []
+
+        def serve() -> list[object]:
+            receiver.connect()
+            out: list[object] = []
+            for _ in range(3):
+                try:
+                    out.append(receiver.receive(lambda batch: arrived.append(len(batch))))
+                except Exception as exc:  # the failing push's End
+                    out.append(exc)
+            return out
+
+        seen: list[float] = []
+
+        def later() -> dict[str, bytes]:
+            seen.append(time.perf_counter())
+            return prints
+
+        def broken() -> dict[str, bytes]:
+            raise RuntimeError("the prints broke")
+
+        worker = asyncio.ensure_future(asyncio.to_thread(serve))
+        try:
+            report = await sender.push(tensors, version=1, fingerprints=later)
+            assert len(seen) == 1 and report.timeline[0].copied <= seen[0]  # once, after
+            with pytest.raises(RuntimeError, match="the prints broke"):
+                await sender.push(tensors, version=2, fingerprints=broken)
+            await sender.push(tensors, version=3, fingerprints=later)
+            results = await worker
+        finally:
+            await asyncio.to_thread(receiver.close)
+    assert results[0].fingerprints == prints  # type: ignore[attr-defined]
+    assert isinstance(results[1], Exception) and "the prints broke" in str(results[1])
+    assert results[2].fingerprints == prints  # type: ignore[attr-defined]
+    assert len(seen) == 2

@@ -212,12 +212,13 @@ async def test_a_removed_adapter_takes_no_new_call_and_leaves_once_its_calls_end
     await _removed(lora_engine, manager, lora_model)
 
 
-async def test_a_push_whose_prints_fail_after_the_take_left_calls_the_worker_off(
+async def test_a_push_whose_prints_fail_mid_push_fails_the_worker_and_the_revision_serves_on(
     lora_engine: VLLMEngine, lora_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The trainer's fingerprints are taken once the take's RPC has left: the worker is then
-    # waiting for the push inside its engine's step loop. A failure there must call it off,
-    # and the revision in use must serve on. The push's deadline is an hour here: a worker
+    # The trainer's fingerprints are taken once the sender has signalled the pack's bucket:
+    # the worker is then receiving the push inside its engine's step loop. A failure there
+    # must end the push in the worker (the sender's End names it), and the revision in use
+    # must serve on. The push's deadline is an hour here: a worker
     # left waiting would stop the engine's steps past the test's own timeout.
     pusher = WeightPusher([lora_engine], timeout=3600.0)
     try:
@@ -266,9 +267,10 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
             assert "packed" in first.stamps and "packed" not in at
             assert at["checked"] <= at["take left"] <= at["filling"]
             assert at["filling"] <= at["filled"] <= at["printed"]
-            # The fingerprints: once the bucket is signalled (the worker copies meanwhile).
-            assert later.push is not None and at["filled"] <= later.push.began <= at["printed"]
-            assert at["printed"] <= later.push.timeline[0].signalled
+            # The fingerprints: once the bucket is copied and signalled (the worker copies
+            # out meanwhile).
+            assert later.push is not None and at["filled"] <= later.push.began
+            assert later.push.timeline[0].copied <= at["printed"]
             assert later.deliveries[lora_engine.name].verified == len(tensors)
             served = await outputs(manager, "w")
             folder = write_peft_adapter(tmp_path, tensors, CONFIG)

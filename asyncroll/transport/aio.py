@@ -8,7 +8,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["near", "shielded"]
+__all__ = ["inline", "near", "shielded"]
 
 _T = TypeVar("_T")
 
@@ -34,6 +34,11 @@ async def near(device: torch.device, work: Callable[[], _T], nbytes: int = 0) ->
     ``shielded``): on the loop for a GPU (kernel launches and a sync, less than a thread's
     hop) or for a few bytes (``INLINE_HOST_BYTES``), else in a thread (where the host does
     the work, which would hold the loop)."""
-    if device.type == "cuda" or nbytes < INLINE_HOST_BYTES:
+    if inline(device, nbytes):
         return work()
     return await shielded(asyncio.to_thread(work))
+
+
+def inline(device: torch.device, nbytes: int) -> bool:
+    """Whether ``near`` runs work on ``nbytes`` of ``device`` on the loop."""
+    return device.type == "cuda" or nbytes < INLINE_HOST_BYTES

@@ -35,9 +35,9 @@ from asyncroll.transport.reports import PushReport, SenderBucketTimes
 __all__ = ["Fingerprint", "Prints", "PushState", "Pushes"]
 
 Fingerprint = Callable[[dict[str, torch.Tensor], dict[str, torch.dtype]], dict[str, bytes]]
+"""Fingerprints the lazy tensors made for a bucket, as the dtypes pushed."""
 Prints = Mapping[str, bytes] | Callable[[], Mapping[str, bytes]]
 """A push's fingerprints, or what takes them once its first buckets are signalled."""
-"""Fingerprints the lazy tensors made for a bucket, as the dtypes pushed."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -212,6 +212,28 @@ async def test_a_removed_adapter_takes_no_new_call_and_leaves_once_its_calls_end
     await _removed(lora_engine, manager, lora_model)
 
 
+def _broken(what: str) -> Any:
+    def broken(*args: object, **kwargs: object) -> Any:
+        raise RuntimeError(f"the {what} broke")
+
+    return broken
+
+
+async def _fails_and_serves_on(
+    manager: AsyncServerManager, name: str, tensors: dict[str, torch.Tensor], what: str,
+    served: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A push of adapter ``name`` fails where ``what`` was patched to break; once the patch
+    is undone, the revision in use still serves (the engine steps again)."""
+    steps = manager.adapters[name].global_steps
+    assert steps is not None
+    with pytest.raises(WeightSyncError, match=f"the {what} broke"):
+        await manager.update_adapter(name, tensors, config=CONFIG, global_steps=steps + 1)
+    monkeypatch.undo()
+    assert manager.adapters[name].global_steps == steps
+    assert await outputs(manager, name) == served
+
+
 async def test_a_push_whose_prints_fail_mid_push_fails_the_worker_and_the_revision_serves_on(
     lora_engine: VLLMEngine, lora_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -226,17 +248,9 @@ async def test_a_push_whose_prints_fail_mid_push_fails_the_worker_and_the_revisi
             await manager.update_adapter("f", adapter(lora_model, 90), config=CONFIG,
                                          global_steps=1)
             served = await outputs(manager, "f")
-
-            def broken(*args: object, **kwargs: object) -> dict[str, bytes]:
-                raise RuntimeError("the fingerprints broke")
-
-            monkeypatch.setattr(weights_module, "packed_fingerprints", broken)
-            with pytest.raises(WeightSyncError, match="the fingerprints broke"):
-                await manager.update_adapter("f", adapter(lora_model, 91), config=CONFIG,
-                                             global_steps=2)
-            monkeypatch.undo()
-            assert manager.adapters["f"].global_steps == 1
-            assert await outputs(manager, "f") == served  # the engine steps again, on rev. 1
+            monkeypatch.setattr(weights_module, "packed_fingerprints", _broken("fingerprints"))
+            await _fails_and_serves_on(manager, "f", adapter(lora_model, 91), "fingerprints",
+                                       served, monkeypatch)
             await manager.update_adapter("f", adapter(lora_model, 92), config=CONFIG,
                                          global_steps=3)
             assert await outputs(manager, "f") != served
@@ -277,17 +291,9 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
             assert served == await vllms_own(lora_engine, folder, 904)
 
             plan = manager._adapter_plans.plan(tensors)[0]
-
-            def broken(*args: object, **kwargs: object) -> None:
-                raise RuntimeError("the pack broke")
-
-            monkeypatch.setattr(type(plan), "pack", broken)
-            with pytest.raises(WeightSyncError, match="the pack broke"):
-                await manager.update_adapter("w", adapter(lora_model, 95), config=CONFIG,
-                                             global_steps=3)
-            monkeypatch.undo()
-            assert manager.adapters["w"].global_steps == 2
-            assert await outputs(manager, "w") == served  # the engine steps again, on rev. 2
+            monkeypatch.setattr(type(plan), "pack", _broken("pack"))
+            await _fails_and_serves_on(manager, "w", adapter(lora_model, 95), "pack", served,
+                                       monkeypatch)
             nan = {name: torch.full_like(t, float("nan")) for name, t in tensors.items()}
             with pytest.raises(InvalidRequestError, match="non-finite"):
                 await manager.update_adapter("w", nan, config=CONFIG, global_steps=3)

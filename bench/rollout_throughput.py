@@ -159,7 +159,8 @@ class SlowTurns:
                 self.sched.append({"wall ms": wall / 1e6, "on cpu ms": ran / 1e6,
                                    "run queue ms": waited / 1e6,
                                    "blocked ms": (wall - ran - waited) / 1e6,
-                                   "ready callbacks": len(ready) if ready is not None else -1})
+                                   "ready callbacks": len(ready) if ready is not None else -1,
+                                   "at s": time.perf_counter() - self._started})
             if len(self.native) < self._dumps:
                 self.native.append(_native_dump())
             frames = sys._current_frames()
@@ -187,6 +188,7 @@ class SlowTurns:
         if not self.enabled:
             return self
         self._loop = asyncio.get_running_loop()
+        self._started = time.perf_counter()
         self._task = self._loop.create_task(self._heartbeat())
         self._thread = threading.Thread(
             target=self._sample, args=(threading.get_ident(), threading.get_native_id()),

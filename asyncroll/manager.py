@@ -628,7 +628,11 @@ class AsyncServerManager:
             missing = [e.name for e in engines if getattr(e, "adapters", None) is None]
             if missing:
                 raise InvalidRequestError(f"engines {missing} take no LoRA adapters")
-            layouts = await asyncio.gather(*(e.adapters.layout() for e in engines))  # type: ignore[attr-defined]
+            # (Known after the first push: no turn of the loop, which under load can be a
+            # long one, before the take leaves.)
+            layouts = [e.adapters.known_layout for e in engines]  # type: ignore[attr-defined]
+            if any(layout is None for layout in layouts):
+                layouts = await asyncio.gather(*(e.adapters.layout() for e in engines))  # type: ignore[attr-defined]
             for engine, layout in zip(engines, layouts, strict=True):
                 plan.check(values, config, layout, engine=engine.name)
                 if layout.slots < layout.resident:

@@ -76,6 +76,11 @@ class VLLMAdapterPort:
     def holds(self, revision: AdapterRevision) -> bool:
         return self._held.get(revision.revision) == revision
 
+    @property
+    def known_layout(self) -> AdapterLayout | None:
+        """``layout()``'s answer once it has been asked (None before)."""
+        return self._layout
+
     async def layout(self) -> AdapterLayout:
         """What the engine's LoRA serves (asked once).
 

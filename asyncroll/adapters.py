@@ -37,7 +37,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
@@ -247,6 +247,10 @@ Placement = tuple[str, str, int, tuple[int, ...]]
 its shape)."""
 
 
+FILL_ON_LOOP_BYTES: Final = 1 << 20
+"""A host pack smaller than this is written on the loop (``PackedAdapter.fills_on_loop``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PackedAdapter:
     """An adapter as it travels: one flat tensor (a *chunk*) per dtype, and where each of its
@@ -268,6 +272,14 @@ class PackedAdapter:
     @property
     def device(self) -> torch.device:
         return next(iter(self.chunks.values())).device
+
+    @property
+    def fills_on_loop(self) -> bool:
+        """Whether a revision is written into this pack on the event loop (a GPU's pack:
+        kernel launches and a sync; a host's under ``FILL_ON_LOOP_BYTES``), so that it can
+        be written while the takes travel: a larger host copy would hold the loop, or, run
+        in a thread, the engines' steps while the takes wait in them."""
+        return self.device.type == "cuda" or self.nbytes < FILL_ON_LOOP_BYTES
 
 
 def pack_adapter(tensors: Mapping[str, torch.Tensor]) -> PackedAdapter:

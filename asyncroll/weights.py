@@ -64,7 +64,7 @@ from asyncroll.transport import (
     ShmBackend,
     WeightSender,
 )
-from asyncroll.transport.aio import near, shielded
+from asyncroll.transport.aio import shielded
 from asyncroll.transport.broadcast import (
     FAILED_ELSEWHERE,
     BroadcastSender,
@@ -515,10 +515,11 @@ class SenderChannel:
         ``pack_adapter``) into every engine as ``revision`` (``VLLMAdapterPort.take``): no
         engine pauses, nothing served is written. Each of its tensors is fingerprinted on its
         own. ``drop``: revisions each engine forgets in the same call. ``fill``: writes the
-        revision into ``packed`` (whose memory held the last push's), run to completion
-        once the takes have left, before the sender's first message: it overlaps their way
-        to the workers (a GPU's pack: the workers wait inside their engines' step loops
-        meanwhile); an ``InvalidRequestError`` it raises calls them off and is raised as is.
+        revision into ``packed`` (whose memory held the last push's) on the loop, once the
+        takes have left and before the sender's first message: it overlaps their way to the
+        workers, which wait for it inside their engines' step loops (so only a pack that
+        fills on the loop: ``PackedAdapter.fills_on_loop``); an ``InvalidRequestError`` it
+        raises calls them off and is raised as is.
         ``stamps``: when the push reached its points (``AdapterReport``)."""
         tensors = packed.chunks
         if self._one_copy and not all(t.is_cuda for t in tensors.values()):
@@ -540,16 +541,13 @@ class SenderChannel:
             stamps["printed"] = time.perf_counter()
             return self._fingerprints
 
-        def filled() -> None:
+        def prepare() -> Prints | None:
+            if self._receivers_go_first(sender):
+                stamps["take left"] = time.perf_counter()
             if fill is not None:
                 stamps["filling"] = time.perf_counter()
                 fill()
                 stamps["filled"] = time.perf_counter()
-
-        async def prepare() -> Prints | None:
-            if self._receivers_first and not isinstance(sender, BroadcastSender):
-                stamps["take left"] = time.perf_counter()
-            await near(packed.device, filled, packed.nbytes)
             return fingerprinted if self._verify else None
 
         sender = await self._connected(engines, tensors)
@@ -615,7 +613,7 @@ class SenderChannel:
         *,
         mode: ResumeMode = "keep",
         take: Callable[[Any, int, Callable[[], None]], Awaitable[Delivery | None]] | None = None,
-        prepare: Callable[[], Awaitable[Prints | None]] | None = None,
+        prepare: Callable[[], Prints | None] | None = None,
     ) -> PushReport:
         """Every engine's take, then the push, failing as soon as any of them fails (a dead
         worker's engine fails its take long before the sender's ack deadline).
@@ -642,7 +640,7 @@ class SenderChannel:
         # what earlier pushes left in their sockets (one that ended while they were not
         # receiving). Updates through this channel run one at a time.
         push_id = sender.next_push if isinstance(sender, WeightSender) else 0
-        receivers_first = self._receivers_first and isinstance(sender, WeightSender)
+        receivers_first = self._receivers_go_first(sender)
         if receivers_first:
             options["receivers_waiting"] = True
         self._delivered = {}
@@ -651,7 +649,7 @@ class SenderChannel:
         # have left (a failure calls the receivers off); else before any take leaves.
         later = prepare if receivers_first else None
         if prepare is not None and later is None:
-            prints = await prepare()
+            prints = prepare()
 
         async def pushed() -> PushReport:
             nonlocal prints
@@ -660,15 +658,10 @@ class SenderChannel:
                 try:
                     await asyncio.gather(*(event.wait() for event in sent))
                     if later is not None:
-                        prints = await later()
+                        prints = later()
                 except BaseException as exc:  # cancelled: the receivers wait for this push
                     await sender.call_off(version, exc)
                     raise
-            if not isinstance(sender, WeightSender):  # (its manifest carries them at once)
-                return await sender.push(
-                    tensors, version=version, fingerprints=prints() if callable(prints)
-                    else prints, **options,
-                )
             return await sender.push(
                 tensors, version=version, one_copy=self._one_copy, fingerprints=prints,
                 **options,
@@ -714,6 +707,10 @@ class SenderChannel:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _receivers_go_first(self, sender: WeightSender | BroadcastSender) -> bool:
+        """Whether the takes leave before the sender's first step (``_transfer``)."""
+        return self._receivers_first and isinstance(sender, WeightSender)
 
     async def _connected(
         self, engines: Sequence[ReceivingEngine], tensors: Mapping[str, torch.Tensor]

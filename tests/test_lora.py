@@ -28,6 +28,7 @@ from asyncroll import (
     WeightPusher,
     WeightSyncError,
 )
+from asyncroll import adapters as adapters_module
 from asyncroll import weights as weights_module
 from asyncroll.adapters import AdapterConfig
 from asyncroll.recipes import BandTask, run_fully_async
@@ -302,6 +303,11 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
             await manager.update_adapter("w", adapter(lora_model, 96), config=CONFIG,
                                          global_steps=4)
             assert await outputs(manager, "w") != served
+            # A host pack too large to write on the loop is packed before the take leaves.
+            monkeypatch.setattr(adapters_module, "FILL_ON_LOOP_BYTES", 0)
+            big = await manager.update_adapter("w", tensors, config=CONFIG, global_steps=5)
+            assert "packed" in big.stamps and "filling" not in big.stamps
+            assert await outputs(manager, "w") == served  # the pack holds the revision
     finally:
         await pusher.aclose()
         await vllm_client(lora_engine).remove_lora(904)

@@ -57,6 +57,7 @@ from asyncroll.errors import (
 from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.packing import as_bytes, dtype_by_name, dtype_name, slot_view
 from asyncroll.transport.plan import align
+from asyncroll.transport.pushes import Prints
 from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport
 from asyncroll.transport.sender import PushReport
 
@@ -478,12 +479,16 @@ class BroadcastSender:
         *,
         version: int,
         one_copy: bool = False,
-        fingerprints: Mapping[str, bytes] | None = None,
+        fingerprints: Prints | None = None,
     ) -> PushReport:
-        """``push_blocking`` in a thread (the event loop keeps running)."""
+        """``push_blocking`` in a thread (the event loop keeps running). Fingerprints given
+        as a callable are taken at once: the push's manifest, its first message, carries
+        them."""
         import asyncio
 
         del one_copy  # a whole tensor is always sent from its own storage
+        if callable(fingerprints):
+            fingerprints = fingerprints()
         return await asyncio.to_thread(
             self.push_blocking, tensors, version=version, fingerprints=fingerprints
         )

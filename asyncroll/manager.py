@@ -31,6 +31,7 @@ from asyncroll.adapters import (
     AdapterPlans,
     AdapterReport,
     AdapterRevision,
+    PackedAdapter,
     Revisions,
     check_adapter_name,
 )
@@ -52,6 +53,7 @@ from asyncroll.interfaces import (
 from asyncroll.metrics import STALENESS_BOUNDS, Histogram, UpdateMetrics, staleness_runs
 from asyncroll.routing import EngineLoad, StickyTable, choose_engine
 from asyncroll.transport.aio import shielded
+from asyncroll.transport.plan import ALIGN
 from asyncroll.types import (
     FinishReason,
     ManagerStatistics,
@@ -67,7 +69,7 @@ from asyncroll.validation import (
     refuse_live,
     resolve_sampling_params,
 )
-from asyncroll.weights import WeightPusher, materialize
+from asyncroll.weights import LandingChannel, WeightPusher, materialize
 
 __all__ = ["AdapterClient", "AsyncServerManager", "Engine", "ResumeMode", "WeightUpdater"]
 
@@ -110,6 +112,13 @@ class AsyncServerManager:
         report = await manager.update_weights(model.named_parameters(), global_steps=step)
     ```
     """
+
+    land_adapters = True
+    """A later revision of an adapter lands in the engines' workers on threads of their own,
+    while the engines step, and its registration is queued between two of their steps
+    (``asyncroll.weights.LandingChannel``): ``update_adapter`` waits for no engine step.
+    False: every revision goes in one RPC that runs between two steps, as the first revision
+    of each layout and config does (benchmarks compare the two)."""
 
     def __init__(
         self,
@@ -214,6 +223,8 @@ class AsyncServerManager:
         """The adapter layouts pushed lately: their checks, and each one's kept pack."""
         self._adapter_pusher: WeightPusher | None = None
         """Pushes adapters where no ``WeightPusher`` of the manager's can (``rolling``)."""
+        self._landing_channel: LandingChannel | None = None
+        """Pushes adapter revisions to the engines' landing threads (``land_adapters``)."""
         self._closed = False
         self._live: set[str] = set()
 
@@ -675,11 +686,18 @@ class AsyncServerManager:
             stamps: dict[str, float] = {"checked": checked}
             if fill is None:
                 stamps["packed"] = packed_at
+            peft = config.peft_config(plan.modules)
+            landing = self._landing(engines, packed, peft)
             try:
-                push = await channel.push_adapter(
-                    engines, packed, revision, config.peft_config(plan.modules), drop=dropped,
-                    fill=fill, stamps=stamps,
-                )
+                if landing is not None:
+                    channel = landing
+                    push = await landing.push_landed(
+                        engines, packed, revision, peft, drop=dropped, fill=fill, stamps=stamps
+                    )
+                else:
+                    push = await channel.push_adapter(
+                        engines, packed, revision, peft, drop=dropped, fill=fill, stamps=stamps
+                    )
             except BaseException as exc:
                 await shielded(self._forget(engines, [revision, *dropped]))
                 if not isinstance(exc, Exception) or isinstance(exc, InvalidRequestError):
@@ -775,6 +793,34 @@ class AsyncServerManager:
 
         await asyncio.gather(*(drop(e) for e in engines if not e.is_dead))
 
+    def _landing(
+        self, engines: Sequence[Engine], packed: PackedAdapter, peft: Mapping[str, Any]
+    ) -> LandingChannel | None:
+        """The channel to the engines' landing threads, where this push can land there
+        (``land_adapters``; each engine took this layout and config last, through a
+        ``WeightPusher``'s channel of a staged ZeroMQ push); None: it takes the step loop's
+        way."""
+        if not self.land_adapters:
+            return None
+        ports = [getattr(e, "adapters", None) for e in engines]
+        if not all(hasattr(port, "landings") for port in ports):
+            return None
+        channel = self._adapter_channel(engines)
+        if channel.backend_name == "broadcast" or channel.one_copy:
+            return None
+        if not all(port.lands(packed.layout, peft) for port in ports):  # type: ignore[union-attr]
+            return None
+        if self._landing_channel is None:
+            self._landing_channel = LandingChannel(
+                _receiving(list(engines)),
+                # One bucket a push, of the adapter's size (the staging is the sender's GPU
+                # memory): pushes of a larger layout go in several.
+                bucket_bytes=max(ALIGN, -(-packed.nbytes // ALIGN) * ALIGN),
+                buffers=1, backend=channel.backend_name, verify=channel.verify,
+                timeout=channel.timeout,
+            )
+        return self._landing_channel
+
     def _adapter_channel(self, engines: Sequence[Engine]) -> Any:
         """The manager's pusher's channel (one receiver an engine: a second pusher would
         attach again at each switch), or an adapter pusher of its own (``rolling``)."""
@@ -824,7 +870,7 @@ class AsyncServerManager:
         self._closed = True
         self._adapter_plans.clear()  # (their kept packs: an adapter's size each)
         updaters = [*self._retired, self._weights, *self._group_updaters.values()]
-        for updater in [*updaters, self._adapter_pusher]:
+        for updater in [*updaters, self._adapter_pusher, self._landing_channel]:
             if updater is not None:
                 await updater.aclose()
 

@@ -393,6 +393,18 @@ class SenderChannel:
         self._verify = value
 
     @property
+    def backend_name(self) -> str:
+        return self._backend_name
+
+    @property
+    def one_copy(self) -> bool:
+        return self._one_copy
+
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    @property
     def fingerprints(self) -> Mapping[str, bytes] | None:
         """The fingerprints ``check`` took of the last update (None: it took none)."""
         return self._fingerprints
@@ -598,9 +610,9 @@ class SenderChannel:
             return
         # The workers' receivers say goodbye (releasing their mappings) while the sender waits;
         # engines that another pusher attached to since are that pusher's to release.
-        live = [e for e in attached if not e.is_dead and e.weights.attached_to is self]
+        live = [e for e in attached if not e.is_dead and self._port(e).attached_to is self]
         await asyncio.gather(
-            stack.aclose(), *(engine.weights.detach() for engine in live),
+            stack.aclose(), *(self._port(engine).detach() for engine in live),
             return_exceptions=True,
         )
 
@@ -708,6 +720,11 @@ class SenderChannel:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _port(self, engine: Any) -> Any:
+        """Where an engine's receivers attach (``ReceivingPort``'s attach, detach,
+        ``attached_to``, ``num_workers``)."""
+        return engine.weights
+
     def _receivers_go_first(self, sender: WeightSender | BroadcastSender) -> bool:
         """Whether the takes leave before the sender's first step (``_transfer``)."""
         return self._receivers_first and isinstance(sender, WeightSender)
@@ -726,7 +743,7 @@ class SenderChannel:
         on_gpu = any(t.is_cuda for t in tensors.values())
         use_cuda = self._backend_name == "cuda_ipc" or (self._backend_name == "auto" and on_gpu)
         backend = CudaIpcBackend(next(iter(tensors.values())).device) if use_cuda else ShmBackend()
-        workers = sum(e.weights.num_workers for e in engines)
+        workers = sum(self._port(e).num_workers for e in engines)
         stack = contextlib.AsyncExitStack()
         sender = await stack.enter_async_context(
             open_weight_sender(
@@ -742,7 +759,7 @@ class SenderChannel:
             config = {**sender.receiver_config(), **self.worker_config()}
             await asyncio.gather(
                 sender.wait_receivers(workers),
-                *(e.weights.attach(config, owner=self) for e in engines),
+                *(self._port(e).attach(config, owner=self) for e in engines),
             )
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
@@ -773,7 +790,7 @@ class SenderChannel:
             return False
         same = [e.name for e in engines] == [e.name for e in self._attached]
         broken = isinstance(self._sender, BroadcastSender) and self._sender.group.closed
-        return same and not broken and all(e.weights.attached_to is self for e in engines)
+        return same and not broken and all(self._port(e).attached_to is self for e in engines)
 
     async def adopt(
         self,
@@ -828,6 +845,82 @@ class SenderChannel:
             )
         self._stack, self._sender, self._attached = stack, sender, list(engines)
         return sender
+
+
+class LandingChannel(SenderChannel):
+    """Adapter pushes to the engines' landing threads (``VLLMAdapterPort.landings``), which
+    receive while the engines step: the push waits for no engine step, and each engine's
+    registration is queued behind it (``VLLMAdapterPort.register``). A sender of its own:
+    the workers' weight receivers stay with the manager's ``WeightPusher``."""
+
+    def _port(self, engine: Any) -> Any:
+        return engine.adapters.landings
+
+    async def push_landed(
+        self,
+        engines: Sequence[Any],
+        packed: PackedAdapter,
+        revision: AdapterRevision,
+        config: Mapping[str, Any],
+        *,
+        drop: Sequence[AdapterRevision] = (),
+        fill: Callable[[], Any] | None = None,
+        stamps: dict[str, float] | None = None,
+    ) -> PushReport:
+        """Push an adapter (as ``push_adapter``) into every engine's landing threads, and
+        return once each worker has it, checked against the sender's fingerprints (their
+        verdicts), and each engine's registration is queued (every request sent from then on
+        may name ``revision``). ``fill``: writes the revision into ``packed`` first (an
+        ``InvalidRequestError`` it raises is raised as is, before any byte is sent).
+        ``drop``: revisions each engine forgets as it registers.
+
+        Raises:
+            WeightSyncError: a worker's check failed, or the push did (no engine registers
+                anything).
+        """
+        tensors = packed.chunks
+        stamps = stamps if stamps is not None else {}
+        self._fingerprints = None
+        if self._backend_name == "broadcast" or self._one_copy:
+            raise InvalidRequestError("an adapter lands through a staged ZeroMQ push only")
+        sender = await self._connected(engines, tensors)
+        assert isinstance(sender, WeightSender)
+        if fill is not None:
+            stamps["filling"] = time.perf_counter()
+            fill()
+            stamps["filled"] = time.perf_counter()
+
+        def fingerprinted() -> dict[str, bytes]:
+            prints = packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
+            stamps["printed"] = time.perf_counter()
+            return prints
+
+        version = revision.global_steps if revision.global_steps is not None else -1
+        push_id = sender.next_push
+        stamps["push began"] = time.perf_counter()
+        report = await sender.push(
+            tensors, version=version, fingerprints=fingerprinted if self._verify else None,
+            verdicts=True,
+        )
+        stamps["verdicts"] = time.perf_counter()
+        # Shielded: every engine's registration leaves, or the caller's failure path forgets
+        # the revision everywhere.
+        await shielded(asyncio.gather(*(
+            e.adapters.register(revision, config, push=push_id, drop=drop) for e in engines
+        )))
+        stamps["registration queued"] = time.perf_counter()
+        tensors_each = len(packed.layout)
+        self._delivered = {
+            e.name: Delivery(  # a verdict that passed: each of the layout's tensors matched
+                version=version, workers=self._port(e).num_workers,
+                tensors=tensors_each * self._port(e).num_workers,
+                bytes=report.bytes * self._port(e).num_workers,
+                verified=tensors_each * self._port(e).num_workers if self._verify else 0,
+                not_verifiable=0 if self._verify else tensors_each * self._port(e).num_workers,
+            )
+            for e in engines
+        }
+        return report
 
 
 class WeightPusher(VersionedUpdater):

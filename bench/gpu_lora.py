@@ -13,8 +13,11 @@ Sections (``--sections``; default all), results appended to ``OUT/gpu_lora.json`
   (``WeightPusher(one_copy=True)``: no staging copy, no bucket pipeline).
 - ``rollout`` (on the push section's engine): ``--callers`` concurrent calls under the adapter
   over a fixed job list, with no pushes and with a push every ``--interval`` s, ``--rounds``
-  times in turn: tokens/s and its ratio, and each push's time under load (its RPC waits for
-  the step in progress). ``--window S [--warm W]``: runs of a fixed time, the tokens made
+  times in turn: tokens/s and its ratio, and each push's time under load. A later revision
+  lands on the workers' own threads and its registration is queued
+  (``AsyncServerManager.land_adapters``); each round also runs the pushes the step loop's way
+  (one RPC that waits for the step in progress), the baseline, in the same round.
+  ``--window S [--warm W]``: runs of a fixed time, the tokens made
   inside the window counted (no tail of a few long calls ending a run).
 
 On a machine without CUDA it runs on the CPU build with the tiny model (``--size tiny``), a dry
@@ -179,6 +182,48 @@ def timeline(called: float, returned: float, report: Any,
     return {f"at {k} ms": v * 1e3 for k, v in at.items()}
 
 
+async def idle_pushes(res: Results, s: str, manager: AsyncServerManager, e: VLLMEngine,
+                      adapters: list[dict[str, torch.Tensor]], config: AdapterConfig,
+                      repeats: int) -> dict[str, Any]:
+    """Pushes into the idle engine, the manager's way (``land_adapters``): the median of the
+    replayed ones, with their timeline."""
+    label = "asyncroll idle" if manager.land_adapters else "asyncroll idle (step loop)"
+    runs: list[dict[str, float]] = []
+    ways: list[str] = []
+    last = manager.adapters.get("a")
+    first = last.global_steps + 1 if last is not None and last.global_steps is not None else 0
+    for i in range(repeats + REVISIONS + 1):  # the first attaches the transport
+        called = time.perf_counter()
+        report = await manager.update_adapter("a", adapters[i % 2], config=config,
+                                              global_steps=first + i)
+        returned = time.perf_counter()
+        if "verdicts" in report.stamps:  # landed: its registration answers later
+            await e.adapters.registered_last()
+        runs.append({"ms": report.seconds * 1e3, "call ms": (returned - called) * 1e3,
+                     "check ms": report.check_seconds * 1e3,
+                     "pack ms": report.pack_seconds * 1e3,
+                     "push ms": report.push_seconds * 1e3}
+                    | {f"worker {k} ms": v * 1e3 for k, v in e.adapters.last_seconds.items()}
+                    | timeline(called, returned, report, e.adapters.last_stamps))
+        ways.append(e.adapters.last_registration)
+    # The first pushes to each slot go through vLLM's activation (recorded); the median of
+    # the later ones, replayed, is the push's steady figure.
+    steady = [r for r, way in zip(runs[1:], ways[1:], strict=True) if way == "replayed"]
+    vllms = [r for r, way in zip(runs[1:], ways[1:], strict=True) if way == "vllm"]
+    chosen = steady or runs[1:]
+    idle: dict[str, Any] = {k: round(statistics.median(r[k] for r in chosen if k in r), 3)
+                            for k in dict.fromkeys(k for r in chosen for k in r)}
+    idle["first (attach) ms"] = round(runs[0]["ms"], 1)
+    idle["registered"] = ways
+    if vllms:
+        idle["through vLLM's activation ms (median)"] = round(
+            statistics.median(r["call ms"] for r in vllms), 3)
+    res.record(s, label, idle)
+    log(f"{s} {label}: {idle['call ms']:.2f} ms; timeline (ms from the call): " + ", ".join(
+        f"{k[3:-3]} {v:.2f}" for k, v in idle.items() if k.startswith("at ")))
+    return idle
+
+
 async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
                then: Any = None, one_copy: bool = False) -> None:
     """The idle push, then (``then(manager, folder)``) the rollout on the same engine.
@@ -202,35 +247,11 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
     async with VLLMEngine.launch(folder, name=f"lora-{size}", **engine_args(rank, **extra)) as e:
         pusher = WeightPusher([e], one_copy=True) if one_copy else None
         async with AsyncServerManager([e], weights=pusher) as manager:
-            runs: list[dict[str, float]] = []
-            ways: list[str] = []
-            for i in range(repeats + REVISIONS + 1):  # the first attaches the transport
-                called = time.perf_counter()
-                report = await manager.update_adapter(
-                    "a", adapters[i % 2], config=config, global_steps=i)
-                returned = time.perf_counter()
-                call_ms = (returned - called) * 1e3
-                runs.append({"ms": report.seconds * 1e3, "call ms": call_ms,
-                             "check ms": report.check_seconds * 1e3,
-                             "pack ms": report.pack_seconds * 1e3,
-                             "push ms": report.push_seconds * 1e3}
-                            | {f"worker {k} ms": v * 1e3
-                               for k, v in e.adapters.last_seconds.items()}
-                            | timeline(called, returned, report, e.adapters.last_stamps))
-                ways.append(e.adapters.last_registration)
-            # The first pushes to each slot go through vLLM's activation (recorded); the
-            # median of the later ones, replayed, is the push's steady figure.
-            steady = [r for r, way in zip(runs, ways, strict=True) if way == "replayed"]
-            vllms = [r for r, way in zip(runs[1:], ways[1:], strict=True) if way == "vllm"]
-            chosen = steady or runs[1:]
-            idle = {k: round(statistics.median(r[k] for r in chosen if k in r), 3)
-                    for k in dict.fromkeys(k for r in chosen for k in r)}
-            idle["first (attach) ms"] = round(runs[0]["ms"], 1)
-            idle["registered"] = ways
-            if vllms:
-                idle["through vLLM's activation ms (median)"] = round(
-                    statistics.median(r["call ms"] for r in vllms), 3)
-            res.record(s, "asyncroll idle", idle)
+            manager.land_adapters = False  # the baseline first: the landing's first attaches
+            await idle_pushes(res, s, manager, e, adapters, config, repeats)
+            manager.land_adapters = True
+            idle = await idle_pushes(res, s, manager, e, adapters, config, repeats)
+            ms = idle["call ms"]  # the whole await, as a trainer sees it
             # vLLM's own path: the adapter written once as a PEFT folder on tmpfs, then add_lora.
             shm = SHM if SHM.is_dir() else work  # noqa: ASYNC240 (a stat, once)
             peft = write_peft_adapter(Path(tempfile.mkdtemp(dir=shm)), adapters[0], config)
@@ -247,13 +268,10 @@ async def push(res: Results, work: Path, size: str, rank: int, repeats: int,
                 for file in peft.iterdir():
                     file.unlink()
                 peft.rmdir()
-            ms = idle["call ms"]  # the whole await, as a trainer sees it
             res.record(s, "vllm add_lora from /dev/shm ms", round(statistics.median(own), 2))
             res.record(s, "ratios", {"asyncroll / limit": round(ms / limit_ms, 1),
                                      "vllm add_lora / asyncroll": round(statistics.median(own)
                                                                         / ms, 1)})
-            log(f"{s}: timeline (ms from the call): " + ", ".join(
-                f"{k[3:-3]} {v:.2f}" for k, v in idle.items() if k.startswith("at ")))
             log(f"{s}: asyncroll {ms:.2f} ms (check {idle['check ms']:.2f}, pack"
                 f" {idle['pack ms']:.2f}, push {idle['push ms']:.2f}), vLLM add_lora"
                 f" {statistics.median(own):.1f} ms, limit {limit_ms:.3f} ms")
@@ -290,11 +308,15 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
     await manager.update_adapter("r", adapters[0], config=config, global_steps=0)
     steps = iter(range(1, 1 << 30))
 
-    async def run(pushing: bool, spread: int = 0) -> dict[str, Any]:
+    async def run(pushing: bool, spread: int = 0, step_loop: bool = False) -> dict[str, Any]:
         """``spread``: no pushes, but each call under one of that many adapters pushed once
         before (the LoRA batch of a run with pushes, whose calls keep the revisions they
-        started on, without the pushes)."""
+        started on, without the pushes). ``step_loop``: the pushes go the step loop's way
+        (``land_adapters=False``)."""
+        manager.land_adapters = not step_loop
         queue = list(jobs)
+        engine = manager.engines[0]
+        later: list[float] = []
         names = [f"s{i}" for i in range(spread)] or ["r"]
         for i, name in enumerate(names if spread else ()):
             await manager.update_adapter(name, adapters[i % 2], config=config, global_steps=0)
@@ -330,8 +352,13 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
                 step = next(steps)
                 report = await manager.update_adapter(
                     "r", adapters[step % 2], config=config, global_steps=step)
+                returned = time.perf_counter()
                 pushes.append(report.seconds * 1e3)
                 waits.append(report.waited_seconds * 1e3)
+                if "verdicts" in report.stamps:  # when its queued registration ran
+                    answers = await engine.adapters.registered_last()
+                    if answers and isinstance(answers[0], dict):
+                        later.append((answers[0]["stamps"]["registered"] - returned) * 1e3)
 
         started = time.perf_counter()
         push_task = asyncio.ensure_future(pusher()) if pushing else None
@@ -354,13 +381,21 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
                       "push ms median": round(statistics.median(pushes), 2),
                       "push ms max": round(max(pushes), 2),
                       "waited for room ms max": round(max(waits), 2)}
+        if later:
+            found |= {"registered after the return ms median":
+                      round(statistics.median(later), 2),
+                      "registered after the return ms max": round(max(later), 2)}
+        manager.land_adapters = True
         return found
 
     await run(False)  # warm-up
     table = []
     for number in range(rounds):
-        row: dict[str, Any] = {"none": await run(False), "push": await run(True)}
+        row: dict[str, Any] = {"none": await run(False), "push": await run(True),
+                               "push (step loop)": await run(True, step_loop=True)}
         row["ratio"] = round(row["push"]["tokens/s"] / row["none"]["tokens/s"], 3)
+        row["step loop ratio"] = round(
+            row["push (step loop)"]["tokens/s"] / row["none"]["tokens/s"], 3)
         if spread:
             row[f"{spread} adapters, no push"] = await run(False, spread)
             row["spread ratio"] = round(
@@ -369,6 +404,12 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
         table.append(row)
         res.record(s, "rounds", table)
     res.record(s, "ratio median", statistics.median(r["ratio"] for r in table))
+    res.record(s, "step loop ratio median",
+               statistics.median(r["step loop ratio"] for r in table))
+    res.record(s, "push ms median of medians", {
+        way: statistics.median(r[way]["push ms median"] for r in table
+                               if "push ms median" in r[way])
+        for way in ("push", "push (step loop)")})
     if spread:
         res.record(s, "spread ratio median",
                    statistics.median(r["spread ratio"] for r in table))

@@ -41,6 +41,11 @@
 #   bash bench/gpu_session.sh twentyeighth # 2 GPUs: the push (pack checked as the take travels)
 #                                         # beside .old, LoRA tests (0); slow turns pinned (1)
 #   bash bench/gpu_session.sh twentyninth # 2 GPUs: the push beside .old, twice, GPUs swapped
+#   bash bench/gpu_session.sh thirtieth   # 2 GPUs: landed adapter pushes, idle and under load,
+#                                         # beside the step loop's (0); LoRA tests, the full
+#                                         # push beside .old (1)
+#   bash bench/gpu_session.sh thirtyfirst # 2 GPUs: the full push beside .old, GPUs swapped (0);
+#                                         # the loop's slow turns with their queued callbacks (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -433,6 +438,48 @@ phase_twentyninth() {  # 2 GPUs: issue 45's push with its prints taken after the
       --repeats 20 &
     wait
   done
+}
+
+phase_thirtieth() {  # 2 GPUs: issue 45's landed adapter pushes, idle and with 256 calls
+  # running, each round beside the step loop's way (GPU 0, the first half of the CPUs); the
+  # LoRA and transport tests but the TP=2 one, then the full-weight push of this tree and of
+  # .old (GPU 1, the other half)
+  mkdir -p "$W/results/lora14" "$W/results/push-new" "$W/results/push-old"
+  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+  run lora-7b-landed 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora14" --size 7b \
+    --rank 64 --sections push,rollout --revisions 8 --repeats 10 --window 15 --warm 5 \
+    --rounds 3 &
+  (
+    run pytest-lora 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_lora.py tests/test_transport.py \
+      -k "not tensor_parallel"
+    run push-7b-new 1 $pin1 python3 bench/gpu_e2e.py --sections push --sizes 7b \
+      --out "$W/results/push-new"
+    run push-7b-old 1 $pin1 $OLD_ENV python3 .old/bench/gpu_e2e.py --sections push --sizes 7b \
+      --out "$W/results/push-old"
+  ) &
+  wait
+}
+
+phase_thirtyfirst() {  # 2 GPUs: the full-weight push of .old, then this tree (GPU 0); the
+  # loop's slow turns, with the callbacks queued at each (GPU 1)
+  mkdir -p "$W/results/push-old2" "$W/results/push-new2" "$W/results/turns5"
+  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+  (
+    run push-7b-old2 0 $pin0 $OLD_ENV python3 .old/bench/gpu_e2e.py --sections push --sizes 7b \
+      --out "$W/results/push-old2"
+    run push-7b-new2 0 $pin0 python3 bench/gpu_e2e.py --sections push --sizes 7b \
+      --out "$W/results/push-new2"
+  ) &
+  run rollout-turns5 1 $pin1 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,keep,inflight --rounds 1 --slow-turns --out "$W/results/turns5" &
+  wait
 }
 
 phase_twentyfifth() {  # 2 GPUs: the LoRA rollout in windows with the spread control (GPU 0);

@@ -46,6 +46,7 @@ async def setup() -> AsyncIterator[Setup]:
                                           buffers=[]),
         open_load_events=lambda handles: None,
         on_ack=lambda identity, ack: None,
+        on_verdict=lambda identity, verdict: None,
         on_drop=lambda peer, reason: None,
     )
     owner = _Owner()

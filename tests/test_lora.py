@@ -246,6 +246,7 @@ async def test_a_push_whose_prints_fail_mid_push_fails_the_worker_and_the_revisi
     pusher = WeightPusher([lora_engine], timeout=3600.0)
     try:
         async with AsyncServerManager([lora_engine], weights=pusher) as manager:
+            manager.land_adapters = False  # each revision in one RPC between two steps
             await manager.update_adapter("f", adapter(lora_model, 90), config=CONFIG,
                                          global_steps=1)
             served = await outputs(manager, "f")
@@ -273,6 +274,7 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
     pusher = WeightPusher([lora_engine], timeout=3600.0)  # a worker left waiting: a timeout
     try:
         async with AsyncServerManager([lora_engine], weights=pusher) as manager:
+            manager.land_adapters = False  # each revision in one RPC between two steps
             first = await manager.update_adapter("w", adapter(lora_model, 93), config=CONFIG,
                                                  global_steps=1)
             assert "filling" not in first.stamps  # packed before the take left
@@ -313,6 +315,90 @@ async def test_a_later_push_writes_its_pack_while_the_take_travels_and_a_failure
         await vllm_client(lora_engine).remove_lora(904)
         for revision in lora_engine.adapters.held:
             await lora_engine.adapters.drop(revision)
+
+
+async def test_later_revisions_land_while_the_engine_takes_no_step_and_the_next_calls_run_on_them(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path, tmp_path: Path
+) -> None:
+    # A layout's first revision goes in one RPC between two steps; later ones land on the
+    # worker's own thread while the engine steps, checked there, and their registration is
+    # queued on the engine's input ahead of every call sent after it. Here the engine's step
+    # loop is held (an RPC that waits) while two revisions are pushed: both pushes return
+    # all the same, and the call made after each runs on it once the loop goes on, token for
+    # token as vLLM's own load of it from a PEFT folder.
+    port = lora_engine.adapters
+    failures = len(port.registration_failures)
+    await manager.update_adapter("l", adapter(lora_model, 60), config=CONFIG, global_steps=1)
+    await manager.update_adapter("l", adapter(lora_model, 61), config=CONFIG, global_steps=2)
+    assert (await port.registered_last())[0]["registered"] in ("replayed", "vllm")
+    revisions = [adapter(lora_model, 62), adapter(lora_model, 63)]
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await reader.readexactly(4) == b"held"
+        held.set()
+        await release.wait()
+        writer.write(b"go")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(holder, "127.0.0.1", 0)
+    hold = asyncio.ensure_future(lora_engine.collective_rpc(
+        "asyncroll_hold_steps", args=(server.sockets[0].getsockname()[1],)))
+    calls = []
+    try:
+        await held.wait()
+        for step, tensors in enumerate(revisions, start=3):
+            report = await manager.update_adapter("l", tensors, config=CONFIG,
+                                                  global_steps=step)
+            assert not hold.done()  # it returned while the engine took no step
+            at = report.stamps
+            assert at["push began"] <= at["verdicts"] <= at["registration queued"]
+            assert report.deliveries[lora_engine.name].verified == len(tensors)
+            assert port.holds(report.revision)
+            calls.append(asyncio.ensure_future(outputs(manager, "l")))  # behind it
+    finally:
+        release.set()
+        assert await hold == [True]
+        server.close()
+    answers = await port.registered_last()
+    assert answers[0]["registered"] == "replayed" and answers[0]["verified"] == [len(tensors), 0]
+    for lora_id, (call, tensors) in enumerate(zip(calls, revisions, strict=True), start=905):
+        folder = write_peft_adapter(tmp_path / str(lora_id), tensors, CONFIG)
+        assert await call == await vllms_own(lora_engine, folder, lora_id)
+        await vllm_client(lora_engine).remove_lora(lora_id)
+    assert len(port.registration_failures) == failures
+
+
+async def test_a_landed_revision_the_worker_finds_altered_is_refused_and_the_last_serves_on(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The landing thread checks each tensor against the trainer's fingerprint and answers the
+    # sender: a mismatch fails the push (no registration leaves), the revision in use serves
+    # on, and the thread lands the next push.
+    await manager.update_adapter("a", adapter(lora_model, 70), config=CONFIG, global_steps=1)
+    await manager.update_adapter("a", adapter(lora_model, 71), config=CONFIG, global_steps=2)
+    served = await outputs(manager, "a")
+    registered = lora_engine.adapters.registered
+    real = weights_module.packed_fingerprints
+
+    def altered(*args: Any, **kwargs: Any) -> dict[str, bytes]:
+        prints = real(*args, **kwargs)
+        name = next(iter(prints))
+        return {**prints, name: bytes(b ^ 0xFF for b in prints[name])}
+
+    monkeypatch.setattr(weights_module, "packed_fingerprints", altered)
+    with pytest.raises(WeightSyncError, match="failed its check.*differ from what was pushed"):
+        await manager.update_adapter("a", adapter(lora_model, 72), config=CONFIG,
+                                     global_steps=3)
+    monkeypatch.undo()
+    assert manager.adapters["a"].global_steps == 2
+    assert lora_engine.adapters.registered == registered  # nothing was registered
+    assert await outputs(manager, "a") == served
+    report = await manager.update_adapter("a", adapter(lora_model, 73), config=CONFIG,
+                                          global_steps=4)
+    assert "verdicts" in report.stamps and await outputs(manager, "a") != served
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="one-copy pushes read CUDA IPC")
@@ -461,6 +547,7 @@ async def test_an_adapters_layout_travels_once_and_again_to_a_worker_that_lost_i
         return await rpc(method, **kwargs)
 
     monkeypatch.setattr(lora_engine, "collective_rpc", spied)
+    manager.land_adapters = False  # each revision in one RPC between two steps
     tensors = adapter(lora_model, 70)
     for step in range(2):
         await manager.update_adapter("layout", tensors, config=CONFIG, global_steps=step)

@@ -279,6 +279,38 @@ async def test_receiver_error_names_the_tensor_and_the_next_push_works(
 
 
 @process
+async def test_a_push_asking_for_verdicts_returns_on_every_receivers_check(
+    pair: tuple[Child, Child],
+) -> None:
+    """``push(verdicts=True)``: each receiver checks what it loaded after the End
+    (``receive(check=)``) and says so; the push returns once both passed, and fails, naming
+    the receiver and its reason, when one refuses, though every bucket was acked. The next
+    push works, and a push that asks for nothing returns without verdicts."""
+    tensors = model_tensors()
+    async with open_weight_sender(
+        backend=make_backend("shm"), bucket_bytes=16 * KB, receivers=2, ack_timeout=30
+    ) as sender:
+        await connect_both(sender, pair)
+        pair[0].start("receive", pushes=3)
+        pair[1].start("receive", pushes=3, refuse_version=2)
+        report = await sender.push(tensors, version=1, verdicts=True)
+        assert report.receivers == 2
+        with pytest.raises(WeightSyncError, match=r"'r1' .*check of push 2.*refusing version 2"):
+            await sender.push(tensors, version=2, verdicts=True)
+        with pytest.raises(ChildError, match=r"ValueError: refusing version 2"):
+            await asyncio.to_thread(pair[1].result)
+        pair[1].start("receive", pushes=1)
+        await sender.push(tensors, version=3)
+        replies = [await asyncio.to_thread(child.result) for child in pair]
+        for child in pair:
+            await child.acall("close")
+        stats = sender.statistics()
+    assert replies[0]["versions"] == [1, 2, 3] and replies[1]["versions"] == [3]
+    assert all(reply["digests"] == digests(tensors) for reply in replies)
+    assert (stats.pushes, stats.failed_pushes) == (2, 1)
+
+
+@process
 async def test_a_push_failing_before_it_began_tells_receivers_already_waiting(
     child: Child,
 ) -> None:

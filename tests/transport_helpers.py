@@ -199,6 +199,7 @@ class _Child:
         device_delay_cycles: int = 0,
         die_at_bucket: int = -1,
         push: int = 0,
+        refuse_version: int | None = None,
     ) -> dict[str, Any]:
         """Receive ``pushes`` pushes; reply with digests of the last one.
 
@@ -206,6 +207,8 @@ class _Child:
         host sync), so the ack reaches the sender long before the loads run on the device.
         ``die_at_bucket``: SIGKILL ourselves when handed that bucket (counting from 0).
         ``push``: the id of the first push to take (``WeightReceiver.receive``).
+        ``refuse_version``: the receiver's check (``receive(check=)``) fails a push of that
+        version, after every byte of it was loaded and acked.
         """
         assert self.receiver is not None
         got: dict[str, Digest] = {}
@@ -236,9 +239,13 @@ class _Child:
                 else:
                     got[name] = digest(tensor)
 
+        def check(report: Any) -> None:
+            if report.version == refuse_version:
+                raise ValueError(f"refusing version {report.version}")
+
         for _ in range(pushes):
             got.clear()
-            report = self.receiver.receive(load, push=push)
+            report = self.receiver.receive(load, push=push, check=check)
             push = 0
             versions.append(report.version)
             sizes.append(report.bytes)

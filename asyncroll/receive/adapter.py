@@ -12,10 +12,19 @@ The memory a revision owns can be a ``Landing``: the chunks of an earlier revisi
 layout that is gone, with the views made of them once (the chunks' split into tensors, and the
 sources a slot's replay reads). A 7B rank-64 adapter is 392 tensors, and making their views
 again for every revision cost about a millisecond of Python on an H200 host.
+
+``Landings`` receives pushes on a thread of the worker's own, while its engine steps: the
+bytes land, are checked, and the sender hears the verdict, with no engine step in the way;
+the registration that follows (vLLM's, between two steps) finds them there. Its receiver is
+its own (the worker's weight receiver stays the step loop's), and on a GPU its copies run on a
+stream of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -24,9 +33,14 @@ import torch
 from asyncroll.adapters import Placement, split_adapter
 from asyncroll.errors import WeightSyncError
 from asyncroll.fingerprints import PackedPrints
-from asyncroll.transport.receiver import ReceiveReport
+from asyncroll.transport.receiver import ReceiveReport, WeightReceiver
 
-__all__ = ["AdapterTake", "Landing"]
+__all__ = ["AdapterTake", "Landing", "Landings"]
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.05
+"""How often the landing thread, idle between pushes, looks whether it should stop."""
 
 Batch = Sequence[tuple[str, torch.Tensor]]
 
@@ -45,6 +59,18 @@ class Landing:
         self.sources: dict[object, list[torch.Tensor]] = {}
         """A replay's recording -> the views of ``chunks`` it reads (made by the replay)."""
         self._pieces: dict[str, tuple[torch.Tensor, ...]] | None = None
+        self.free_after: torch.cuda.Event | None = None
+        """Recorded on the stream of the last reads of the chunks as the landing came back
+        (``freed``): writes on another stream wait for it (``AdapterTake``)."""
+
+    def freed(self) -> None:
+        """The landing is free again: later writes on another stream wait for the reads
+        queued on this thread's stream until now."""
+        held = next(iter(self.chunks.values()), None)
+        if held is not None and held.is_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(held.device))
+            self.free_after = event
 
     def chunk(self, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The landing's memory for chunk ``name``, shaped as ``like`` (new memory, and
@@ -97,6 +123,10 @@ class AdapterTake:
         self.layout = layout
         self.landing = landing
         """Where the chunks land (None: new memory)."""
+        if landing is not None and landing.free_after is not None:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_event(landing.free_after)
+            landing.free_after = None
         self.chunks: dict[str, torch.Tensor] = {}
         """The pushed chunks, in memory of the revision's own."""
         self.pieces: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -189,3 +219,135 @@ def _span_copied(batch: Batch, device: torch.device) -> list[tuple[str, torch.Te
         .view(t.dtype).view(t.shape)
     )
     return [(name, view(t)) for name, t in batch]
+
+
+class Landings:
+    """Adapter pushes received on a thread of their own (see the module doc).
+
+    The thread waits for the sender's next push, lands it in memory ``lend`` gives for the
+    layout last ``expect``-ed, checks it (``AdapterTake``) and answers the sender's request
+    for a verdict (``WeightSender.push(verdicts=True)``), then keeps it under the push's id
+    until ``take``. A push that fails gives its memory back (``give_back``); so do the pushes
+    landed but never taken, once a later one is taken (their registration will not come).
+
+    Args:
+        receiver: Connected; this object's thread is its only user from now on.
+        device: Where the revisions live.
+        lend: Memory for one revision of a layout (``RevisionStore.landing``).
+        give_back: Takes memory back (``RevisionStore.release``). Both are called from the
+            thread and must be safe against the worker's own calls.
+    """
+
+    def __init__(
+        self,
+        receiver: WeightReceiver,
+        device: torch.device,
+        lend: Callable[[tuple[Placement, ...]], Landing],
+        give_back: Callable[[Landing | None], None],
+        *,
+        name: str = "asyncroll-landings",
+    ) -> None:
+        self._receiver = receiver
+        self.device = device
+        self._lend = lend
+        self._give_back = give_back
+        self._layout: tuple[Placement, ...] | None = None
+        self._landed: dict[int, AdapterTake] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.landed = self.failed = 0
+        self.last_failure = ""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        waiting = sorted(self._landed)
+        return f"<Landings landed={self.landed} failed={self.failed} waiting={waiting}>"
+
+    @property
+    def layout(self) -> tuple[Placement, ...] | None:
+        return self._layout
+
+    def expect(self, layout: tuple[Placement, ...]) -> None:
+        """The layout of the pushes that come next (asked at each push's first bucket)."""
+        self._layout = layout
+
+    def take(self, push: int) -> AdapterTake | None:
+        """Push ``push``, landed and checked (None: it did not land here). Registrations come
+        in the order of their pushes: the pushes before it that landed here will not be
+        taken (another worker refused them), and their memory goes back."""
+        with self._lock:
+            take = self._landed.pop(push, None)
+            gone = [self._landed.pop(p) for p in [p for p in self._landed if p < push]]
+        for old in gone:
+            self._release(old)
+        return take
+
+    def close(self, *, within: float = 10.0) -> None:
+        """Stop the thread (once its push in progress ends), close the receiver, give every
+        landed push's memory back. Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(within)
+        if self._thread.is_alive():
+            logger.warning("%r: the landing thread did not stop in %g s", self, within)
+            return  # its receiver is its own: not closed under it
+        self._receiver.close()
+        with self._lock:
+            landed, self._landed = list(self._landed.values()), {}
+        for take in landed:
+            self._give_back(take.landing)
+
+    def _run(self) -> None:
+        stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while not self._stop.is_set():
+                try:
+                    if self._receiver.poll(POLL_SECONDS):
+                        self._land()
+                except Exception as exc:
+                    if self._stop.is_set():
+                        return
+                    logger.warning("%r: %s", self, exc)
+
+    def _land(self) -> None:
+        take: AdapterTake | None = None
+
+        def load(batch: Batch) -> None:
+            nonlocal take
+            if take is None:
+                layout = self._layout
+                if layout is None:
+                    raise WeightSyncError("no adapter layout was announced to this worker")
+                take = AdapterTake(self.device, layout, self._lend(layout))
+            take.load(batch)
+
+        def check(report: ReceiveReport) -> None:
+            if take is None:
+                raise WeightSyncError(f"push {report.push}: the adapter push delivered no tensor")
+            take.check(report)
+            if report.fingerprints and take.verified[1]:
+                raise WeightSyncError(  # (a verdict that passed says every tensor matched)
+                    f"push {report.push}: {take.verified[1]} adapter tensors came without a"
+                    " fingerprint"
+                )
+            with self._lock:
+                self._landed[report.push] = take
+
+        try:
+            self._receiver.receive(load, check=check)
+        except Exception as exc:
+            self.failed += 1
+            self.last_failure = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                kept = take is not None and any(t is take for t in self._landed.values())
+            if take is not None and not kept:
+                self._release(take)
+            raise
+        self.landed += 1
+
+    def _release(self, take: AdapterTake) -> None:
+        self._give_back(take.landing)

@@ -137,6 +137,16 @@ class ProbingExtension(AsyncrollWorkerExtension):
         """Forget the adapter layouts this worker keeps (as a restarted worker would)."""
         self.__dict__.pop("_asyncroll_layouts", None)
 
+    def asyncroll_hold_steps(self, port: int, timeout: float = 120.0) -> bool:
+        """Hold this worker's step loop (the RPC runs between two steps) until told to go:
+        connect to ``port`` on this host, say ``held``, and wait for its ``go`` (at most
+        ``timeout`` seconds). Tests: what must happen while the engine takes no step."""
+        import socket
+
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+            conn.sendall(b"held")
+            return conn.recv(2) == b"go"
+
     def asyncroll_ping(self) -> None:
         """Nothing: one round trip through vLLM's RPC (benchmarks measure the floor that the
         update's two RPCs, the receive and the finish, set under its time)."""

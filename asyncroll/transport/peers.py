@@ -100,6 +100,8 @@ class PeerHooks:
     """Open a ready peer's load-event handles; raises if they are unusable."""
     on_ack: Callable[[bytes, wire.Ack], None]
     """An authenticated ack from the peer of that identity."""
+    on_verdict: Callable[[bytes, wire.Verdict], None]
+    """An authenticated verdict (``wire.Verdict``) from the peer of that identity."""
     on_drop: Callable[[Peer, str], None]
     """A peer left (it is gone from ``peers``), with the reason."""
 
@@ -499,6 +501,8 @@ class ControlPlane:
             self._on_ready(self._peers[identity], message)
         elif isinstance(message, wire.Ack):
             self._hooks.on_ack(identity, message)
+        elif isinstance(message, wire.Verdict):
+            self._hooks.on_verdict(identity, message)
         elif isinstance(message, wire.Bye):
             self._drop(identity, f"{self.describe(identity)} closed")
 

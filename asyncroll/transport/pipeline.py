@@ -104,8 +104,10 @@ class PushPipeline:
         makes: Makes | None = None,
         fingerprint: Fingerprint | None = None,
         pieces: frozenset[str] = frozenset(),
+        verdicts_within: float | None = None,
     ) -> PushReport:
-        """A staged push of ``tensors``, bucket by bucket as ``plan`` says."""
+        """A staged push of ``tensors``, bucket by bucket as ``plan`` says (``verdicts_within``:
+        ``Pushes.open``)."""
         started = time.perf_counter()
         pack_s = wait_s = 0.0
         # With asynchronous copies (CUDA) and three or more buffers, a bucket is signalled one
@@ -122,7 +124,7 @@ class PushPipeline:
         )
         async with self._pushes.open(
             version, buckets=len(plan), buffers=self._staging.count, fingerprints=fingerprints,
-            makes=makes, fingerprint=fingerprint, pieces=pieces,
+            makes=makes, fingerprint=fingerprint, pieces=pieces, verdicts_within=verdicts_within,
         ) as state:
             self._backend.mark_sources_ready()
             # Signal each bucket as soon as its copies are queued: every receiver polls the
@@ -183,13 +185,17 @@ class PushPipeline:
         version: int,
         *,
         fingerprints: Prints | None,
+        verdicts_within: float | None = None,
     ) -> PushReport:
         """One-copy mode: one message naming every tensor's storage and place; one ack from
         each receiver once its reads are done on the device."""
         backend = self._backend
         assert isinstance(backend, CudaIpcBackend)
         started = time.perf_counter()
-        opened = self._pushes.open(version, buckets=1, buffers=0, fingerprints=fingerprints)
+        opened = self._pushes.open(
+            version, buckets=1, buffers=0, fingerprints=fingerprints,
+            verdicts_within=verdicts_within,
+        )
         async with opened as state:
             await self._wait_buffer_free(0, state)  # no bucket of an earlier push pending
             free = time.perf_counter()

@@ -12,7 +12,10 @@ Invariants:
   then counted as failed once), even when its caller is cancelled; so does a push called off
   before it began, where its receivers were already waiting for it (``call_off``);
 * the lazy tensors a push made for a buffer live until the buffer's copies are done, at the
-  latest until the push ends.
+  latest until the push ends;
+* a push that asks for verdicts (``wire.Verdict``) returns only once every receiver it went
+  to has checked what it loaded and said so; a failed check, or a receiver that leaves or
+  stays silent meanwhile, fails the push (its End has gone: nothing is sent again).
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncroll.errors import TransportBrokenError, TransportClosedError, WeightSyncError
+from asyncroll.errors import (
+    TransportBrokenError,
+    TransportClosedError,
+    TransportTimeoutError,
+    WeightSyncError,
+)
 from asyncroll.transport import wire
 from asyncroll.transport.aio import shielded
 from asyncroll.transport.lazy import LazyTensor, Makes
@@ -67,6 +75,9 @@ class PushState:
     made: list[list[torch.Tensor]] = field(default_factory=list)
     """Per staging buffer, the lazy tensors made for its bucket: alive until the buffer's
     copies are done (the next bucket into it, or the end of the push)."""
+    verdicts: dict[bytes, str] | None = None
+    """Each receiver's verdict by identity (``wire.Verdict``; "": its check passed), where
+    the push asks for them (None: it does not)."""
 
 
 class Pushes:
@@ -77,6 +88,8 @@ class Pushes:
         self._ids = 0
         self.current: PushState | None = None
         """The push in flight."""
+        self.judged: PushState | None = None
+        """The push whose receivers' verdicts are awaited (its End sent)."""
         self.succeeded = self.failed = self.bytes_pushed = 0
 
     def __repr__(self) -> str:
@@ -108,11 +121,16 @@ class Pushes:
         makes: Makes | None = None,
         fingerprint: Fingerprint | None = None,
         pieces: frozenset[str] = frozenset(),
+        verdicts_within: float | None = None,
     ) -> AsyncIterator[PushState]:
         """One push from its first message to its End; a failure is counted, ended, re-raised.
+        ``verdicts_within``: the End asks each receiver for its verdict, and the push waits
+        for them (at most so many seconds).
 
         Raises:
-            WeightSyncError: no receiver is ready.
+            WeightSyncError: no receiver is ready; a receiver's check failed.
+            TransportBrokenError: a receiver left before its verdict.
+            TransportTimeoutError: a receiver gave no verdict in time.
         """
         peers = self._control.ready_peers()
         if not peers:
@@ -127,19 +145,66 @@ class Pushes:
             fingerprints=dict(given),
             later_prints=later, makes=makes, fingerprint=fingerprint, pieces=pieces,
             made=[[] for _ in range(buffers)],
+            verdicts={} if verdicts_within is not None else None,
         )
+        ended = False
         try:
             yield state
-            await self._send_end(state, buckets, error="")
+            if state.verdicts is not None:
+                self.judged = state  # (a verdict may come as soon as its End is sent)
+            await self._send_end(state, buckets, error="", verdict=state.verdicts is not None)
+            ended = True
             state.ended = time.perf_counter()
+            if verdicts_within is not None:
+                await self._judged(state, verdicts_within)
         except BaseException as exc:
             self.failed += 1
-            await shielded(self._send_end(state, buckets, error=_describe_exc(exc)))
+            if not ended:
+                await shielded(self._send_end(state, buckets, error=_describe_exc(exc)))
             raise
         finally:
             self.current = None
+            if self.judged is state:
+                self.judged = None
             for made in state.made:
                 made.clear()
+
+    def on_verdict(self, identity: bytes, verdict: wire.Verdict) -> None:
+        """A receiver's verdict on the push awaiting them (others are late: dropped)."""
+        state = self.judged
+        if state is not None and state.verdicts is not None and verdict.push == state.id:
+            state.verdicts.setdefault(identity, verdict.error)
+
+    async def _judged(self, state: PushState, within: float) -> None:
+        """Wait for the verdict of every receiver the push went to."""
+        assert state.verdicts is not None
+        verdicts = state.verdicts
+        peers = self._control.peers
+
+        def answered() -> bool:
+            return all(
+                p.identity in verdicts or p.identity not in peers for p in state.peers
+            )
+
+        try:
+            await self._control.wait(answered, within=within)
+        except TimeoutError:
+            silent = [p.describe() for p in state.peers if p.identity not in verdicts]
+            raise TransportTimeoutError(
+                f"no verdict on push {state.id} (version {state.version}) from"
+                f" {', '.join(silent)} within {within:g} s"
+            ) from None
+        for peer in state.peers:
+            if peer.identity not in verdicts:
+                raise TransportBrokenError(
+                    f"{peer.describe()} left before its verdict on push {state.id}"
+                    f" (version {state.version})"
+                )
+            if verdicts[peer.identity]:
+                raise WeightSyncError(
+                    f"{peer.describe()} failed its check of push {state.id} (version"
+                    f" {state.version}): {verdicts[peer.identity]}"
+                )
 
     def report(
         self,
@@ -181,7 +246,9 @@ class Pushes:
                 ),
             )
 
-    async def _send_end(self, state: PushState, buckets: int, *, error: str) -> None:
+    async def _send_end(
+        self, state: PushState, buckets: int, *, error: str, verdict: bool = False
+    ) -> None:
         for peer in state.peers:
             if peer.identity in self._control.peers:
                 with contextlib.suppress(TransportBrokenError, TransportClosedError):
@@ -189,7 +256,7 @@ class Pushes:
                         peer,
                         lambda p, seq: wire.End(
                             conn=p.conn, seq=seq, push=state.id, version=state.version,
-                            buckets=buckets, error=error,
+                            buckets=buckets, error=error, verdict=verdict,
                         ),
                     )
 

@@ -353,6 +353,7 @@ class WeightReceiver:
         place: PlaceFn | None = None,
         timeout: float | None = None,
         push: int = 0,
+        check: Callable[[ReceiveReport], None] | None = None,
     ) -> ReceiveReport:
         """Run one whole push: ``load_fn`` per bucket, an ack after each; block until it ends.
 
@@ -370,13 +371,17 @@ class WeightReceiver:
             push: The id of the push to take (``WeightSender.next_push``, read before the
                 push began): messages of earlier pushes still queued here (a push that ended
                 while we were not receiving) are stale and skipped. 0: the next push.
+            check: Called with the report once the push ended well, before ``receive``
+                returns; where the sender asked for a verdict (``WeightSender.push(verdicts=
+                True)``), what it raised (or that it passed) is sent back, so that the push
+                fails (or returns) on it.
 
         Returns:
             What was loaded, and the version the sender pushed.
 
         Raises:
             WeightSyncError: ``load_fn`` raised here, or the push failed elsewhere (the sender
-                ended it with an error).
+                ended it with an error). What ``check`` raised, as it is.
             TransportTimeoutError: the sender went quiet for longer than the timeout.
             TransportClosedError: the receiver is closed or was never connected.
         """
@@ -456,9 +461,36 @@ class WeightReceiver:
             self._backend.finish_loads()
             stage["sync"] = clock() - syncing
             self._load_seconds += stage["sync"]
-        return self._finish(
-            end, failure, buckets, tensors, nbytes, started, timeline, end.fingerprints or prints
-        )
+        error = "the receiver failed to load the push"
+        try:
+            report = self._finish(
+                end, failure, buckets, tensors, nbytes, started, timeline,
+                end.fingerprints or prints,
+            )
+            if check is not None:
+                check(report)
+            error = ""
+            return report
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            raise
+        finally:
+            if end.verdict and not end.error:
+                verdict = error
+                self._send(
+                    lambda seq: wire.Verdict(conn=self._conn, seq=seq, push=end.push, error=verdict)
+                )
+
+    def poll(self, timeout: float) -> bool:
+        """Whether a message (or news of the sender) waits, after at most ``timeout`` seconds:
+        a receiver running on a thread of its own waits here between pushes, free to stop.
+
+        Raises:
+            TransportClosedError: the receiver is closed or was never connected.
+        """
+        if self._closed or self._poller is None:
+            raise TransportClosedError(f"{self!r} is not connected")
+        return bool(self._poller.poll(max(0, int(timeout * 1000))))
 
     def _finish(
         self,

@@ -127,6 +127,7 @@ class WeightSender:
                 welcome=_weakly(self._welcome),
                 open_load_events=_weakly(self._open_load_events),
                 on_ack=_weakly(self._on_ack),
+                on_verdict=_weakly(self._on_verdict),
                 on_drop=_weakly(self._on_drop),
             ),
             owner=self,
@@ -237,6 +238,7 @@ class WeightSender:
         fingerprints: Prints | None = None,
         fingerprint: Fingerprint | None = None,
         receivers_waiting: bool = False,
+        verdicts: bool = False,
     ) -> PushReport:
         """Move ``named_tensors`` into every ready receiver; returns once all of them loaded it.
 
@@ -278,7 +280,7 @@ class WeightSender:
         try:
             return await self._push(
                 named_tensors, version=version, one_copy=one_copy, fingerprints=fingerprints,
-                fingerprint=fingerprint, unbegun=unbegun,
+                fingerprint=fingerprint, unbegun=unbegun, verdicts=verdicts,
             )
         except BaseException as exc:
             await self._call_off_unbegun(unbegun, version, exc)
@@ -321,8 +323,10 @@ class WeightSender:
         fingerprints: Prints | None,
         fingerprint: Fingerprint | None,
         unbegun: int | None,
+        verdicts: bool,
     ) -> PushReport:
         self._control.check_usable()
+        within = self._ack_timeout if verdicts else None
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
         given = dict(pairs)
         if len(given) != len(pairs):
@@ -337,7 +341,9 @@ class WeightSender:
             if self._expected is not None:
                 await self.wait_receivers(self._expected)
             async with self._push_lock:
-                return await self._pipeline.run_shared(whole, version, fingerprints=fingerprints)
+                return await self._pipeline.run_shared(
+                    whole, version, fingerprints=fingerprints, verdicts_within=within
+                )
         plan = self._staging.plan_for(
             tuple(
                 TensorMeta(name=n, dtype=t.dtype, shape=tuple(t.shape), part=parts.get(n))
@@ -352,6 +358,7 @@ class WeightSender:
                 return await self._pipeline.run(
                     plan, tensors, version, fingerprints=fingerprints, makes=makes,
                     fingerprint=fingerprint if lazy else None, pieces=frozenset(parts),
+                    verdicts_within=within,
                 )
         except BaseException as exc:
             # the waiting receivers first: the drain makes every tensor left (gathers)
@@ -405,6 +412,9 @@ class WeightSender:
                 f"{self._control.describe(identity)} failed{where} (bucket {ack.index} of push"
                 f" {ack.push}, version {state.version}): {ack.error}"
             )
+
+    def _on_verdict(self, identity: bytes, verdict: wire.Verdict) -> None:
+        self._pushes.on_verdict(identity, verdict)
 
     def _on_drop(self, peer: Peer, reason: str) -> None:
         self._staging.left(peer.identity)

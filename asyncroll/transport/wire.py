@@ -184,6 +184,8 @@ class End(msgspec.Struct, tag=True, frozen=True):
     error: str = ""
     fingerprints: dict[str, bytes] = {}
     """Fingerprints not sent in a ``Prints`` (empty: sent there, or not fingerprinted)."""
+    verdict: bool = False
+    """The sender waits for each receiver's ``Verdict``: its check of what it loaded."""
 
 
 class Prints(msgspec.Struct, tag=True, frozen=True):
@@ -198,6 +200,16 @@ class Prints(msgspec.Struct, tag=True, frozen=True):
     fingerprints: dict[str, bytes]
 
 
+class Verdict(msgspec.Struct, tag=True, frozen=True):
+    """Receiver -> sender: what its check of push ``push`` found, where the End asked for it
+    (``End.verdict``); ``error`` is empty when the check passed."""
+
+    conn: bytes
+    seq: int
+    push: int
+    error: str = ""
+
+
 class Bye(msgspec.Struct, tag=True, frozen=True):
     """Receiver -> sender: mappings released, connection closing."""
 
@@ -205,7 +217,7 @@ class Bye(msgspec.Struct, tag=True, frozen=True):
     seq: int
 
 
-Message = Hello | Welcome | Ready | Bucket | Shared | Ack | Prints | End | Bye
+Message = Hello | Welcome | Ready | Bucket | Shared | Ack | Prints | End | Verdict | Bye
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)

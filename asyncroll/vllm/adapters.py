@@ -4,12 +4,20 @@ The engine's half of an adapter update (``asyncroll.adapters``): what its LoRA s
 (``layout``), take a pushed revision (one RPC the EngineCore runs between two steps: the
 engine is never paused), drop one. The worker's half is ``asyncroll.vllm.lora``. The port
 keeps which revisions the engine holds, so a request never names one it does not.
+
+A later revision of the layout and config last taken can land instead (``lands``): the
+workers' landing threads receive it while the engine steps (``landings``, a sender's
+receivers), and ``register`` queues its registration on the EngineCore's input, which runs
+it between two steps ahead of every request sent after it. The push then waits for no step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,12 +45,47 @@ class _Engine(Protocol):
     @property
     def is_dead(self) -> bool: ...
 
+    @property
+    def weights(self) -> Any: ...
+
     async def collective_rpc(
         self, method: str, *, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
     ) -> list[Any]: ...
 
 
 __all__ = ["VLLMAdapterPort"]
+
+logger = logging.getLogger(__name__)
+
+
+class _LandingsPort:
+    """The workers' landing threads, as a sender's receivers (``asyncroll.weights``'s
+    ``LandingChannel`` attaches them as it attaches ``engine.weights``)."""
+
+    def __init__(self, engine: _Engine, workers: Callable[[], int]) -> None:
+        self._engine = engine
+        self._workers = workers
+        self._attached_to: object | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers()
+
+    @property
+    def attached_to(self) -> object | None:
+        return self._attached_to
+
+    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
+        """Start every worker's landing thread on the sender ``config`` describes."""
+        await self._engine.collective_rpc(
+            "asyncroll_open_landings", kwargs={"config": {**config, "name": self._engine.name}}
+        )
+        self._attached_to = owner
+
+    async def detach(self) -> None:
+        """Stop the landing threads (their receivers release their mappings)."""
+        self._attached_to = None
+        await self._engine.collective_rpc("asyncroll_close_landings")
 
 
 class VLLMAdapterPort:
@@ -65,6 +108,16 @@ class VLLMAdapterPort:
         """How the first worker registered the last revision: ``replayed`` (its tensors
         written straight into a LoRA slot, as vLLM wrote an earlier revision there) or
         ``vllm`` (vLLM's own ``LoRAModel`` and activation)."""
+        self.landings = _LandingsPort(engine, lambda: int(engine.weights.num_workers))
+        """The workers' landing threads (``lands``)."""
+        self._lands_as: tuple[tuple[Placement, ...], dict[str, Any]] | None = None
+        """The layout and config of the last revision taken or registered: what the landing
+        threads expect next."""
+        self._registering: asyncio.Future[list[Any]] | None = None
+        """The last ``register``'s RPC (its answer is logged and kept as it comes)."""
+        self.registered = 0
+        """Registrations answered, and those that failed (``registration_failures``)."""
+        self.registration_failures: list[str] = []
 
     def __repr__(self) -> str:
         return f"<VLLMAdapterPort {self._engine.name} held={sorted(self._held)}>"
@@ -180,10 +233,73 @@ class VLLMAdapterPort:
         while len(self._layouts_sent) > LAYOUTS_SENT:
             self._layouts_sent.pop(next(iter(self._layouts_sent)))
         self._held[revision.revision] = revision
+        self._lands_as = (tuple(layout), dict(config))
         self.last_seconds = answers[0].get("seconds", {})
         self.last_stamps = answers[0].get("stamps", {})
         self.last_registration = answers[0].get("registered", "")
         return summed(answers)
+
+    def lands(self, layout: Sequence[Placement], config: Mapping[str, Any]) -> bool:
+        """Whether a revision of ``layout`` and ``config`` can land (``register``): the
+        landing threads expect that layout, and the workers took that config before."""
+        return self._lands_as == (tuple(layout), dict(config))
+
+    async def register(
+        self,
+        revision: AdapterRevision,
+        config: Mapping[str, Any],
+        *,
+        push: int,
+        drop: Sequence[AdapterRevision] = (),
+    ) -> None:
+        """Register the revision the landing threads took as push ``push``: returns once the
+        RPC has left, queued on the EngineCore's input ahead of every request sent later,
+        which therefore may name the revision at once. ``drop``: forgotten first, in the
+        same RPC. A registration that fails keeps the revision as it landed (the worker then
+        builds it when a step first needs it); it is logged, and counted in
+        ``registration_failures``."""
+        engine = self._engine
+        kwargs = {"revision": revision.revision, "push": push, "config": dict(config),
+                  "drop": [r.revision for r in drop]}
+        for gone in drop:
+            self._held.pop(gone.revision, None)
+        called = time.perf_counter()
+        rpc = asyncio.ensure_future(engine.collective_rpc("asyncroll_register_adapter",
+                                                          kwargs=kwargs))
+        rpc.add_done_callback(functools.partial(self._registered, revision, called))
+        self._registering = rpc
+        # The RPC's task, then the call it makes into vLLM, then that call's first step,
+        # which hands it to vLLM's socket: three loop turns see it out (as ``take``'s).
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self._held[revision.revision] = revision
+
+    async def registered_last(self) -> list[Any]:
+        """The last registration's answers, once they came (tests, benchmarks)."""
+        if self._registering is None:
+            return []
+        return await asyncio.shield(self._registering)
+
+    def _registered(
+        self, revision: AdapterRevision, called: float, rpc: asyncio.Future[list[Any]]
+    ) -> None:
+        if rpc.cancelled():
+            return
+        error = rpc.exception()
+        answers = rpc.result() if error is None else [f"{type(error).__name__}: {error}"]
+        self.registered += 1
+        failed = [why for why in answers if isinstance(why, str)]
+        held = [a["registered"] for a in answers if isinstance(a, dict)]
+        failed += [how for how in held if how.startswith("held")]
+        if failed:
+            self.registration_failures.append(failed[0])
+            logger.error("%s: registering %s: %s", self._engine.name, revision.lora_name,
+                         failed[0])
+        if answers and isinstance(answers[0], dict):
+            self.last_registration = answers[0]["registered"]
+            self.last_seconds = answers[0].get("seconds", {})
+            self.last_stamps = {"register called": called, **answers[0].get("stamps", {}),
+                                "register answered": time.perf_counter()}
 
     def _key_of(self, layout: tuple[Placement, ...]) -> str:
         """``layout_key``, worked out again only when the layout changes."""

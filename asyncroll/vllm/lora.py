@@ -37,6 +37,7 @@ import bisect
 import collections
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -106,6 +107,9 @@ class RevisionStore:
         """``id`` of each landing handed out and not yet back."""
         self.landings_made = 0
         """Landings made so far (the rest of the revisions landed in a dropped one's)."""
+        self._landings_lock = threading.Lock()
+        """``landing`` and ``release`` are called from the worker's landing thread as well
+        (``asyncroll.receive.adapter.Landings``)."""
         vllms_load = manager._load_adapter
 
         def load(lora_request: Any) -> Any:
@@ -145,32 +149,48 @@ class RevisionStore:
         """Memory to receive a revision of ``layout`` into: a dropped revision's, where one is
         free (its views made already), else new. It is the revision's once ``add`` takes it;
         until then ``release`` gives it back."""
-        free = self._landings.get(layout)
-        if free:
-            landing = free.pop()
-        else:
-            landing = Landing(layout)
-            self.landings_made += 1
-        if layout in self._landings:
-            self._landings.move_to_end(layout)
-        self._lent.add(id(landing))
-        return landing
+        with self._landings_lock:
+            free = self._landings.get(layout)
+            if free:
+                landing = free.pop()
+            else:
+                landing = Landing(layout)
+                self.landings_made += 1
+            if layout in self._landings:
+                self._landings.move_to_end(layout)
+            self._lent.add(id(landing))
+            return landing
 
     def release(self, landing: Landing | None) -> None:
         """Take back a landing no revision holds (idempotent). The device may still be
         copying out of it: the next revision's copies into it queue behind on the same
-        stream (the worker's step and its RPCs run on one thread)."""
-        if landing is None or id(landing) not in self._lent:
+        stream (the worker's step and its RPCs run on one thread; the landing thread's copies
+        wait for those queued here until now: ``Landing.freed``)."""
+        if landing is None:
             return
-        if any(held.landing is landing for held in self._held.values()):
-            return  # a registered revision's memory: it goes back when that revision is dropped
-        self._lent.discard(id(landing))
-        free = self._landings.setdefault(landing.layout, [])
-        self._landings.move_to_end(landing.layout)
-        if len(free) < LANDINGS_FREE:
-            free.append(landing)
-        while len(self._landings) > LAYOUTS_KEPT:
-            self._landings.popitem(last=False)
+        with self._landings_lock:
+            if id(landing) not in self._lent:
+                return
+            if any(held.landing is landing for held in list(self._held.values())):
+                return  # a registered revision's memory: back when that revision is dropped
+            landing.freed()
+            self._lent.discard(id(landing))
+            free = self._landings.setdefault(landing.layout, [])
+            self._landings.move_to_end(landing.layout)
+            if len(free) < LANDINGS_FREE:
+                free.append(landing)
+            while len(self._landings) > LAYOUTS_KEPT:
+                self._landings.popitem(last=False)
+
+    def hold(self, revision: int, take: AdapterTake, config: dict[str, Any]) -> None:
+        """Keep a revision whose registration failed, as it landed: vLLM builds it from these
+        tensors when a step first needs it (``__init__``'s load), as for one it evicted."""
+        with self._landings_lock:
+            if take.landing is not None:
+                free = self._landings.get(take.landing.layout, [])
+                free[:] = [landing for landing in free if landing is not take.landing]
+                self._lent.add(id(take.landing))
+            self._held[revision] = _Held(take.chunks, take.layout, dict(config), take.landing)
 
     def memory(self) -> dict[int, list[int]]:
         """Where each held revision's chunks lie (device addresses; tests)."""

@@ -51,7 +51,7 @@ from vllm.model_executor.model_loader.reload import layerwise
 
 from asyncroll.adapters import LAYOUTS_KEPT, Placement, placements
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
-from asyncroll.receive.adapter import AdapterTake, Landing
+from asyncroll.receive.adapter import AdapterTake, Landing, Landings
 from asyncroll.receive.check import PushCheck, check_delivered
 from asyncroll.receive.load_plan import LoadPlan, PlanStatistics
 from asyncroll.receive.rollback import Rollback
@@ -792,6 +792,9 @@ class AsyncrollWorkerExtension:
                 store.release(landing)  # (``add`` holds nothing of a revision it refused)
                 raise
             registered = time.perf_counter()
+            landings: Landings | None = self.__dict__.get("_asyncroll_landings")
+            if landings is not None:
+                landings.expect(known)  # the layout the landing thread's next pushes are of
             report = engine.last_report
             assert report is not None
             first = report.timeline[0] if report.timeline else None
@@ -811,6 +814,75 @@ class AsyncrollWorkerExtension:
         except Exception as exc:
             logger.warning("rank %s failed the adapter push: %r", getattr(self, "rank", "?"), exc,
                            exc_info=True)
+            return f"{type(exc).__name__}: {exc}"
+
+    def asyncroll_open_landings(self, config: dict[str, Any]) -> None:
+        """Receive adapter pushes from the sender ``config`` describes on a thread of this
+        worker's own, while the engine steps (``asyncroll.receive.adapter.Landings``); the
+        layout they are of is the last one an ``asyncroll_take_adapter`` took."""
+        store = store_of(self)
+        if store is None:
+            raise RuntimeError("the engine was started without LoRA (enable_lora=True)")
+        self.asyncroll_close_landings()
+        rank = getattr(self, "rank", 0)
+        receiver = WeightReceiver.from_config(
+            {key: config[key] for key in ("address", "secret", "nonce", "timeout_ms")},
+            name=f"{config.get('name', 'engine')}-rank{rank}-landings",
+        )
+        receiver.connect()
+        device = getattr(self, "device", None)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        landings = Landings(receiver, device, store.landing, store.release,
+                            name=f"asyncroll-landings-rank{rank}")
+        layouts: dict[str, tuple[Placement, ...]] = self.__dict__.get("_asyncroll_layouts", {})
+        if layouts:
+            landings.expect(next(reversed(layouts.values())))  # the most recently named
+        self._asyncroll_landings = landings
+
+    def asyncroll_close_landings(self) -> None:
+        """Stop the landing thread, if any (``asyncroll_open_landings``)."""
+        landings: Landings | None = self.__dict__.pop("_asyncroll_landings", None)
+        if landings is not None:
+            landings.close()
+
+    def asyncroll_register_adapter(
+        self, revision: int, push: int, config: dict[str, Any], drop: list[int] | None = None
+    ) -> str | dict[str, Any]:
+        """Forget the revisions in ``drop``, then register as LoRA ``revision`` the adapter
+        push ``push`` the landing thread received and checked. Runs between two engine steps,
+        queued ahead of every request sent after it. Should the registration fail, the
+        revision is still kept as it landed: vLLM builds it when a step first needs it.
+        Returns how it was registered, or why not (it does not raise)."""
+        store = store_of(self)
+        landings: Landings | None = self.__dict__.get("_asyncroll_landings")
+        try:
+            if store is None or landings is None:
+                return "no landing thread in this worker (asyncroll_open_landings)"
+            called = time.perf_counter()
+            for gone in drop or ():
+                store.drop(gone)
+            take = landings.take(push)
+            if take is None:
+                return f"push {push} did not land in this worker ({landings!r})"
+            dropped = time.perf_counter()
+            try:
+                how = store.add(revision, take, config)
+            except Exception as exc:
+                store.hold(revision, take, config)
+                logger.warning("rank %s: registering adapter revision %s failed (vLLM loads it"
+                               " when a step needs it): %r", getattr(self, "rank", "?"),
+                               revision, exc, exc_info=True)
+                how = f"held ({type(exc).__name__}: {exc})"
+            registered = time.perf_counter()
+            return {"registered": how, "verified": list(take.verified),
+                    "seconds": {"drop": dropped - called, "register": registered - dropped,
+                                **{f"register: {k}": v for k, v in store.seconds.items()}},
+                    "stamps": {"called": called, "registered": registered}}
+        except Exception as exc:
+            logger.warning("rank %s failed to register adapter revision %s: %r",
+                           getattr(self, "rank", "?"), revision, exc, exc_info=True)
             return f"{type(exc).__name__}: {exc}"
 
     def asyncroll_drop_adapter(self, revision: int) -> bool:

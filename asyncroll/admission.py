@@ -4,6 +4,12 @@ Open or closed, like an ``asyncio.Event``; and a request waiting there can be ab
 ``admit`` returns False, so it ends with ``finish_reason="abort"`` and no tokens without ever
 reaching the engine (``aborted_segment``). Otherwise an abort meant for it would miss (the
 engine does not know the request yet) and it would run in full once the gate opened.
+
+The gate also paces: at most ``per_turn`` requests pass in one turn of the event loop. A
+rollout's callers start together, and each request admitted goes on at once to vLLM's front
+end in the same turn (about 0.12 ms of the loop each on an H200 host: 189 of them made one
+turn of 23 ms, issue 42); the rest pass over the turns that follow, in order, and can be
+aborted while they wait.
 """
 
 from __future__ import annotations
@@ -17,12 +23,22 @@ __all__ = ["AdmissionGate", "aborted_segment"]
 
 
 class AdmissionGate:
-    """Where an engine's requests wait to be admitted; ``abort`` lets waiting ones go."""
+    """Where an engine's requests wait to be admitted; ``abort`` lets waiting ones go.
+    ``per_turn``: at most so many admitted in one turn of the loop (None: no bound)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_turn: int | None = None) -> None:
+        if per_turn is not None and per_turn < 1:
+            raise ValueError(f"per_turn must be at least 1, not {per_turn}")
         self._open = asyncio.Event()
         self._open.set()
         self._waiting: dict[str, asyncio.Future[None]] = {}
+        self.per_turn = per_turn
+        self._used = 0
+        """Requests admitted in this turn of the loop."""
+        self._next: list[asyncio.Future[None]] = []
+        """Requests waiting for the next turn (the budget of this one is spent)."""
+        self.deferred = 0
+        """Times a request waited a turn for the budget (statistics)."""
 
     def __repr__(self) -> str:
         state = "open" if self._open.is_set() else "closed"
@@ -45,27 +61,55 @@ class AdmissionGate:
         return len(self._waiting)
 
     async def admit(self, request_id: str) -> bool:
-        """Wait until the gate is open: True; or until ``abort`` names ``request_id``: False.
+        """Wait until the gate is open and this turn's budget has room: True; or until
+        ``abort`` names ``request_id``: False.
 
         ``request_id`` must be unique among the requests waiting (an engine's live ids are)."""
-        if self._open.is_set():
+        if self._open.is_set() and self._take():
             return True
-        aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        aborted: asyncio.Future[None] = loop.create_future()
         self._waiting[request_id] = aborted
         try:
             # Open when we run again, not just opened: a gate opened and closed again in one
             # loop turn (a resume and the next pause) keeps its waiters.
-            while not self._open.is_set():
-                opened = asyncio.ensure_future(self._open.wait())
-                try:
-                    await asyncio.wait((opened, aborted), return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    opened.cancel()
+            while True:
+                if self._open.is_set():
+                    if self._take():
+                        return True
+                    turn: asyncio.Future[None] = loop.create_future()
+                    self._next.append(turn)
+                    self.deferred += 1
+                    await turn  # (an abort meanwhile is seen at the next turn)
+                else:
+                    opened = asyncio.ensure_future(self._open.wait())
+                    try:
+                        await asyncio.wait((opened, aborted),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        opened.cancel()
                 if aborted.done():
                     return False
-            return True
         finally:
             del self._waiting[request_id]
+
+    def _take(self) -> bool:
+        """One of this turn's admissions, if any is left."""
+        if self.per_turn is None:
+            return True
+        if self._used >= self.per_turn:
+            return False
+        if self._used == 0:  # the budget comes back as the next turn begins
+            asyncio.get_running_loop().call_soon(self._new_turn)
+        self._used += 1
+        return True
+
+    def _new_turn(self) -> None:
+        self._used = 0
+        waiting, self._next = self._next, []
+        for turn in waiting:  # in the order they came (their steps run in the next turn)
+            if not turn.done():
+                turn.set_result(None)
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """End the requests of ``request_ids`` waiting here; returns the others (for the

@@ -46,6 +46,8 @@
 #                                         # push beside .old (1)
 #   bash bench/gpu_session.sh thirtyfirst # 2 GPUs: the full push beside .old, GPUs swapped (0);
 #                                         # the loop's slow turns with their queued callbacks (1)
+#   bash bench/gpu_session.sh thirtysecond # 2 GPUs: landed adapter rollout with paced admission
+#                                         # (0); slow turns paced, the LoRA trainer test x3 (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -479,6 +481,27 @@ phase_thirtyfirst() {  # 2 GPUs: the full-weight push of .old, then this tree (G
   ) &
   run rollout-turns5 1 $pin1 python3 bench/gpu_e2e.py --sections rollout \
     --policies none,keep,inflight --rounds 1 --slow-turns --out "$W/results/turns5" &
+  wait
+}
+
+phase_thirtysecond() {  # 2 GPUs: issue 45's landed pushes again, admissions now paced (GPU 0);
+  # issue 42's slow turns with paced admissions, then the LoRA trainer test three times (GPU 1)
+  mkdir -p "$W/results/lora15" "$W/results/turns6"
+  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+  run lora-7b-landed2 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora15" --size 7b \
+    --rank 64 --sections push,rollout --revisions 8 --repeats 10 --window 15 --warm 5 \
+    --rounds 3 &
+  (
+    run rollout-turns6 1 $pin1 python3 bench/gpu_e2e.py --sections rollout \
+      --policies none,keep,inflight --rounds 1 --slow-turns --out "$W/results/turns6"
+    for i in 1 2 3; do
+      run pytest-lora-trainer-$i 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+        python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k "reference_trainers"
+    done
+  ) &
   wait
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 
 from asyncroll.admission import AdmissionGate
 
@@ -64,3 +65,58 @@ async def test_a_gate_opened_and_closed_in_one_turn_keeps_its_waiters() -> None:
     assert not waiter.done() and gate.waiting == 1
     gate.set()
     assert await waiter
+
+
+async def test_at_most_per_turn_pass_in_one_turn_of_the_loop_in_order_and_all_pass() -> None:
+    # A burst of 100 requests in one turn passes 10 a turn, in the order they came; one
+    # aborted while it waits for its turn does not pass.
+    gate = AdmissionGate(per_turn=10)
+    loop = asyncio.get_running_loop()
+    turn = 0
+    ticking = True
+
+    def tick() -> None:  # counts the loop's turns
+        nonlocal turn
+        turn += 1
+        if ticking:
+            loop.call_soon(tick)
+
+    loop.call_soon(tick)
+    passed: list[tuple[int, int]] = []
+
+    async def request(i: int) -> bool:
+        admitted = await gate.admit(f"r{i}")
+        if admitted:
+            passed.append((i, turn))
+        return admitted
+
+    results = await asyncio.gather(
+        *(request(i) for i in range(50)), _abort_later(gate, "r77"),
+        *(request(i) for i in range(50, 100)),
+    )
+    ticking = False
+    assert results[:50] + results[51:] == [i != 77 for i in range(100)]
+    assert [i for i, _ in passed] == [i for i in range(100) if i != 77]
+    per_turn = collections.Counter(t for _, t in passed)
+    assert max(per_turn.values()) == 10 and len(per_turn) >= 10
+    assert gate.waiting == 0 and gate.deferred > 0
+
+
+async def _abort_later(gate: AdmissionGate, request_id: str) -> bool:
+    await asyncio.sleep(0)
+    assert gate.abort([request_id]) == []  # it was waiting for its turn
+    return True
+
+
+async def test_a_paced_gate_closed_meanwhile_holds_its_waiters_until_it_opens() -> None:
+    gate = AdmissionGate(per_turn=1)
+    first = asyncio.ensure_future(gate.admit("a"))
+    second = asyncio.ensure_future(gate.admit("b"))
+    await asyncio.sleep(0)
+    assert first.done() and not second.done()
+    gate.clear()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not second.done()
+    gate.set()
+    assert await second is True

@@ -389,7 +389,7 @@ async def test_a_landed_revision_the_worker_finds_altered_is_refused_and_the_las
         return {**prints, name: bytes(b ^ 0xFF for b in prints[name])}
 
     monkeypatch.setattr(weights_module, "packed_fingerprints", altered)
-    with pytest.raises(WeightSyncError, match="failed its check.*differ from what was pushed"):
+    with pytest.raises(WeightSyncError, match=r"failed its check.*differ from what was pushed"):
         await manager.update_adapter("a", adapter(lora_model, 72), config=CONFIG,
                                      global_steps=3)
     monkeypatch.undo()

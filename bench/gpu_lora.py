@@ -317,6 +317,7 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
         queue = list(jobs)
         engine = manager.engines[0]
         later: list[float] = []
+        timelines: list[dict[str, float]] = []
         names = [f"s{i}" for i in range(spread)] or ["r"]
         for i, name in enumerate(names if spread else ()):
             await manager.update_adapter(name, adapters[i % 2], config=config, global_steps=0)
@@ -350,9 +351,12 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
                 if done.is_set():
                     return
                 step = next(steps)
+                called = time.perf_counter()
                 report = await manager.update_adapter(
                     "r", adapters[step % 2], config=config, global_steps=step)
                 returned = time.perf_counter()
+                if not report.waited_seconds:  # (one that waited for room says nothing here)
+                    timelines.append(timeline(called, returned, report, {}))
                 pushes.append(report.seconds * 1e3)
                 waits.append(report.waited_seconds * 1e3)
                 if "verdicts" in report.stamps:  # when its queued registration ran
@@ -381,6 +385,10 @@ async def rollout(res: Results, manager: AsyncServerManager, folder: Path, label
                       "push ms median": round(statistics.median(pushes), 2),
                       "push ms max": round(max(pushes), 2),
                       "waited for room ms max": round(max(waits), 2)}
+        if timelines:
+            found["timeline under load (median ms from the call)"] = {
+                k: round(statistics.median(t[k] for t in timelines if k in t), 3)
+                for k in dict.fromkeys(k for t in timelines for k in t)}
         if later:
             found |= {"registered after the return ms median":
                       round(statistics.median(later), 2),

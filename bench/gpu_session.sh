@@ -46,6 +46,8 @@
 #                                         # push beside .old (1)
 #   bash bench/gpu_session.sh thirtyfirst # 2 GPUs: the full push beside .old, GPUs swapped (0);
 #                                         # the loop's slow turns with their queued callbacks (1)
+#   bash bench/gpu_session.sh thirtythird # 2 GPUs: landed pushes under load with their timeline,
+#                                         # the worker's switch interval 1 ms (0) beside 5 (1)
 #   bash bench/gpu_session.sh thirtysecond # 2 GPUs: landed adapter rollout with paced admission
 #                                         # (0); slow turns paced, the LoRA trainer test x3 (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
@@ -502,6 +504,23 @@ phase_thirtysecond() {  # 2 GPUs: issue 45's landed pushes again, admissions now
         python3 -m pytest -q -p no:cacheprovider tests/test_lora.py -k "reference_trainers"
     done
   ) &
+  wait
+}
+
+phase_thirtythird() {  # 2 GPUs: issue 45's landed pushes, idle and under load with each push's
+  # timeline, the registration sent eagerly; the workers' switch interval 1 ms (GPU 0, this
+  # tree's default) beside Python's 5 ms (GPU 1), at the same time, one round each
+  mkdir -p "$W/results/lora16-1ms" "$W/results/lora16-5ms"
+  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+  run lora-7b-switch-1ms 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora16-1ms" \
+    --size 7b --rank 64 --sections push,rollout --revisions 8 --repeats 10 --window 15 \
+    --warm 5 --rounds 1 &
+  run lora-7b-switch-5ms 1 $pin1 env ASYNCROLL_LANDING_SWITCH_MS=0 python3 bench/gpu_lora.py \
+    --out "$W/results/lora16-5ms" --size 7b --rank 64 --sections push,rollout --revisions 8 \
+    --repeats 10 --window 15 --warm 5 --rounds 1 &
   wait
 }
 

@@ -52,6 +52,10 @@ class _Engine(Protocol):
         self, method: str, *, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
     ) -> list[Any]: ...
 
+    async def rpc_sent(
+        self, method: str, *, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> asyncio.Future[list[Any]]: ...
+
 
 __all__ = ["VLLMAdapterPort"]
 
@@ -264,14 +268,9 @@ class VLLMAdapterPort:
         for gone in drop:
             self._held.pop(gone.revision, None)
         called = time.perf_counter()
-        rpc = asyncio.ensure_future(engine.collective_rpc("asyncroll_register_adapter",
-                                                          kwargs=kwargs))
+        rpc = await engine.rpc_sent("asyncroll_register_adapter", kwargs=kwargs)
         rpc.add_done_callback(functools.partial(self._registered, revision, called))
         self._registering = rpc
-        # The RPC's task, then the call it makes into vLLM, then that call's first step,
-        # which hands it to vLLM's socket: three loop turns see it out (as ``take``'s).
-        for _ in range(3):
-            await asyncio.sleep(0)
         self._held[revision.revision] = revision
 
     async def registered_last(self) -> list[Any]:

@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -551,6 +552,24 @@ class VLLMEngine:
             self._llm.collective_rpc(method, args=tuple(args), kwargs=dict(kwargs or {}))
         )
         return answers
+
+    async def rpc_sent(
+        self, method: str, *, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> asyncio.Future[list[Any]]:
+        """``collective_rpc``, returning once vLLM's client has handed the request to its
+        socket (on Python 3.12+, which can start the call eagerly, before any turn of the loop;
+        before 3.12, three turns later), with the future of the answers (``call_vllm``'s):
+        every call sent after this reaches the EngineCore after it."""
+        call = self._llm.collective_rpc(method, args=tuple(args), kwargs=dict(kwargs or {}))
+        if sys.version_info >= (3, 12):
+            task: asyncio.Future[list[Any]] = asyncio.Task(call, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+        else:
+            # The call's task, then vLLM's call in it, then that call's first step, which
+            # hands it to vLLM's socket: three loop turns see it out.
+            task = asyncio.ensure_future(call)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        return asyncio.ensure_future(self.call_vllm(task))
 
     # -- internals -------------------------------------------------------------------------
 

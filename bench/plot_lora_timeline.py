@@ -2,9 +2,12 @@
 ``bench/gpu_lora.py --sections push`` JSON files (its ``at ... ms`` stamps: the manager's,
 the sender's and the first worker's, on one host clock).
 
-    python bench/plot_lora_timeline.py OUT.png LABEL=FILE.json[#SECTION] [...]
+    python bench/plot_lora_timeline.py OUT.png LABEL=FILE.json[#SECTION][@WHICH] [...]
 
-(``#push 7b rank 64 one-copy``: that section of the file; the first push section without.)
+(``#push 7b rank 64 one-copy``: that section of the file; the first push section without.
+``@WHICH``: ``asyncroll idle`` (the default), ``asyncroll idle (step loop)``, or ``load`` /
+``load (step loop)``: the median timeline of the pushes while calls ran, from the file's
+rollout section, its first round.)
 """
 
 from __future__ import annotations
@@ -32,16 +35,25 @@ SPANS = [
     ("worker: check", "sender ended", "worker checked"),
     ("worker: register", "worker checked", "worker registered"),
     ("RPC back", "worker registered", "returned"),
+    # A landed push (2026-11-30 on): no take; the workers' verdicts, then the registration
+    # sent and not waited for.
+    ("sender: acks, end message", "sender signalled", "sender ended"),
+    ("to the workers' verdicts", "sender ended", "manager verdicts"),
+    ("registration sent (queued)", "manager verdicts", "manager registration queued"),
 ]
 
 
-def stamps(path: Path, section: str) -> dict[str, float]:
-    """The stamps of ``section`` (the first push section where empty)."""
+def stamps(path: Path, section: str, which: str = "") -> dict[str, float]:
+    """The stamps of ``section`` (the first push section where empty), ``which`` timeline."""
     data = json.loads(path.read_text())
-    idle = next(v["asyncroll idle"] for k, v in data.items()
-                if k == section or (not section and k.startswith("push ")))
-    found = {k[3:-3]: float(v) for k, v in idle.items() if k.startswith("at ")}
-    return {"call": 0.0, **found}
+    if which.startswith("load"):
+        runs = next(v["rounds"][0] for k, v in data.items() if k.startswith("rollout "))
+        run = runs["push (step loop)" if "step loop" in which else "push"]
+        found = run["timeline under load (median ms from the call)"]
+    else:
+        found = next(v[which or "asyncroll idle"] for k, v in data.items()
+                     if k == section or (not section and k.startswith("push ")))
+    return {"call": 0.0, **{k[3:-3]: float(v) for k, v in found.items() if k.startswith("at ")}}
 
 
 def main(argv: list[str]) -> int:
@@ -57,11 +69,13 @@ def main(argv: list[str]) -> int:
     fig, ax = plt.subplots(figsize=(10, 1.0 + 1.6 * len(rows)))
     last = 0.0
     for row, (_, file) in enumerate(rows):
+        file, _, which = file.partition("@")
         file, _, section = file.partition("#")
-        at = stamps(Path(file), section)
+        at = stamps(Path(file), section, which)
         height = 0.8 / len(SPANS)
         for i, (name, start, end) in enumerate(SPANS):
-            if start in at and end in at:
+            if start in at and end in at and at[end] >= at[start]:  # (a landed push's
+                # registration runs after it returned: not part of its time)
                 y = row + 0.4 - (i + 0.5) * height
                 ax.barh(y, at[end] - at[start], left=at[start], height=height * 0.9,
                         color=colours(names.index(name) % 20),
@@ -73,7 +87,7 @@ def main(argv: list[str]) -> int:
     ax.set_yticks(range(len(rows)), [label for label, _ in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms from the call (one host clock: manager, sender, first worker)")
-    ax.set_title("One adapter push (7B shape, rank 64, 392 tensors, 308 MiB), median of 20 each")
+    ax.set_title("One adapter push (7B shape, rank 64, 392 tensors, 308 MiB), medians")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

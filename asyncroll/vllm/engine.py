@@ -562,7 +562,9 @@ class VLLMEngine:
         every call sent after this reaches the EngineCore after it."""
         call = self._llm.collective_rpc(method, args=tuple(args), kwargs=dict(kwargs or {}))
         if sys.version_info >= (3, 12):
-            task: asyncio.Future[list[Any]] = asyncio.Task(call, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+            task: asyncio.Future[list[Any]] = asyncio.Task(  # type: ignore[call-arg,unused-ignore]
+                call, loop=asyncio.get_running_loop(), eager_start=True
+            )
         else:
             # The call's task, then vLLM's call in it, then that call's first step, which
             # hands it to vLLM's socket: three loop turns see it out.

@@ -33,8 +33,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -122,12 +120,6 @@ class UpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
     push: int = 0
     """The sender's id of the push to take: earlier pushes' messages are stale (0: the next)."""
-
-
-LANDING_SWITCH_MS = 1.0
-"""Python's switch interval in a worker with a landing thread, at most (ms; the default is 5):
-the thread takes the GIL from vLLM's step loop several times a push, and each time waits up to
-this long. ``ASYNCROLL_LANDING_SWITCH_MS`` overrides it (0: Python's own)."""
 
 
 class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
@@ -844,9 +836,6 @@ class AsyncrollWorkerExtension:
             device = torch.device("cuda", torch.cuda.current_device())
         landings = Landings(receiver, device, store.landing, store.release,
                             name=f"asyncroll-landings-rank{rank}")
-        switch = float(os.environ.get("ASYNCROLL_LANDING_SWITCH_MS", LANDING_SWITCH_MS))
-        if switch > 0:  # the landing thread waits for the GIL at most this long a time
-            sys.setswitchinterval(min(sys.getswitchinterval(), switch / 1e3))
         layouts: dict[str, tuple[Placement, ...]] = self.__dict__.get("_asyncroll_layouts", {})
         if layouts:
             landings.expect(next(reversed(layouts.values())))  # the most recently named

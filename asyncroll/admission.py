@@ -15,6 +15,7 @@ aborted while they wait.
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import Iterable
 
 from asyncroll.types import Segment
@@ -35,8 +36,11 @@ class AdmissionGate:
         self.per_turn = per_turn
         self._used = 0
         """Requests admitted in this turn of the loop."""
-        self._next: list[asyncio.Future[None]] = []
-        """Requests waiting for the next turn (the budget of this one is spent)."""
+        self._next: collections.deque[asyncio.Future[None]] = collections.deque()
+        """Requests waiting for a turn's budget, first come first: each turn's goes to them
+        before any request that comes later."""
+        self._turn_due = False
+        """``_new_turn`` is scheduled."""
         self.deferred = 0
         """Times a request waited a turn for the budget (statistics)."""
 
@@ -80,36 +84,51 @@ class AdmissionGate:
                     turn: asyncio.Future[None] = loop.create_future()
                     self._next.append(turn)
                     self.deferred += 1
-                    await turn  # (an abort meanwhile is seen at the next turn)
-                else:
-                    opened = asyncio.ensure_future(self._open.wait())
-                    try:
-                        await asyncio.wait((opened, aborted),
-                                           return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        opened.cancel()
+                    self._schedule_turn()
+                    await turn  # admitted by ``_new_turn`` (an abort meanwhile: seen here)
+                    if aborted.done():
+                        return False
+                    if self._open.is_set():
+                        return True
+                    continue  # closed meanwhile: wait for it to open again
+                opened = asyncio.ensure_future(self._open.wait())
+                try:
+                    await asyncio.wait((opened, aborted), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    opened.cancel()
                 if aborted.done():
                     return False
         finally:
             del self._waiting[request_id]
 
     def _take(self) -> bool:
-        """One of this turn's admissions, if any is left."""
+        """One of this turn's admissions for a request that did not wait, if any is left and
+        no request waits for one."""
         if self.per_turn is None:
             return True
-        if self._used >= self.per_turn:
+        if self._next or self._used >= self.per_turn:
             return False
-        if self._used == 0:  # the budget comes back as the next turn begins
-            asyncio.get_running_loop().call_soon(self._new_turn)
         self._used += 1
+        self._schedule_turn()  # the budget comes back as the next turn begins
         return True
 
+    def _schedule_turn(self) -> None:
+        if not self._turn_due:
+            self._turn_due = True
+            asyncio.get_running_loop().call_soon(self._new_turn)
+
     def _new_turn(self) -> None:
+        """A new turn's budget: to the requests waiting first, in the order they came."""
+        self._turn_due = False
         self._used = 0
-        waiting, self._next = self._next, []
-        for turn in waiting:  # in the order they came (their steps run in the next turn)
-            if not turn.done():
+        assert self.per_turn is not None
+        while self._next and self._used < self.per_turn:
+            turn = self._next.popleft()
+            if not turn.done():  # (a waiter cancelled meanwhile)
                 turn.set_result(None)
+                self._used += 1
+        if self._used or self._next:
+            self._schedule_turn()
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
         """End the requests of ``request_ids`` waiting here; returns the others (for the

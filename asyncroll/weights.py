@@ -898,10 +898,15 @@ class LandingChannel(SenderChannel):
         version = revision.global_steps if revision.global_steps is not None else -1
         push_id = sender.next_push
         stamps["push began"] = time.perf_counter()
-        report = await sender.push(
-            tensors, version=version, fingerprints=fingerprinted if self._verify else None,
-            verdicts=True,
-        )
+        try:
+            report = await sender.push(
+                tensors, version=version, fingerprints=fingerprinted if self._verify else None,
+                verdicts=True,
+            )
+        except BaseException:
+            for engine in engines:  # the next revision tells them the layout again
+                engine.adapters.landing_failed()
+            raise
         stamps["verdicts"] = time.perf_counter()
         # Shielded: every engine's registration leaves, or the caller's failure path forgets
         # the revision everywhere.

@@ -120,3 +120,21 @@ async def test_a_paced_gate_closed_meanwhile_holds_its_waiters_until_it_opens() 
     assert not second.done()
     gate.set()
     assert await second is True
+
+
+async def test_requests_waiting_for_a_turn_pass_before_any_that_come_later() -> None:
+    # A steady stream of new requests, as many a turn as the budget, never overtakes the ones
+    # already waiting: each turn's budget goes to the waiting first, in the order they came.
+    gate = AdmissionGate(per_turn=4)
+    order: list[int] = []
+
+    async def request(i: int) -> None:
+        assert await gate.admit(f"r{i}")
+        order.append(i)
+
+    tasks = [asyncio.ensure_future(request(i)) for i in range(8)]  # one turn: 4 wait
+    for turn in range(1, 11):  # then 4 more each turn
+        await asyncio.sleep(0)
+        tasks += [asyncio.ensure_future(request(8 * turn + i)) for i in range(4)]
+    await asyncio.gather(*tasks)
+    assert order == sorted(order)

@@ -268,9 +268,17 @@ class Landings:
     def layout(self) -> tuple[Placement, ...] | None:
         return self._layout
 
-    def expect(self, layout: tuple[Placement, ...]) -> None:
-        """The layout of the pushes that come next (asked at each push's first bucket)."""
+    def expect(self, layout: tuple[Placement, ...] | None) -> None:
+        """The layout of the pushes that come next (asked at each push's first bucket;
+        None: they fail)."""
         self._layout = layout
+
+    def release_all(self) -> None:
+        """Give back every push landed and not taken (none will be registered now)."""
+        with self._lock:
+            landed, self._landed = list(self._landed.values()), {}
+        for take in landed:
+            self._release(take)
 
     def take(self, push: int) -> AdapterTake | None:
         """Push ``push``, landed and checked (None: it did not land here). Registrations come
@@ -293,10 +301,7 @@ class Landings:
             logger.warning("%r: the landing thread did not stop in %g s", self, within)
             return  # its receiver is its own: not closed under it
         self._receiver.close()
-        with self._lock:
-            landed, self._landed = list(self._landed.values()), {}
-        for take in landed:
-            self._give_back(take.landing)
+        self.release_all()
 
     def _run(self) -> None:
         stream: torch.cuda.Stream | None = None

@@ -66,9 +66,13 @@ class _LandingsPort:
     """The workers' landing threads, as a sender's receivers (``asyncroll.weights``'s
     ``LandingChannel`` attaches them as it attaches ``engine.weights``)."""
 
-    def __init__(self, engine: _Engine, workers: Callable[[], int]) -> None:
+    def __init__(
+        self, engine: _Engine, workers: Callable[[], int], expected: Callable[[], str]
+    ) -> None:
         self._engine = engine
         self._workers = workers
+        self._expected = expected
+        """The key of the layout the landing threads are to expect (``lands``)."""
         self._attached_to: object | None = None
 
     @property
@@ -82,7 +86,9 @@ class _LandingsPort:
     async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
         """Start every worker's landing thread on the sender ``config`` describes."""
         await self._engine.collective_rpc(
-            "asyncroll_open_landings", kwargs={"config": {**config, "name": self._engine.name}}
+            "asyncroll_open_landings",
+            kwargs={"config": {**config, "name": self._engine.name},
+                    "layout_key": self._expected()},
         )
         self._attached_to = owner
 
@@ -112,7 +118,8 @@ class VLLMAdapterPort:
         """How the first worker registered the last revision: ``replayed`` (its tensors
         written straight into a LoRA slot, as vLLM wrote an earlier revision there) or
         ``vllm`` (vLLM's own ``LoRAModel`` and activation)."""
-        self.landings = _LandingsPort(engine, lambda: int(engine.weights.num_workers))
+        self.landings = _LandingsPort(engine, lambda: int(engine.weights.num_workers),
+                                      self._expected_key)
         """The workers' landing threads (``lands``)."""
         self._lands_as: tuple[tuple[Placement, ...], dict[str, Any]] | None = None
         """The layout and config of the last revision taken or registered: what the landing
@@ -225,6 +232,7 @@ class VLLMAdapterPort:
                 rpc.cancel()
         failed = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
         if failed:
+            self._lands_as = None  # the next revision goes this way again, to every worker
             self._layouts_sent.pop(key, None)  # sent again with the next push
             await self._forget(revision)  # a worker that took it must not keep it alone
             rank, why = failed[0]
@@ -245,8 +253,17 @@ class VLLMAdapterPort:
 
     def lands(self, layout: Sequence[Placement], config: Mapping[str, Any]) -> bool:
         """Whether a revision of ``layout`` and ``config`` can land (``register``): the
-        landing threads expect that layout, and the workers took that config before."""
+        landing threads expect that layout, and the workers took that config before (the
+        last take, which succeeded in every worker)."""
         return self._lands_as == (tuple(layout), dict(config))
+
+    def landing_failed(self) -> None:
+        """A landed push failed: the next revision goes the step loop's way (``take``),
+        which tells every worker's landing thread the layout again."""
+        self._lands_as = None
+
+    def _expected_key(self) -> str:
+        return self._key_of(self._lands_as[0]) if self._lands_as is not None else ""
 
     async def register(
         self,
@@ -287,9 +304,12 @@ class VLLMAdapterPort:
         error = rpc.exception()
         answers = rpc.result() if error is None else [f"{type(error).__name__}: {error}"]
         self.registered += 1
-        failed = [why for why in answers if isinstance(why, str)]
+        lost = [why for why in answers if isinstance(why, str)]
         held = [a["registered"] for a in answers if isinstance(a, dict)]
-        failed += [how for how in held if how.startswith("held")]
+        failed = lost + [how for how in held if how.startswith("held")]
+        if lost:  # a worker does not hold it: no call sent from now on may name it
+            self._held.pop(revision.revision, None)
+            self._lands_as = None
         if failed:
             self.registration_failures.append(failed[0])
             logger.error("%s: registering %s: %s", self._engine.name, revision.lora_name,

@@ -105,6 +105,8 @@ class RevisionStore:
         """Landings no revision holds, by layout (the layouts used last at the end)."""
         self._lent: set[int] = set()
         """``id`` of each landing handed out and not yet back."""
+        self._keeping: set[int] = set()
+        """``id`` of each landing an ``add(keep_on_failure=True)`` in progress keeps lent."""
         self.landings_made = 0
         """Landings made so far (the rest of the revisions landed in a dropped one's)."""
         self._landings_lock = threading.Lock()
@@ -169,7 +171,7 @@ class RevisionStore:
         if landing is None:
             return
         with self._landings_lock:
-            if id(landing) not in self._lent:
+            if id(landing) not in self._lent or id(landing) in self._keeping:
                 return
             if any(held.landing is landing for held in list(self._held.values())):
                 return  # a registered revision's memory: back when that revision is dropped
@@ -182,16 +184,6 @@ class RevisionStore:
             while len(self._landings) > LAYOUTS_KEPT:
                 self._landings.popitem(last=False)
 
-    def hold(self, revision: int, take: AdapterTake, config: dict[str, Any]) -> None:
-        """Keep a revision whose registration failed, as it landed: vLLM builds it from these
-        tensors when a step first needs it (``__init__``'s load), as for one it evicted."""
-        with self._landings_lock:
-            if take.landing is not None:
-                free = self._landings.get(take.landing.layout, [])
-                free[:] = [landing for landing in free if landing is not take.landing]
-                self._lent.add(id(take.landing))
-            self._held[revision] = _Held(take.chunks, take.layout, dict(config), take.landing)
-
     def memory(self) -> dict[int, list[int]]:
         """Where each held revision's chunks lie (device addresses; tests)."""
         return {
@@ -199,10 +191,31 @@ class RevisionStore:
             for revision, held in self._held.items()
         }
 
-    def add(self, revision: int, take: AdapterTake, config: dict[str, Any]) -> str:
+    def add(
+        self, revision: int, take: AdapterTake, config: dict[str, Any], *,
+        keep_on_failure: bool = False,
+    ) -> str:
         """Register a revision and, if a device slot is free, write it there (replayed where
         this layout was recorded in that slot before, else by vLLM). A failure registers
-        nothing. Returns how: ``replayed`` or ``vllm``."""
+        nothing; with ``keep_on_failure`` the revision is still kept as it landed, its
+        memory never lent meanwhile (vLLM builds it from there when a step first needs it,
+        as for one it evicted). Returns how: ``replayed`` or ``vllm``."""
+        if not keep_on_failure:
+            return self._add(revision, take, config)
+        landing = id(take.landing) if take.landing is not None else None
+        with self._landings_lock:
+            if landing is not None:
+                self._keeping.add(landing)
+        try:
+            return self._add(revision, take, config)
+        except BaseException:
+            self._held[revision] = _Held(take.chunks, take.layout, dict(config), take.landing)
+            raise
+        finally:
+            with self._landings_lock:
+                self._keeping.discard(landing)
+
+    def _add(self, revision: int, take: AdapterTake, config: dict[str, Any]) -> str:
         held = _Held(take.chunks, take.layout, dict(config), take.landing)
         peft = self._peft(config)  # validated before anything changes
         adapters = self._manager._adapter_manager

@@ -771,6 +771,10 @@ class AsyncrollWorkerExtension:
             called = time.perf_counter()
             for gone in drop or ():
                 store.drop(gone)
+            landings: Landings | None = self.__dict__.get("_asyncroll_landings")
+            if landings is not None:  # (their registrations, queued before, have run)
+                landings.expect(None)
+                landings.release_all()
             if not isinstance(engine, AsyncrollWeightTransferEngine):
                 return "no asyncroll weight-transfer engine in this worker"
             dropped = time.perf_counter()
@@ -792,7 +796,6 @@ class AsyncrollWorkerExtension:
                 store.release(landing)  # (``add`` holds nothing of a revision it refused)
                 raise
             registered = time.perf_counter()
-            landings: Landings | None = self.__dict__.get("_asyncroll_landings")
             if landings is not None:
                 landings.expect(known)  # the layout the landing thread's next pushes are of
             report = engine.last_report
@@ -816,10 +819,11 @@ class AsyncrollWorkerExtension:
                            exc_info=True)
             return f"{type(exc).__name__}: {exc}"
 
-    def asyncroll_open_landings(self, config: dict[str, Any]) -> None:
+    def asyncroll_open_landings(self, config: dict[str, Any], layout_key: str = "") -> None:
         """Receive adapter pushes from the sender ``config`` describes on a thread of this
-        worker's own, while the engine steps (``asyncroll.receive.adapter.Landings``); the
-        layout they are of is the last one an ``asyncroll_take_adapter`` took."""
+        worker's own, while the engine steps (``asyncroll.receive.adapter.Landings``); they
+        are of the layout named ``layout_key`` (then of the one each later
+        ``asyncroll_take_adapter`` takes; none: they fail until one does)."""
         store = store_of(self)
         if store is None:
             raise RuntimeError("the engine was started without LoRA (enable_lora=True)")
@@ -837,8 +841,8 @@ class AsyncrollWorkerExtension:
         landings = Landings(receiver, device, store.landing, store.release,
                             name=f"asyncroll-landings-rank{rank}")
         layouts: dict[str, tuple[Placement, ...]] = self.__dict__.get("_asyncroll_layouts", {})
-        if layouts:
-            landings.expect(next(reversed(layouts.values())))  # the most recently named
+        if layout_key in layouts:
+            landings.expect(layouts[layout_key])
         self._asyncroll_landings = landings
 
     def asyncroll_close_landings(self) -> None:
@@ -862,15 +866,18 @@ class AsyncrollWorkerExtension:
                 return "no landing thread in this worker (asyncroll_open_landings)"
             called = time.perf_counter()
             for gone in drop or ():
-                store.drop(gone)
+                try:
+                    store.drop(gone)
+                except Exception:  # the registration still goes on
+                    logger.warning("rank %s: dropping adapter revision %s failed",
+                                   getattr(self, "rank", "?"), gone, exc_info=True)
             take = landings.take(push)
             if take is None:
                 return f"push {push} did not land in this worker ({landings!r})"
             dropped = time.perf_counter()
             try:
-                how = store.add(revision, take, config)
+                how = store.add(revision, take, config, keep_on_failure=True)
             except Exception as exc:
-                store.hold(revision, take, config)
                 logger.warning("rank %s: registering adapter revision %s failed (vLLM loads it"
                                " when a step needs it): %r", getattr(self, "rank", "?"),
                                revision, exc, exc_info=True)

@@ -34,6 +34,7 @@ from asyncroll.adapters import AdapterConfig
 from asyncroll.recipes import BandTask, run_fully_async
 from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.contract import LateAction, retry_if_late
+from asyncroll.testing.faults import inject_fault
 from asyncroll.testing.lora import random_adapter, write_peft_adapter
 from asyncroll.trainer import ReferenceTrainer
 
@@ -368,6 +369,32 @@ async def test_later_revisions_land_while_the_engine_takes_no_step_and_the_next_
         assert await call == await vllms_own(lora_engine, folder, lora_id)
         await vllm_client(lora_engine).remove_lora(lora_id)
     assert len(port.registration_failures) == failures
+
+
+async def test_a_landed_revision_whose_registration_fails_is_served_from_where_it_landed(
+    lora_engine: VLLMEngine, manager: AsyncServerManager, lora_model: Path, tmp_path: Path
+) -> None:
+    # The push has returned before its registration runs: a registration that fails in the
+    # worker must not lose the revision. The worker keeps it as it landed, and vLLM builds it
+    # when a step first needs it: the calls on it sample what vLLM samples from a PEFT folder.
+    port = lora_engine.adapters
+    await manager.update_adapter("k", adapter(lora_model, 80), config=CONFIG, global_steps=1)
+    await manager.update_adapter("k", adapter(lora_model, 81), config=CONFIG, global_steps=2)
+    failures = len(port.registration_failures)
+    tensors = adapter(lora_model, 82)
+    async with inject_fault(lora_engine, "register"):
+        report = await manager.update_adapter("k", tensors, config=CONFIG, global_steps=3)
+        answers = await port.registered_last()
+    assert "verdicts" in report.stamps
+    assert answers[0]["registered"].startswith("held (RuntimeError: injected fault")
+    assert len(port.registration_failures) == failures + 1
+    folder = write_peft_adapter(tmp_path, tensors, CONFIG)
+    assert await outputs(manager, "k") == await vllms_own(lora_engine, folder, 907)
+    await vllm_client(lora_engine).remove_lora(907)
+    later = await manager.update_adapter("k", adapter(lora_model, 83), config=CONFIG,
+                                         global_steps=4)
+    assert "verdicts" in later.stamps
+    assert (await port.registered_last())[0]["registered"] in ("replayed", "vllm")
 
 
 async def test_a_landed_revision_the_worker_finds_altered_is_refused_and_the_last_serves_on(

@@ -14,7 +14,8 @@ the push is acknowledged: the weights are new, the update failed), ``skip`` (the
 Production code carries no hook of its own; this extension overrides the transfer engine's
 ``before_load``, ``to_load`` and ``after_load`` extension points on the live instance. And
 ``corrupt``: once every tensor is loaded, the worker changes the first element of parameter
-``tensor`` (a load that went wrong where nobody looked: the fingerprints must see it).
+``tensor`` (a load that went wrong where nobody looked: the fingerprints must see it). And
+``register``: the worker's next adapter registration fails inside vLLM's part of it, once.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from typing import Any, Literal
 import torch
 
 from asyncroll.testing.probes import ProbingExtension
+from asyncroll.vllm.lora import RevisionStore, store_of
 
 __all__ = ["FAULTS_EXTENSION", "FaultInjectingExtension", "FaultPoint", "inject_fault"]
 
 FAULTS_EXTENSION = "asyncroll.testing.faults.FaultInjectingExtension"
 """Pass as ``worker_extension_cls`` when launching an engine that tests inject faults into."""
 
-FaultPoint = Literal["load", "after_load", "skip", "corrupt"]
+FaultPoint = Literal["load", "after_load", "skip", "corrupt", "register"]
 
 
 class FaultInjectingExtension(ProbingExtension):
@@ -46,6 +48,9 @@ class FaultInjectingExtension(ProbingExtension):
         engine: Any = self.weight_transfer_engine  # type: ignore[attr-defined]
         for point_name in ("before_load", "to_load", "after_load"):
             engine.__dict__.pop(point_name, None)
+        store = store_of(self)
+        if store is not None:
+            store.__dict__.pop("_add", None)
         if rank is not None and self.parallel_config.rank != rank:  # type: ignore[attr-defined]
             return
         if point == "load":
@@ -60,6 +65,10 @@ class FaultInjectingExtension(ProbingExtension):
             if not tensor:
                 raise ValueError("a corrupt fault needs the parameter to corrupt")
             engine.after_load = _corrupting(engine, tensor)
+        elif point == "register":
+            if store is None:
+                raise ValueError("a register fault needs an engine with LoRA")
+            store._add = _failing_once(store)  # type: ignore[method-assign]
         elif point:
             raise ValueError(f"unknown fault point {point!r}")
 
@@ -106,3 +115,11 @@ def _corrupting(engine: Any, tensor: str) -> Any:
 
 def _fail_after_load() -> None:
     raise RuntimeError("injected failure after every tensor was loaded")
+
+
+def _failing_once(store: RevisionStore) -> Any:
+    def failing(*args: Any, **kwargs: Any) -> str:
+        del store.__dict__["_add"]  # once
+        raise RuntimeError("injected fault: the registration failed")
+
+    return failing

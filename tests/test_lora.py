@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import ENGINE_ARGS, until_decoding
+from engine_helpers import ENGINE_ARGS, inject_fault, until_decoding
 
 from asyncroll import (
     AsyncServerManager,
@@ -34,7 +34,6 @@ from asyncroll.adapters import AdapterConfig
 from asyncroll.recipes import BandTask, run_fully_async
 from asyncroll.testing import make_tiny_model, vllm_client
 from asyncroll.testing.contract import LateAction, retry_if_late
-from asyncroll.testing.faults import inject_fault
 from asyncroll.testing.lora import random_adapter, write_peft_adapter
 from asyncroll.trainer import ReferenceTrainer
 

@@ -687,17 +687,11 @@ class AsyncServerManager:
             if fill is None:
                 stamps["packed"] = packed_at
             peft = config.peft_config(plan.modules)
-            landing = self._landing(engines, packed, peft)
+            channel = self._landing(engines, packed, peft) or channel
             try:
-                if landing is not None:
-                    channel = landing
-                    push = await landing.push_landed(
-                        engines, packed, revision, peft, drop=dropped, fill=fill, stamps=stamps
-                    )
-                else:
-                    push = await channel.push_adapter(
-                        engines, packed, revision, peft, drop=dropped, fill=fill, stamps=stamps
-                    )
+                push = await channel.push_adapter(
+                    engines, packed, revision, peft, drop=dropped, fill=fill, stamps=stamps
+                )
             except BaseException as exc:
                 await shielded(self._forget(engines, [revision, *dropped]))
                 if not isinstance(exc, Exception) or isinstance(exc, InvalidRequestError):

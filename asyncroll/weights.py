@@ -540,27 +540,14 @@ class SenderChannel:
                 " on the tensors' device): the adapter's tensors must be CUDA tensors (push it"
                 " staged otherwise)"
             )
-        # (The chunks' own as well: the transport sends the prints of what it pushes.) Taken
-        # by the sender once it has signalled the pack's bucket: their reads then overlap the
-        # workers' copies.
         self._fingerprints = None
         stamps = stamps if stamps is not None else {}
-
-        def fingerprinted() -> dict[str, bytes]:
-            self._fingerprints = (
-                packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
-            )
-            stamps["printed"] = time.perf_counter()
-            return self._fingerprints
 
         def prepare() -> Prints | None:
             if self._receivers_go_first(sender):
                 stamps["take left"] = time.perf_counter()
-            if fill is not None:
-                stamps["filling"] = time.perf_counter()
-                fill()
-                stamps["filled"] = time.perf_counter()
-            return fingerprinted if self._verify else None
+            _filled(fill, stamps)
+            return self._adapter_prints(packed, stamps)
 
         sender = await self._connected(engines, tensors)
         version = revision.global_steps if revision.global_steps is not None else -1
@@ -720,6 +707,26 @@ class SenderChannel:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _adapter_prints(
+        self, packed: PackedAdapter, stamps: dict[str, float]
+    ) -> Callable[[], dict[str, bytes]] | None:
+        """What takes an adapter push's fingerprints (each tensor's, from the pack, and the
+        chunks' own: the transport sends the prints of what it pushes) when the sender calls
+        it, once it has signalled the pack's bucket: their reads then overlap the workers'
+        copies (``Prints``). None: the channel does not verify."""
+        if not self._verify:
+            return None
+
+        def fingerprinted() -> dict[str, bytes]:
+            chunks = packed.chunks
+            self._fingerprints = (
+                packed_fingerprints(chunks, packed.layout) | self._fingerprinter(chunks)
+            )
+            stamps["printed"] = time.perf_counter()
+            return self._fingerprints
+
+        return fingerprinted
+
     def _port(self, engine: Any) -> Any:
         """Where an engine's receivers attach (``ReceivingPort``'s attach, detach,
         ``attached_to``, ``num_workers``)."""
@@ -847,6 +854,14 @@ class SenderChannel:
         return sender
 
 
+def _filled(fill: Callable[[], Any] | None, stamps: dict[str, float]) -> None:
+    """Run an adapter push's ``fill`` (if any), stamped."""
+    if fill is not None:
+        stamps["filling"] = time.perf_counter()
+        fill()
+        stamps["filled"] = time.perf_counter()
+
+
 class LandingChannel(SenderChannel):
     """Adapter pushes to the engines' landing threads (``VLLMAdapterPort.landings``), which
     receive while the engines step: the push waits for no engine step, and each engine's
@@ -856,7 +871,7 @@ class LandingChannel(SenderChannel):
     def _port(self, engine: Any) -> Any:
         return engine.adapters.landings
 
-    async def push_landed(
+    async def push_adapter(
         self,
         engines: Sequence[Any],
         packed: PackedAdapter,
@@ -867,12 +882,12 @@ class LandingChannel(SenderChannel):
         fill: Callable[[], Any] | None = None,
         stamps: dict[str, float] | None = None,
     ) -> PushReport:
-        """Push an adapter (as ``push_adapter``) into every engine's landing threads, and
-        return once each worker has it, checked against the sender's fingerprints (their
-        verdicts), and each engine's registration is queued (every request sent from then on
-        may name ``revision``). ``fill``: writes the revision into ``packed`` first (an
-        ``InvalidRequestError`` it raises is raised as is, before any byte is sent).
-        ``drop``: revisions each engine forgets as it registers.
+        """Push an adapter (as ``SenderChannel.push_adapter``) into every engine's landing
+        threads, and return once each worker has it, checked against the sender's
+        fingerprints (their verdicts), and each engine's registration is queued (every request
+        sent from then on may name ``revision``). ``fill``: writes the revision into
+        ``packed`` first (an ``InvalidRequestError`` it raises is raised as is, before any
+        byte is sent). ``drop``: revisions each engine forgets as it registers.
 
         Raises:
             WeightSyncError: a worker's check failed, or the push did (no engine registers
@@ -885,22 +900,13 @@ class LandingChannel(SenderChannel):
             raise InvalidRequestError("an adapter lands through a staged ZeroMQ push only")
         sender = await self._connected(engines, tensors)
         assert isinstance(sender, WeightSender)
-        if fill is not None:
-            stamps["filling"] = time.perf_counter()
-            fill()
-            stamps["filled"] = time.perf_counter()
-
-        def fingerprinted() -> dict[str, bytes]:
-            prints = packed_fingerprints(tensors, packed.layout) | self._fingerprinter(tensors)
-            stamps["printed"] = time.perf_counter()
-            return prints
-
+        _filled(fill, stamps)
         version = revision.global_steps if revision.global_steps is not None else -1
         push_id = sender.next_push
         stamps["push began"] = time.perf_counter()
         try:
             report = await sender.push(
-                tensors, version=version, fingerprints=fingerprinted if self._verify else None,
+                tensors, version=version, fingerprints=self._adapter_prints(packed, stamps),
                 verdicts=True,
             )
         except BaseException:

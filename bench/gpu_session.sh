@@ -84,6 +84,14 @@ pack() {  # lanes pack side by side: each writes its own file, then renames it i
   cp "$W/logs/summary.txt" "$OUT/summary.txt" 2>/dev/null
 }
 
+halves() {  # sets the caller's pin0 and pin1: taskset to each half of the CPUs (empty without it)
+  local half=$(( $(nproc) / 2 ))
+  pin0="" pin1=""
+  if command -v taskset >/dev/null; then
+    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
+  fi
+}
+
 run() {  # run NAME GPUS COMMAND...: one logged step of a lane; says how it ended
   local name=$1 gpus=$2; shift 2
   local began=$SECONDS left=$((DEADLINE - SECONDS))
@@ -387,10 +395,8 @@ phase_twentysixth() {  # 2 GPUs: issue 45's push with the pack written while the
 phase_twentyseventh() {  # 2 GPUs: issue 45's LoRA rollout with the spread control, this tree
   # (GPU 0, the first half of the CPUs); issue 42's slow turns (GPU 1, the other half)
   mkdir -p "$W/results/lora11" "$W/results/turns3"
-  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
-  if command -v taskset >/dev/null; then
-    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
-  fi
+  local pin0 pin1
+  halves
   run lora-7b-rollout-fill 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora11" \
     --size 7b --rank 64 --sections push,rollout --revisions 8 --repeats 4 --window 20 --warm 5 \
     --rounds 3 --spread 6 &
@@ -404,10 +410,8 @@ phase_twentyeighth() {  # 2 GPUs: issue 45's push with the pack written and chec
   # take travels, then the LoRA tests but the TP=2 one (this tree, GPU 0, the first half of the
   # CPUs); the tree before (.old), then issue 42's slow turns (GPU 1, the other half)
   mkdir -p "$W/results/lora12" "$W/results/lora12-old" "$W/results/turns4"
-  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
-  if command -v taskset >/dev/null; then
-    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
-  fi
+  local pin0 pin1
+  halves
   (
     run lora-7b-push-fill2 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora12" --size 7b \
       --rank 64 --sections push --revisions 8 --repeats 20
@@ -426,10 +430,8 @@ phase_twentyeighth() {  # 2 GPUs: issue 45's push with the pack written and chec
 
 phase_twentyninth() {  # 2 GPUs: issue 45's push with its prints taken after the signal (this
   # tree) beside the tree in .old, twice, the GPUs swapped between the runs
-  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
-  if command -v taskset >/dev/null; then
-    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
-  fi
+  local pin0 pin1
+  halves
   for round in 1 2; do
     local new=0 old=1 pnew=$pin0 pold=$pin1
     [ "$round" = 2 ] && new=1 old=0 pnew=$pin1 pold=$pin0
@@ -449,10 +451,8 @@ phase_thirtieth() {  # 2 GPUs: issue 45's landed adapter pushes, idle and with 2
   # LoRA and transport tests but the TP=2 one, then the full-weight push of this tree and of
   # .old (GPU 1, the other half)
   mkdir -p "$W/results/lora14" "$W/results/push-new" "$W/results/push-old"
-  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
-  if command -v taskset >/dev/null; then
-    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
-  fi
+  local pin0 pin1
+  halves
   run lora-7b-landed 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora14" --size 7b \
     --rank 64 --sections push,rollout --revisions 8 --repeats 10 --window 15 --warm 5 \
     --rounds 3 &
@@ -471,10 +471,8 @@ phase_thirtieth() {  # 2 GPUs: issue 45's landed adapter pushes, idle and with 2
 phase_thirtyfirst() {  # 2 GPUs: the full-weight push of .old, then this tree (GPU 0); the
   # loop's slow turns, with the callbacks queued at each (GPU 1)
   mkdir -p "$W/results/push-old2" "$W/results/push-new2" "$W/results/turns5"
-  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
-  if command -v taskset >/dev/null; then
-    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
-  fi
+  local pin0 pin1
+  halves
   (
     run push-7b-old2 0 $pin0 $OLD_ENV python3 .old/bench/gpu_e2e.py --sections push --sizes 7b \
       --out "$W/results/push-old2"
@@ -489,10 +487,8 @@ phase_thirtyfirst() {  # 2 GPUs: the full-weight push of .old, then this tree (G
 phase_thirtysecond() {  # 2 GPUs: issue 45's landed pushes again, admissions now paced (GPU 0);
   # issue 42's slow turns with paced admissions, then the LoRA trainer test three times (GPU 1)
   mkdir -p "$W/results/lora15" "$W/results/turns6"
-  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
-  if command -v taskset >/dev/null; then
-    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
-  fi
+  local pin0 pin1
+  halves
   run lora-7b-landed2 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora15" --size 7b \
     --rank 64 --sections push,rollout --revisions 8 --repeats 10 --window 15 --warm 5 \
     --rounds 3 &
@@ -511,10 +507,8 @@ phase_thirtythird() {  # 2 GPUs: issue 45's landed pushes, idle and under load w
   # timeline, the registration sent eagerly; the workers' switch interval 1 ms (GPU 0, this
   # tree's default) beside Python's 5 ms (GPU 1), at the same time, one round each
   mkdir -p "$W/results/lora16-1ms" "$W/results/lora16-5ms"
-  local half=$(( $(nproc) / 2 )) pin0="" pin1=""
-  if command -v taskset >/dev/null; then
-    pin0="taskset -c 0-$((half - 1))" pin1="taskset -c $half-$(( $(nproc) - 1 ))"
-  fi
+  local pin0 pin1
+  halves
   run lora-7b-switch-1ms 0 $pin0 python3 bench/gpu_lora.py --out "$W/results/lora16-1ms" \
     --size 7b --rank 64 --sections push,rollout --revisions 8 --repeats 10 --window 15 \
     --warm 5 --rounds 1 &

@@ -437,6 +437,19 @@ async def test_a_landed_revision_the_worker_finds_altered_is_refused_and_the_las
     report = await manager.update_adapter("a", adapter(lora_model, 74), config=CONFIG,
                                           global_steps=5)
     assert "verdicts" in report.stamps
+    # A revision that is not finite is refused on this path too before any byte leaves
+    # (no registration either), and the next one still lands.
+    served = await outputs(manager, "a")
+    sent.clear()
+    monkeypatch.setattr(lora_engine, "rpc_sent", spied)
+    nan = {name: torch.full_like(t, float("nan")) for name, t in adapter(lora_model, 75).items()}
+    with pytest.raises(InvalidRequestError, match="non-finite"):
+        await manager.update_adapter("a", nan, config=CONFIG, global_steps=6)
+    assert sent == [] and manager.adapters["a"].global_steps == 5
+    assert await outputs(manager, "a") == served
+    report = await manager.update_adapter("a", adapter(lora_model, 76), config=CONFIG,
+                                          global_steps=7)
+    assert "verdicts" in report.stamps and sent == ["asyncroll_register_adapter"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="one-copy pushes read CUDA IPC")

@@ -322,6 +322,7 @@ class SenderChannel:
         check_finite: bool = True,
         strict_dtype: bool = False,
         verify: bool = True,
+        land: bool = False,
     ) -> None:
         if backend not in ("auto", "shm", "cuda_ipc", "broadcast"):
             raise InvalidRequestError(
@@ -331,7 +332,11 @@ class SenderChannel:
             raise InvalidRequestError("one_copy=True reads through CUDA IPC: not with broadcast")
         if load not in ("auto", "layerwise", "direct"):
             raise InvalidRequestError(f"load must be auto, layerwise or direct, not {load!r}")
-        for option, value in (("load_plan", load_plan), ("one_copy", one_copy), ("verify", verify)):
+        if backend == "broadcast" and land:
+            raise InvalidRequestError("land=True receives through CUDA IPC or shm: not broadcast")
+        for option, value in (
+            ("load_plan", load_plan), ("one_copy", one_copy), ("verify", verify), ("land", land)
+        ):
             if not isinstance(value, bool):
                 raise InvalidRequestError(f"{option} must be True or False, not {value!r}")
         if buffers is not None and (
@@ -361,6 +366,7 @@ class SenderChannel:
         self._check_finite = check_finite
         self._strict_dtype = strict_dtype
         self._verify = verify
+        self._land = land
         self._fingerprinter = Fingerprinter()
         self._lazy_fingerprinter = Fingerprinter()
         self._known_prints: dict[str, bytes] = {}
@@ -502,6 +508,8 @@ class SenderChannel:
     ) -> PushReport:
         """Push ``tensors`` into every engine's workers. The ``INFLIGHT_MODES``: the engines
         are not paused; each commits the push between two of its steps (``ReceivingPort``)."""
+        if self._land:
+            return await self._landed(engines, tensors, version, mode=mode)
         sender = await self._connected(engines, tensors)
         try:
             return await self._transfer(engines, sender, tensors, version, mode=mode)
@@ -707,6 +715,52 @@ class SenderChannel:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _landed(
+        self,
+        engines: Sequence[Any],
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        mode: ResumeMode,
+    ) -> PushReport:
+        """``land=True``: the push lands in every worker's landing thread while the engines
+        step (``asyncroll.receive.landing``), is checked there against the fingerprints, and
+        returns once each worker's verdict is in; only then does each engine's take load it
+        (``take(landed=True)``): in the inflight modes, between two steps, with no byte left
+        to wait for. A push that fails to land anywhere commits nothing anywhere."""
+        lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
+        if lazy:
+            raise InvalidRequestError(
+                f"land=True lands whole tensors: not lazy tensors or pieces ({lazy[0]!r}, ...)"
+            )
+        missing = [e.name for e in engines if getattr(e.weights, "landing", None) is None]
+        if missing:
+            raise InvalidRequestError(
+                f"{', '.join(missing)} cannot land a push (no landing thread: a VLLMEngine can)"
+            )
+        sender = await self._connected(engines, tensors)
+        assert isinstance(sender, WeightSender)
+        push_id = sender.next_push
+        self._delivered = {}
+        report = await sender.push(
+            tensors, version=version, one_copy=self._one_copy, fingerprints=self._fingerprints,
+            verdicts=True,
+        )
+
+        async def taken(engine: Any) -> None:
+            delivery = await engine.weights.take(version, push=push_id, mode=mode, landed=True)
+            if delivery is not None:
+                self._delivered[engine.name] = delivery
+
+        takes = [asyncio.ensure_future(taken(engine)) for engine in engines]
+        try:
+            await _until(None, takes)
+        finally:
+            for task in takes:
+                task.cancel()
+            await asyncio.gather(*takes, return_exceptions=True)
+        return report
+
     def _adapter_prints(
         self, packed: PackedAdapter, stamps: dict[str, float]
     ) -> Callable[[], dict[str, bytes]] | None:
@@ -729,8 +783,8 @@ class SenderChannel:
 
     def _port(self, engine: Any) -> Any:
         """Where an engine's receivers attach (``ReceivingPort``'s attach, detach,
-        ``attached_to``, ``num_workers``)."""
-        return engine.weights
+        ``attached_to``, ``num_workers``): its workers' landing threads with ``land``."""
+        return engine.weights.landing if self._land else engine.weights
 
     def _receivers_go_first(self, sender: WeightSender | BroadcastSender) -> bool:
         """Whether the takes leave before the sender's first step (``_transfer``)."""
@@ -953,6 +1007,7 @@ class WeightPusher(VersionedUpdater):
         check_finite: bool = True,
         strict_dtype: bool = False,
         verify: bool = True,
+        land: bool = False,
     ) -> None:
         """Args:
             engines: Engines launched with asyncroll's weight-transfer backend (the default).
@@ -995,6 +1050,12 @@ class WeightPusher(VersionedUpdater):
                 model (a parameter of that name, or the one contiguous range the load plan
                 copies it to) against it, and a mismatch fails the push, naming the tensor
                 (then the engines roll back or hold, as for any failed push).
+            land: Each push lands in a thread of every worker's own while the engines step,
+                is checked there, and only then is loaded (``asyncroll.receive.landing``): an
+                ``inflight`` update then holds each engine between two steps only for the
+                device copies into its parameters and their check, never for the transfer.
+                Costs the workers memory for one copy of the pushed tensors when staged (none
+                with ``one_copy``, whose landing is the trainer's storages).
         """
         self._sender_channel = SenderChannel(
             engines,
@@ -1009,6 +1070,7 @@ class WeightPusher(VersionedUpdater):
             check_finite=check_finite,
             strict_dtype=strict_dtype,
             verify=verify,
+            land=land,
         )
         super().__init__(engines, self._sender_channel)
 

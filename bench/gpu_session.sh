@@ -50,6 +50,9 @@
 #                                         # the worker's switch interval 1 ms (0) beside 5 (1)
 #   bash bench/gpu_session.sh thirtysecond # 2 GPUs: landed adapter rollout with paced admission
 #                                         # (0); slow turns paced, the LoRA trainer test x3 (1)
+#   bash bench/gpu_session.sh thirtyfourth # 2 GPUs: inflight updates landed first against
+#                                         # received in the commit, rollout (0); the CUDA
+#                                         # tests of the update path (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -538,6 +541,21 @@ phase_twentysecond() {  # 2 GPUs: issue 44's batched column exchanges, A/B again
     cp "$W/multi-$size/gpu_multi.json" "$W/results/multi/gpu_multi-$size-batched.json" 2>/dev/null
     rm -rf "$W/multi-$size"
   done
+}
+
+phase_thirtyfourth() {  # 2 GPUs: issue 42's inflight updates landed first (land=True,
+  # staged and one copy) against received in the commit's RPC, with the loop's slow turns,
+  # two rounds (GPU 0); the CUDA tests of the update path, the landing's among them (GPU 1)
+  mkdir -p "$W/results/landed"
+  local pin0 pin1
+  halves
+  run rollout-landed 0 $pin0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,inflight,inflight-land,inflight-land-1copy --rounds 2 --slow-turns \
+    --out "$W/results/landed" &
+  run pytest-update-path 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py tests/test_landing.py \
+    tests/test_receive.py tests/test_weights.py tests/test_update_pause.py &
+  wait
 }
 
 for phase in "$@"; do

@@ -275,17 +275,22 @@ async def run_policy(
     jobs: list[tuple[list[int], int]], interval: float, *, concurrency: int = CONCURRENCY,
     slow_turns: bool = False,
 ) -> dict[str, Any]:
-    # ``-1copy``: the same policy, pushed in one copy from the trainer's own storages;
-    # ``-roll``: over several engines, updated one at a time (``rolling=1``)
+    # Suffixes, in any order: ``-1copy``: the same policy, pushed in one copy from the
+    # trainer's own storages; ``-land``: each push lands in the workers first
+    # (``WeightPusher(land=True)``); ``-roll``: over several engines, updated one at a time
+    # (``rolling=1``)
     engines = engine if isinstance(engine, list) else [engine]
     engine = engines[0]
-    base = policy.removesuffix("-1copy").removesuffix("-roll")
-    rolling = 1 if policy.endswith("-roll") else 0
+    base, suffixes = policy, set()
+    while (suffix := next((x for x in ("-1copy", "-land", "-roll") if base.endswith(x)), None)):
+        base, suffixes = base.removesuffix(suffix), suffixes | {suffix}
+    rolling = 1 if "-roll" in suffixes else 0
     mode: ResumeMode = check_resume_mode(base) if base in RESUME_MODES else "abort"
     pusher = None
-    if policy.endswith("-1copy"):
+    if suffixes & {"-1copy", "-land"}:
         inflight = mode in INFLIGHT_MODES
-        pusher = WeightPusher(engines, one_copy=True, backup=True if inflight else None)
+        pusher = WeightPusher(engines, one_copy="-1copy" in suffixes,
+                              land="-land" in suffixes, backup=True if inflight else None)
     admission = Admission()
     queue: asyncio.Queue[tuple[int, list[int], int]] = asyncio.Queue()
     for i, (prompt, n) in enumerate(jobs):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -61,10 +62,13 @@ def weights_of(token: int) -> int:
     return token
 
 
-@pytest.fixture
-async def pusher(engine: VLLMEngine, tiny_model_a: Path):  # type: ignore[no-untyped-def]
-    """A pusher with small buckets into the shared engine, which gets model A back after."""
-    pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS, backup=True)
+@pytest.fixture(params=[False, True], ids=["received", "landed"])
+async def pusher(  # type: ignore[no-untyped-def]
+    request: pytest.FixtureRequest, engine: VLLMEngine, tiny_model_a: Path
+):
+    """A pusher with small buckets into the shared engine, which gets model A back after:
+    received in the commit's RPC, or landed first (``land=True``)."""
+    pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS, backup=True, land=request.param)
     try:
         yield pusher
     finally:
@@ -255,6 +259,102 @@ async def test_a_bad_tensor_is_refused_before_anything_is_committed(
     with pytest.raises(InvalidRequestError, match="lm_head"):
         await pusher.update(weights, global_steps=label + 1, mode="inflight")
     assert engine.global_steps == label and not engine.is_paused
+
+
+async def test_a_landed_push_arrives_while_the_engine_takes_no_step(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``land=True``: with the engine's step loop held (an RPC that waits), the whole push
+    lands and passes every worker's check: the take, which the pusher sends only once the
+    verdicts are in, is sent while the loop is still held. Once the loop goes on, the take
+    commits between two steps and the engine serves the new weights under their label."""
+    old, new = telling(tiny_model_a, OLD), telling(tiny_model_a, NEW)
+    pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS, backup=True, land=True)
+    held, release, taking = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await reader.readexactly(4) == b"held"
+        held.set()
+        await release.wait()
+        writer.write(b"go")
+        await writer.drain()
+        writer.close()
+
+    take = engine.weights.take
+
+    async def spied(*args: Any, **kwargs: Any) -> Any:
+        assert kwargs.get("landed") is True
+        taking.set()
+        return await take(*args, **kwargs)
+
+    try:
+        steps = (engine.global_steps or 0) + 1
+        await pusher.update(old, global_steps=steps, mode="inflight")
+        monkeypatch.setattr(engine.weights, "take", spied)
+        server = await asyncio.start_server(holder, "127.0.0.1", 0)
+        hold = asyncio.ensure_future(engine.collective_rpc(
+            "asyncroll_hold_steps", args=(server.sockets[0].getsockname()[1],)))
+        try:
+            await held.wait()
+            update = asyncio.ensure_future(
+                pusher.update(new, global_steps=steps + 1, mode="inflight"))
+            await taking.wait()  # every byte landed and was checked
+            assert not hold.done() and not update.done()
+        finally:
+            release.set()
+            assert await hold == [True]
+            server.close()
+        report = await update
+        delivery = report.deliveries[engine.name]
+        assert delivery.verified == len(new) and delivery.not_verifiable == 0
+        probe = await engine.generate(f"landed-probe-{steps}", prompt_ids=[2], sampling_params={
+            "max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+        assert probe.token_ids == (NEW,) * 2 and probe.global_steps == (steps + 1,) * 2
+    finally:
+        monkeypatch.undo()
+        await pusher.update(load_weights(tiny_model_a), global_steps=(engine.global_steps or 0) + 1)
+        await pusher.aclose()
+
+
+async def test_bytes_that_differ_from_their_fingerprints_commit_nothing(
+    engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's fingerprint of one tensor does not match its bytes (as a push altered on
+    its way would): the inflight update fails, the engine serves its previous weights under
+    their label (landed: refused in the landing, no take sent; received: rolled back in the
+    take), and the next update goes through."""
+    old, new = telling(tiny_model_a, OLD), telling(tiny_model_a, NEW)
+    steps = (engine.global_steps or 0) + 1
+    await pusher.update(old, global_steps=steps, mode="inflight")
+    channel = pusher.channel
+    real = channel._fingerprinter
+    takes = 0
+    take = engine.weights.take
+
+    def altered(tensors: Any, *args: Any, **kwargs: Any) -> dict[str, bytes]:
+        prints = real(tensors, *args, **kwargs)
+        prints["model.norm.weight"] = bytes(len(prints["model.norm.weight"]))
+        return prints
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal takes
+        takes += 1
+        return await take(*args, **kwargs)
+
+    monkeypatch.setattr(channel, "_fingerprinter", altered)
+    monkeypatch.setattr(engine.weights, "take", counted)
+    with pytest.raises(WeightSyncError, match=r"model\.norm\.weight"):
+        await pusher.update(new, global_steps=steps + 1, mode="inflight")
+    assert takes == (0 if channel._land else 1)
+    monkeypatch.undo()
+    assert engine.global_steps == steps and not engine.is_paused
+    probe = await engine.generate(f"refused-probe-{steps}", prompt_ids=[2], sampling_params={
+        "max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    assert probe.token_ids == (OLD,) * 2 and probe.global_steps == (steps,) * 2
+    await pusher.update(new, global_steps=steps + 1, mode="inflight")
+    probe = await engine.generate(f"refused-after-{steps}", prompt_ids=[2], sampling_params={
+        "max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+    assert probe.token_ids == (NEW,) * 2 and probe.global_steps == (steps + 1,) * 2
 
 
 @retry_if_late

@@ -59,6 +59,17 @@ class Rollback:
         served state in with one fused copy, where a clone per tensor allocated and launched a
         copy for each of them every update."""
         self._keeps_copies = False
+        self._prepared = False
+        """``_saved`` holds the served state already (``prepare``): the next direct ``begin``
+        with a backup copies nothing."""
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Copy the served state into the backup ahead of the next ``begin`` (which then
+        copies nothing): on a thread of the caller's own while the model serves (it only reads
+        the model), after the last update ended and before the next begins. On a GPU the copy
+        is queued on the caller's stream: the caller waits for it before that ``begin``."""
+        self._saved = _copy_state(model, self._saved)
+        self._prepared = True
 
     def begin(
         self,
@@ -75,11 +86,14 @@ class Rollback:
         self.pending = {}
         self._backup = None
         self._keeps_copies = backup and not direct
+        prepared, self._prepared = self._prepared, False
         if not backup:
             self.shadow = None  # it would go stale: this push does not keep copies
             self._saved = {}  # nor its memory
         elif direct:
-            self._backup = self._saved = _copy_state(model, self._saved)
+            if not prepared:
+                self._saved = _copy_state(model, self._saved)
+            self._backup = self._saved
         elif self.shadow is None and not self.unknown:
             self.shadow = checkpoint()
 
@@ -116,6 +130,7 @@ class Rollback:
         seeds one)."""
         self.active = self.mixed = False
         self._backup = None
+        self._prepared = False  # the served state changed
         if self.shadow is not None:
             self.shadow.update(self.pending)
         elif self._keeps_copies and covers_checkpoint(self.pending):

@@ -33,7 +33,7 @@ import os
 import secrets
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -54,7 +54,14 @@ from asyncroll.transport.packing import SpanAssembler, dtype_by_name, slot_view
 from asyncroll.transport.plan import Part, Slot
 from asyncroll.transport.security import RateLimitedLog
 
-__all__ = ["LoadFn", "PlaceFn", "ReceiveReport", "ReceiverStatistics", "WeightReceiver"]
+__all__ = [
+    "LoadFn",
+    "PlaceFn",
+    "ReceiveReport",
+    "ReceiverStatistics",
+    "WeightReceiver",
+    "persistent_batch",
+]
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +192,19 @@ class _Batch(list[tuple[str, torch.Tensor]]):
         for item in super().__iter__():
             self.current = item[0]
             yield item
+
+
+def persistent_batch(
+    tensors: Iterable[tuple[str, torch.Tensor]], *, layout: object
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs as one batch that is a whole push and whose sources persist
+    (as a one-copy push's): for a loader given tensors that outlive the call (a landed push,
+    ``asyncroll.receive.landing``). ``layout`` as ``_Batch.layout``."""
+    batch = _Batch()
+    list.extend(batch, tensors)
+    batch.sources_persist = batch.whole_push = True
+    batch.layout = layout
+    return batch
 
 
 class WeightReceiver:

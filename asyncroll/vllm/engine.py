@@ -824,6 +824,39 @@ class _Taken:
     """An inflight take committed in the engine and marked each request's boundary."""
 
 
+class _WeightLandingPort:
+    """The workers' landing threads (``asyncroll.receive.landing``), as a sender's receivers:
+    a ``SenderChannel(land=True)`` attaches them instead of the workers' receivers, and each
+    push it lands is then loaded by a take with ``landed=True``."""
+
+    def __init__(self, port: VLLMWeightPort) -> None:
+        self._port = port
+        self._attached_to: object | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return self._port.num_workers
+
+    @property
+    def attached_to(self) -> object | None:
+        return self._attached_to
+
+    async def attach(self, config: Mapping[str, Any], *, owner: object) -> None:
+        """Start every worker's landing thread on the sender ``config`` describes."""
+        engine = self._port._engine
+        await engine.collective_rpc("asyncroll_bind_weight_transfer_engine")
+        await engine.collective_rpc(
+            "asyncroll_open_weight_landing", kwargs={"config": {**config, "name": engine.name}}
+        )
+        self._attached_to = owner
+        self._port._layerwise = config.get("load", "layerwise") == "layerwise"
+
+    async def detach(self) -> None:
+        """Stop the landing threads (their receivers release their mappings)."""
+        self._attached_to = None
+        await self._port._engine.collective_rpc("asyncroll_close_weight_landing")
+
+
 class VLLMWeightPort:
     """A ``VLLMEngine``'s update surface (``asyncroll.interfaces.ReceivingPort``): vLLM's
     weight-update protocol, with asyncroll's transport in the workers (``asyncroll.vllm.worker``).
@@ -845,6 +878,8 @@ class VLLMWeightPort:
         self.prepacked_experts: tuple[str, ...] = ()
         """The expert layers the workers keep in a layout of their own (found at start-up):
         no ``load="direct"`` push (``direct_load_refusal``)."""
+        self.landing = _WeightLandingPort(self)
+        """Where a ``SenderChannel(land=True)`` attaches: the workers' landing threads."""
         self.finish_in_receive = compat.worker_runs_the_session()
         """The workers finish an update in the take's RPC, and ``commit`` only labels it: one
         RPC less an update (about 0.9 ms of a 7B update on an H100). On by default where the
@@ -910,9 +945,13 @@ class VLLMWeightPort:
         push: int = 0,
         mode: ResumeMode = "keep",
         sent: Callable[[], None] | None = None,
+        landed: bool = False,
     ) -> Delivery | None:
         """Take a push in one RPC (``asyncroll_take_update``): the workers begin the update,
         load it, check it and, where they can (``finish_in_receive``), finish it.
+
+        ``landed``: the push landed in the workers' landing threads already (``landing``),
+        checked; the RPC loads it from there, and waits for no byte.
 
         An ``INFLIGHT_MODES`` take finds the engine running: the workers load, check and
         finish in the RPC, which vLLM's EngineCore runs between two steps, and the new weights
@@ -946,7 +985,7 @@ class VLLMWeightPort:
         self._taken = None
         finish = self.finish_in_receive or inflight
         kwargs: dict[str, Any] = {
-            "update_info": {"version": version, "push": push},
+            "update_info": {"version": version, "push": push, "landed": landed},
             "layerwise": self._layerwise,
             "finish": finish,
         }

@@ -53,6 +53,7 @@ from asyncroll.adapters import LAYOUTS_KEPT, Placement, placements
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.receive.adapter import AdapterTake, Landing, Landings
 from asyncroll.receive.check import PushCheck, check_delivered
+from asyncroll.receive.landing import LandedPush, WeightLanding
 from asyncroll.receive.load_plan import LoadPlan, PlanStatistics
 from asyncroll.receive.rollback import Rollback
 from asyncroll.transport import WeightReceiver
@@ -120,6 +121,8 @@ class UpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
     push: int = 0
     """The sender's id of the push to take: earlier pushes' messages are stale (0: the next)."""
+    landed: bool = False
+    """The push landed already (``open_landing``): load it from there, not the receiver."""
 
 
 class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
@@ -163,6 +166,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._repacking: tuple[torch.nn.Module, list[str]] | None = None
         self._planning = False
         """The last push loaded through the plan."""
+        self._landing: WeightLanding | None = None
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         self.shutdown()
@@ -215,25 +219,67 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         started the layerwise reload (and will finish it) around this call, or, for a
         ``direct`` load (``start_weight_update(is_checkpoint_format=False)``), started nothing:
         its loader copies kernel-format names, so the model's own loader is used instead."""
-        assert self._receiver is not None and self._info is not None
+        assert self._info is not None, "init_weight_transfer_engine or open_landing first"
         self._push_id = update_info.push
         self.entered = time.perf_counter()
+        landed: LandedPush | None = None
+        if update_info.landed:
+            if self._landing is None:
+                raise WeightSyncError("no landing thread in this worker (open_landing)")
+            landed = self._landing.take(update_info.push)
+            if landed is None:
+                raise WeightSyncError(
+                    f"push {update_info.push} did not land in this worker ({self._landing!r})"
+                )
         self.check.begin()
         with _outside_device_context() as self._device_context:
             try:
-                self._receive(load_weights)
+                self._receive(load_weights, landed)
             finally:
                 self._device_context = contextlib.nullcontext
 
+    def open_landing(self, config: Mapping[str, Any]) -> None:
+        """Receive pushes from the sender ``config`` describes on a thread of this worker's
+        own, while the engine steps (``asyncroll.receive.landing``); an update whose
+        ``UpdateInfo.landed`` is set then loads the push landed there."""
+        self.close_landing()
+        rank = self.parallel_config.rank
+        receiver = WeightReceiver.from_config(
+            {key: config[key] for key in ("address", "secret", "nonce", "timeout_ms")},
+            name=f"{config.get('name', 'engine')}-rank{rank}-landing",
+        )
+        receiver.connect()
+        device = torch.device(self.device) if self.device is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._landing = WeightLanding(
+            receiver, device, prepare=self._prepare_backup, name=f"asyncroll-landing-rank{rank}"
+        )
+
+    def close_landing(self) -> None:
+        """Stop the landing thread, if any (``open_landing``)."""
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            landing.close()
+
+    def _prepare_backup(self) -> None:
+        """The backup of the served weights, taken ahead of the commit (on the landing's
+        thread and stream: ``Rollback.prepare``), where a direct load keeps one."""
+        if self._info is not None and self._info.backup and self.direct:
+            with torch.no_grad():
+                self.rollback.prepare(self.model)
+
     def _receive(
-        self, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None
+        self,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None,
+        landed: LandedPush | None = None,
     ) -> None:
         """``receive_weights`` outside vLLM's ``torch.device`` mode: every tensor op of the
         hot path (slot views, the plan's copies, its checks) would otherwise run through a
         Python ``__torch_function__`` (three times slower an op; on a 7B push most of the
         receiver's time). The model's own loaders run inside it again (``_under_device``), as
         vLLM calls them."""
-        assert self._receiver is not None and self._info is not None
+        assert self._info is not None and (self._receiver is not None or landed is not None)
         worker_driven = load_weights is not None
         direct = self.direct
         loader: Callable[[list[tuple[str, torch.Tensor]]], Any] = (
@@ -341,9 +387,12 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self.check.verify(self.model, self._active_plan(), report, received)
 
         try:
-            if isinstance(self._receiver, BroadcastReceiver):
+            if landed is not None:
+                check(landed.replay(load))
+            elif isinstance(self._receiver, BroadcastReceiver):
                 self._receiver.receive(load, place=place, after=check)
             else:
+                assert self._receiver is not None
                 check(self._receiver.receive(load, place=place, push=self._push_id))
         except BaseException:
             with self._device_context():  # a rollback reloads through vLLM, as it expects
@@ -448,6 +497,8 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         )
 
     def shutdown(self) -> None:
+        """Close the receiver (vLLM's ``shutdown_weight_transfer_engine``, and a detach). A
+        landing thread is another sender's: it stops on its own call (``close_landing``)."""
         if self._plan is not None:  # it holds views of the receiver's buffers
             self._plan.forget_sources()
         if self._receiver is not None:
@@ -729,6 +780,25 @@ class AsyncrollWorkerExtension:
             if inflight and not self.asyncroll_abort_weight_update():
                 why += " (and no backup to restore: the weights are torn)"
             return why
+
+    def asyncroll_open_weight_landing(self, config: dict[str, Any]) -> None:
+        """Receive full-weight pushes from the sender ``config`` describes on a thread of this
+        worker's own, while the engine steps (``AsyncrollWeightTransferEngine.open_landing``);
+        ``config`` also says how they load (``InitInfo``: backup, load, plan), where no
+        receiver of the worker's own was set up."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(engine, AsyncrollWeightTransferEngine):
+            raise RuntimeError("the engine was started without asyncroll's weight transfer")
+        if engine._info is None:
+            known = {field.name for field in dataclasses.fields(InitInfo)}
+            engine._info = InitInfo(**{k: v for k, v in config.items() if k in known})
+        engine.open_landing(config)
+
+    def asyncroll_close_weight_landing(self) -> None:
+        """Stop the landing thread, if any (``asyncroll_open_weight_landing``)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if isinstance(engine, AsyncrollWeightTransferEngine):
+            engine.close_landing()
 
     def asyncroll_abort_weight_update(self) -> bool:
         """End a weight update that did not finish (the trainer failed or was cancelled after

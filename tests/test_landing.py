@@ -1,0 +1,111 @@
+"""A full-weight push landed on a thread of its own (``asyncroll.receive.landing``), without
+vLLM: a real sender and receiver over shared memory, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from asyncroll.errors import WeightSyncError
+from asyncroll.fingerprints import fingerprints
+from asyncroll.receive.landing import WeightLanding
+from asyncroll.transport import ShmBackend, WeightReceiver, WeightSender, open_weight_sender
+from asyncroll.transport.piece import Piece
+
+KB = 1 << 10
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    """A few tensors, one larger than a bucket (it travels in pieces, reassembled)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(64, 96, generator=generator),  # 24 KiB: spans buckets
+        "q": torch.randn(16, 16, generator=generator).to(torch.bfloat16),
+        "norm": torch.randn(16, generator=generator),
+    }
+
+
+@pytest.fixture
+async def landed() -> AsyncIterator[tuple[WeightSender, WeightLanding, list[int]]]:
+    prepared: list[int] = []
+    async with open_weight_sender(
+        backend=ShmBackend(), bucket_bytes=16 * KB, receivers=1, ack_timeout=30
+    ) as sender:
+        receiver = WeightReceiver.from_config(sender.receiver_config(), name="r0", timeout=30)
+        await asyncio.gather(asyncio.to_thread(receiver.connect), sender.wait_receivers(1))
+        landing = WeightLanding(receiver, torch.device("cpu"),
+                                prepare=lambda: prepared.append(1))
+        try:
+            yield sender, landing, prepared
+        finally:
+            await asyncio.to_thread(landing.close)
+
+
+async def test_a_push_lands_checked_and_replays_as_one_persistent_batch(
+    landed: tuple[WeightSender, WeightLanding, list[int]],
+) -> None:
+    """The push returns once the landing checked it against the fingerprints (its verdict)
+    and prepared; its replay hands every tensor, equal to the pushed one, in one batch that
+    is the whole push and whose sources persist. A second push of other values lands in the
+    same memory, under the same layout."""
+    sender, landing, prepared = landed
+    layouts, addresses = [], []
+    for seed in (1, 2):
+        tensors = weights(seed)
+        push = sender.next_push
+        await sender.push(tensors, version=seed, fingerprints=fingerprints(tensors),
+                          verdicts=True)
+        assert prepared == [1] * seed
+        landed_push = landing.take(push)
+        assert landed_push is not None and landing.take(push) is None  # taken once
+        batches: list[list[tuple[str, torch.Tensor]]] = []
+        report = landed_push.replay(batches.append)
+        assert report.version == seed and set(report.fingerprints) == set(tensors)
+        (batch,) = batches
+        assert batch.whole_push and batch.sources_persist  # type: ignore[attr-defined]
+        got = dict(batch)
+        assert got.keys() == tensors.keys()
+        for name, tensor in tensors.items():
+            assert torch.equal(got[name], tensor), name
+        layouts.append(landed_push.layout)
+        addresses.append({name: t.data_ptr() for name, t in batch})
+    assert layouts[0] is layouts[1] and addresses[0] == addresses[1]
+    assert landing.arena_bytes == sum(t.numel() * t.element_size() for t in weights(0).values())
+
+
+async def test_a_tensor_that_differs_from_its_fingerprint_is_refused_and_the_next_lands(
+    landed: tuple[WeightSender, WeightLanding, list[int]],
+) -> None:
+    sender, landing, prepared = landed
+    tensors = weights(3)
+    prints = fingerprints(tensors)
+    prints["q"] = bytes(len(prints["q"]))
+    push = sender.next_push
+    with pytest.raises(WeightSyncError, match=r"differ from what was pushed.*'q'"):
+        await sender.push(tensors, version=1, fingerprints=prints, verdicts=True)
+    assert landing.take(push) is None and prepared == []  # nothing to commit, no backup
+    del prints["q"]
+    with pytest.raises(WeightSyncError, match=r"without a fingerprint.*'q'"):
+        await sender.push(tensors, version=2, fingerprints=prints, verdicts=True)
+    push = sender.next_push
+    await sender.push(tensors, version=3, fingerprints=fingerprints(tensors), verdicts=True)
+    landed_push = landing.take(push)
+    assert landed_push is not None and landed_push.report.version == 3
+    assert (landing.landed, landing.failed) == (1, 2)
+
+
+async def test_pieces_of_tensors_do_not_land(
+    landed: tuple[WeightSender, WeightLanding, list[int]],
+) -> None:
+    """A sharded trainer's pieces would need a load plan to place them: a landing refuses
+    them, naming one, and lands nothing."""
+    sender, landing, _ = landed
+    whole = torch.randn(8, 4)
+    push = sender.next_push
+    with pytest.raises(WeightSyncError, match="pieces of tensors"):
+        await sender.push({"w": Piece(whole[:4].contiguous(), whole=(8, 4), offset=0)}, version=1,
+                          verdicts=True)
+    assert landing.take(push) is None

@@ -861,17 +861,18 @@ async def vllm_ipc_baseline(
 async def rollout(res: Results, work: Path, interval: float, policies: list[str],
                   slow_turns: bool, eager: bool = False,
                   batch: dict[str, int] | None = None, rounds: int = 1,
-                  num_engines: int = 1) -> None:
+                  num_engines: int = 1, size: str = "0.5b") -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import rollout_throughput as rt
 
-    folder = write_config(work / "rollout-0.5b", SHAPES["0.5b"])
-    tensors = random_weights(SHAPES["0.5b"])
+    folder = write_config(work / f"rollout-{size}", SHAPES[size])
+    tensors = random_weights(SHAPES[size])
     # With CUDA graphs a 384-request run lasts ~12 s: 1024 requests give updates enough.
     jobs = [(prompt, min(1000, n * 2))
             for prompt, n in rt.workload((384 if eager else 1024) * num_engines, seed=0)]
     concurrency = 256 * num_engines
-    res.record("rollout", "workload", {"requests": len(jobs), "tokens": sum(n for _, n in jobs),
+    res.record("rollout", "workload", {"shape": size,
+                                       "requests": len(jobs), "tokens": sum(n for _, n in jobs),
                                        "concurrency": concurrency, "engines": num_engines,
                                        "update every s": interval})
     table = {}
@@ -934,6 +935,7 @@ def _rounds_summary(rounds_run: list[dict[str, dict[str, Any]]],
             ],
         }
         for key in ("update_stall_ms", "update_stall_worst_ms", "step_gap_median_ms",
+                    "commit_gap_ms", "commit_stall_beyond_step_ms",
                     "loop_worst_ms", "receive_ms", "group_ms", "reprefill_per_update"):
             row[f"{key}, each round"] = [run[policy].get(key) for run in rounds_run]
         if "none" in policies:
@@ -966,6 +968,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policies", default="none,abort,keep,recompute,drain")
     parser.add_argument("--rollout-engines", type=_positive, default=1,
                         help="rollout: engines sharing the GPU (for -roll policies: rolling=1)")
+    parser.add_argument("--rollout-size", default="0.5b", choices=sorted(SHAPES),
+                        help="rollout: the model shape (random weights)")
     parser.add_argument("--rounds", type=_positive, default=1,
                         help="rollout: run the policies in turn this many times; each ratio is"
                              " taken against the same round's none (its median is reported)")
@@ -1040,7 +1044,8 @@ async def main(args: argparse.Namespace) -> int:
             steps.append(("rollout", lambda: rollout(res, work, args.interval,
                                                      args.policies.split(","),
                                                      args.slow_turns, args.eager, batch,
-                                                     args.rounds, args.rollout_engines)))
+                                                     args.rounds, args.rollout_engines,
+                                                     args.rollout_size)))
         await run_steps(res, steps)
     return finish(res)
 

@@ -53,6 +53,8 @@
 #   bash bench/gpu_session.sh thirtyfourth # 2 GPUs: inflight updates landed first against
 #                                         # received in the commit, rollout (0); the CUDA
 #                                         # tests of the update path (1)
+#   bash bench/gpu_session.sh thirtyfifth # 2 GPUs: the same with the commit's own gap, the 0.5B
+#                                         # (0) and the 7B (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -555,6 +557,24 @@ phase_thirtyfourth() {  # 2 GPUs: issue 42's inflight updates landed first (land
   run pytest-update-path 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
     python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py tests/test_landing.py \
     tests/test_receive.py tests/test_weights.py tests/test_update_pause.py &
+  wait
+}
+
+phase_thirtyfifth() {  # 2 GPUs: issue 42's landed inflight updates with the commit's own gap
+  # and its RPC by phase: the 0.5B rollout, then the landed tests again (GPU 0); the 7B
+  # rollout, one copy landed and not (GPU 1)
+  mkdir -p "$W/results/landed2" "$W/results/landed-7b"
+  local pin0 pin1
+  halves
+  (
+    run rollout-landed2 0 $pin0 python3 bench/gpu_e2e.py --sections rollout \
+      --policies none,inflight,inflight-land,inflight-1copy,inflight-land-1copy --rounds 2 \
+      --slow-turns --out "$W/results/landed2"
+    run pytest-landed 0 $pin0 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py -k "landed or arrives"
+  ) &
+  run rollout-landed-7b 1 $pin1 python3 bench/gpu_e2e.py --sections rollout --rollout-size 7b \
+    --policies none,inflight-1copy,inflight-land-1copy --rounds 1 --out "$W/results/landed-7b" &
   wait
 }
 

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +299,7 @@ async def run_policy(
     resumed = 0
     receives: dict[str, list[float]] = collections.defaultdict(list)  # the workers' view
     groups: list[list[float]] = []  # a rolling update's, each group's seconds
+    commits: list[tuple[float, float]] = []  # an inflight update's RPC in the worker
     async with AsyncServerManager(engines, resume_mode=mode, weights=pusher,
                                   rolling=rolling) as manager:
         if policy != "none":  # the first update attaches the pusher and learns the load plan
@@ -364,11 +365,21 @@ async def run_policy(
                             receives[key].append(float(worker.get(key, 0.0)))
                         receives["rpc"].append(worker.get("returned", 0.0)
                                                - worker.get("called", 0.0))
+                        if worker.get("called"):
+                            commits.append((worker["called"], worker["returned"]))
+                        marks = worker.get("stamps") or {}
+                        before = worker.get("called", 0.0)
+                        for key in ("entered", "loaded", "checked", "updated", "finished"):
+                            if key in marks and before:  # the commit RPC, phase by phase
+                                receives[f"rpc: to {key}"].append(marks[key] - before)
+                                before = marks[key]
+                        if before and worker.get("returned"):
+                            receives["rpc: to return"].append(worker["returned"] - before)
                     admission.open.set()
                     updates += 1
         elapsed = time.perf_counter() - started
         stats = manager.statistics()
-        stalls = await engine_stalls(engine, started, windows)
+        stalls = await engine_stalls(engine, started, windows, commits)
         if len(engines) > 1:
             stalls["stalls_by_engine"] = {
                 e.name: await engine_stalls(e, started, windows) for e in engines
@@ -402,10 +413,15 @@ async def run_policy(
     }
 
 
-async def engine_stalls(engine: VLLMEngine, since: float, windows: list[float]) -> dict[str, Any]:
+async def engine_stalls(
+    engine: VLLMEngine, since: float, windows: list[float],
+    commits: Sequence[tuple[float, float]] = (),
+) -> dict[str, Any]:
     """The engine's own view: the gaps between its steps (the workers stamp each step's start,
     ``asyncroll_step_times``). Per update, the longest gap between two steps that overlaps the
-    update; beside it the median gap of the whole run (a step's own time)."""
+    update; beside it the median gap of the whole run (a step's own time). ``commits``: an
+    inflight update's RPC in the worker (its start and end on the same clock): the gap that
+    holds it, and that gap beyond the median step (what the commit cost the engine)."""
     try:
         times = (await engine.collective_rpc("asyncroll_step_times", kwargs={"since": since}))[0]
     except Exception as exc:  # an older worker: no stamps
@@ -418,8 +434,18 @@ async def engine_stalls(engine: VLLMEngine, since: float, windows: list[float]) 
         inside = [b - a for a, b in gaps if b > start and a < end]
         if inside:
             per_update.append(max(inside))
+    median_gap = statistics.median(b - a for a, b in gaps)
+    holding = [next((b - a for a, b in gaps if a <= called and b >= returned), None)
+               for called, returned in commits]
+    held = [gap for gap in holding if gap is not None]
+    commit_stalls = {
+        "commit_gap_ms": round(statistics.median(held) * 1e3, 2),
+        "commit_gap_worst_ms": round(max(held) * 1e3, 2),
+        "commit_stall_beyond_step_ms": round((statistics.median(held) - median_gap) * 1e3, 2),
+    } if held else {}
     return {
-        "step_gap_median_ms": round(statistics.median(b - a for a, b in gaps) * 1e3, 2),
+        **commit_stalls,
+        "step_gap_median_ms": round(median_gap * 1e3, 2),
         "update_stall_ms": round(statistics.median(per_update) * 1e3, 2) if per_update else None,
         "update_stall_worst_ms": round(max(per_update) * 1e3, 2) if per_update else None,
     }

@@ -59,6 +59,7 @@ class ProbingExtension(AsyncrollWorkerExtension):
             "entered": getattr(engine, "entered", report.began),
             "called": getattr(engine, "called", 0.0),
             "returned": getattr(engine, "returned", 0.0),
+            "stamps": dict(getattr(engine, "stamps", {})),
         }
         stats = (
             engine.plan_statistics

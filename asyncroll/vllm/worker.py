@@ -155,6 +155,9 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         (a failed one, or a push through vLLM's own ``update_weights``, leaves them): with
         ``entered`` and the report, what vLLM's start of the update and the worker's work
         after the receive cost, apart from the RPC's way in and out (benchmarks)."""
+        self.stamps: dict[str, float] = {}
+        """The last receive's points on this host's clock (a landed push's: ``entered``,
+        ``loaded``, ``checked``; benchmarks)."""
         self.check = PushCheck()
         """The check of what each push loaded (``asyncroll.receive.check``)."""
         self.rollback = Rollback()
@@ -222,6 +225,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         assert self._info is not None, "init_weight_transfer_engine or open_landing first"
         self._push_id = update_info.push
         self.entered = time.perf_counter()
+        self.stamps = {"entered": self.entered}
         landed: LandedPush | None = None
         if update_info.landed:
             if self._landing is None:
@@ -388,7 +392,10 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
 
         try:
             if landed is not None:
-                check(landed.replay(load))
+                report = landed.replay(load)
+                self.stamps["loaded"] = time.perf_counter()
+                check(report)
+                self.stamps["checked"] = time.perf_counter()
             elif isinstance(self._receiver, BroadcastReceiver):
                 self._receiver.receive(load, place=place, after=check)
             else:
@@ -764,11 +771,13 @@ class AsyncrollWorkerExtension:
             engine = getattr(worker, "weight_transfer_engine", None)
             if not isinstance(engine, AsyncrollWeightTransferEngine):
                 return None  # not finished here: the adapter sends the finish RPC
+            engine.stamps["updated"] = time.perf_counter()
             delivered = delivery_of(engine)
             if delivered is None:
                 return None  # (likewise)
             if finish or inflight:
                 worker.finish_weight_update()
+                engine.stamps["finished"] = time.perf_counter()
             delivered["finished"] = finish or inflight  # else the adapter finishes
             if counter is not None and inflight:
                 delivered["sampled"] = counter.report()

@@ -55,6 +55,8 @@
 #                                         # tests of the update path (1)
 #   bash bench/gpu_session.sh thirtyfifth # 2 GPUs: the same with the commit's own gap, the 0.5B
 #                                         # (0) and the 7B (1)
+#   bash bench/gpu_session.sh thirtysixth # 2 GPUs: three rounds, the stall beyond a length-biased
+#                                         # step (0); the landed tests, the 7B (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -575,6 +577,25 @@ phase_thirtyfifth() {  # 2 GPUs: issue 42's landed inflight updates with the com
   ) &
   run rollout-landed-7b 1 $pin1 python3 bench/gpu_e2e.py --sections rollout --rollout-size 7b \
     --policies none,inflight-1copy,inflight-land-1copy --rounds 1 --out "$W/results/landed-7b" &
+  wait
+}
+
+phase_thirtysixth() {  # 2 GPUs: issue 42's landed inflight updates, three rounds, with the
+  # commit's stall beyond a length-biased step and the load plan's statistics (GPU 0); the
+  # 7B again and the landed tests (GPU 1)
+  mkdir -p "$W/results/landed3" "$W/results/landed-7b2"
+  local pin0 pin1
+  halves
+  run rollout-landed3 0 $pin0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,inflight,inflight-land,inflight-1copy,inflight-land-1copy --rounds 3 \
+    --out "$W/results/landed3" &
+  (
+    run pytest-landed2 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py tests/test_landing.py
+    run rollout-landed-7b2 1 $pin1 python3 bench/gpu_e2e.py --sections rollout \
+      --rollout-size 7b --policies none,inflight-1copy,inflight-land-1copy --rounds 1 \
+      --out "$W/results/landed-7b2"
+  ) &
   wait
 }
 

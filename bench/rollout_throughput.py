@@ -300,6 +300,7 @@ async def run_policy(
     receives: dict[str, list[float]] = collections.defaultdict(list)  # the workers' view
     groups: list[list[float]] = []  # a rolling update's, each group's seconds
     commits: list[tuple[float, float]] = []  # an inflight update's RPC in the worker
+    plan: dict[str, Any] = {}
     async with AsyncServerManager(engines, resume_mode=mode, weights=pusher,
                                   rolling=rolling) as manager:
         if policy != "none":  # the first update attaches the pusher and learns the load plan
@@ -367,6 +368,9 @@ async def run_policy(
                                                - worker.get("called", 0.0))
                         if worker.get("called"):
                             commits.append((worker["called"], worker["returned"]))
+                        plan = {k: worker[k] for k in ("planned", "learned", "fallback", "calls",
+                                                       "remembered", "plan_check_seconds")
+                                if k in worker}  # the last update's load plan
                         marks = worker.get("stamps") or {}
                         before = worker.get("called", 0.0)
                         for key in ("entered", "loaded", "checked", "updated", "finished"):
@@ -407,6 +411,7 @@ async def run_policy(
         **stalls,
         "receive_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in receives.items()},
         "engines": len(engines),
+        "plan": plan,
         # a rolling update: each group's update (median over the updates), and the whole roll
         "group_ms": [round(statistics.median(g) * 1e3, 1) for g in zip(*groups, strict=True)]
         if groups else [],
@@ -435,6 +440,9 @@ async def engine_stalls(
         if inside:
             per_update.append(max(inside))
     median_gap = statistics.median(b - a for a, b in gaps)
+    # A commit arrives at a random time: the step it waits behind is drawn by its length
+    # (the inspection paradox), so its expected gap without any commit is sum(g^2) / sum(g).
+    biased_gap = sum((b - a) ** 2 for a, b in gaps) / sum(b - a for a, b in gaps)
     holding = [next((b - a for a, b in gaps if a <= called and b >= returned), None)
                for called, returned in commits]
     held = [gap for gap in holding if gap is not None]
@@ -442,10 +450,13 @@ async def engine_stalls(
         "commit_gap_ms": round(statistics.median(held) * 1e3, 2),
         "commit_gap_worst_ms": round(max(held) * 1e3, 2),
         "commit_stall_beyond_step_ms": round((statistics.median(held) - median_gap) * 1e3, 2),
+        "commit_stall_beyond_biased_step_ms": round(
+            (statistics.mean(held) - biased_gap) * 1e3, 2),
     } if held else {}
     return {
         **commit_stalls,
         "step_gap_median_ms": round(median_gap * 1e3, 2),
+        "step_gap_length_biased_ms": round(biased_gap * 1e3, 2),
         "update_stall_ms": round(statistics.median(per_update) * 1e3, 2) if per_update else None,
         "update_stall_worst_ms": round(max(per_update) * 1e3, 2) if per_update else None,
     }

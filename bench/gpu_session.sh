@@ -57,6 +57,7 @@
 #                                         # (0) and the 7B (1)
 #   bash bench/gpu_session.sh thirtysixth # 2 GPUs: three rounds, the stall beyond a length-biased
 #                                         # step (0); the landed tests, the 7B (1)
+#   bash bench/gpu_session.sh thirtyseventh # 2 GPUs: a 0.5B's copies fused (0); copy tests (1)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -596,6 +597,20 @@ phase_thirtysixth() {  # 2 GPUs: issue 42's landed inflight updates, three round
       --rollout-size 7b --policies none,inflight-1copy,inflight-land-1copy --rounds 1 \
       --out "$W/results/landed-7b2"
   ) &
+  wait
+}
+
+phase_thirtyseventh() {  # 2 GPUs: issue 42's inflight commits with a 0.5B's copies fused
+  # (bound by their launches), one round (GPU 0); the CUDA tests of the copies (GPU 1)
+  mkdir -p "$W/results/landed4"
+  local pin0 pin1
+  halves
+  run rollout-landed4 0 $pin0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,inflight,inflight-land,inflight-land-1copy --rounds 1 \
+    --out "$W/results/landed4" &
+  run pytest-copies 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_transport_plan.py \
+    tests/test_load_plan.py tests/test_receive.py &
   wait
 }
 

@@ -343,7 +343,8 @@ def test_a_batch_of_copies_bound_by_its_launches_fuses_them_up_to_its_limit(
     mib = 1 << 20
     assert fuse_limit([3 * mib] * 18_000 + [400 * mib]) == 16 * mib
     assert fuse_limit([40 * mib] * 300 + [4096] * 100) == FUSE_BYTES  # a dense 7B's
-    assert fuse_limit([3 * mib] * 300) == FUSE_BYTES  # too few to be bound by launches
+    assert fuse_limit([3 * mib] * 300) == 16 * mib  # a 0.5B's: bound by its launches too
+    assert fuse_limit([3 * mib] * 40) == FUSE_BYTES  # too few to be bound by launches
     assert fuse_limit([]) == FUSE_BYTES
     monkeypatch.setattr(packing, "LAUNCH_BOUND_COPIES", 3)
     dsts = [torch.empty(FUSE_BYTES // 4 + 1) for _ in range(3)]  # each just over FUSE_BYTES

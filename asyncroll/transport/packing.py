@@ -53,12 +53,15 @@ ms with this, 2026-11-29 on an H200). Fused copies run at about 80% of a memcpy'
 sets it for a benchmark's A/B (read at import, in every process; 1048576: as before
 2026-11-29)."""
 
-LAUNCH_BOUND_COPIES: Final = 1024
+LAUNCH_BOUND_COPIES: Final = 64
 """A batch of at least this many copies, averaging less than ``LAUNCH_BOUND_BYTES``, is bound
-by its launches: 10 ms and more of host time a push, far more than its copies take on the
-device. Fewer copies (a dense model's few hundred, a staged bucket's) overlap their launches
-with the device's work, and keep the path measured for them (a dense 7B: 11.4 ms fused up to
-1 MiB, 11.9 ms fused up to 16 MiB, the same run)."""
+by its launches: a copy's 10-14 us of host time moves 20-30 MB on an H200, so a batch of
+smaller copies spends more time issuing them than the device spends copying (a mixture's
+18,867 expert tensors; a 0.5B's 290 tensors of 3.4 MB on average: its inflight commit spent
+4.7-5.7 ms issuing about 1 ms of copies, 2026-11-30). A dense 7B's copies average 44 MB:
+their launches overlap the device's work, and keep the path measured for them (11.4 ms
+fused up to 1 MiB, 11.9 ms fused up to 16 MiB, the same run). Below this count the
+launches are too few to matter. (Until 2026-11-30: 1024, which left the 0.5B unfused.)"""
 
 
 def fuse_limit(sizes: Sequence[int]) -> int:

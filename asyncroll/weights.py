@@ -754,7 +754,8 @@ class SenderChannel:
 
         takes = [asyncio.ensure_future(taken(engine)) for engine in engines]
         try:
-            await _until(None, takes)
+            async with asyncio.timeout(self._timeout * 2):  # (an engine alive but stuck)
+                await _until(None, takes)
         finally:
             for task in takes:
                 task.cancel()

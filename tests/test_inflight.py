@@ -318,6 +318,66 @@ async def test_a_landed_push_arrives_while_the_engine_takes_no_step(
         await pusher.aclose()
 
 
+@pytest.mark.parametrize("when", ["before its take", "while its take runs"])
+async def test_a_landed_update_cancelled_around_its_take_leaves_the_engine_whole_and_labelled(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """``land=True``, the caller cancelled once the push has landed: before its take is sent
+    (nothing is committed; the landed push is never taken, and the next one replaces it), or
+    while the take runs between two steps (it commits, and the engine still carries the new
+    label). Either way the engine serves wholly old or wholly new weights under their label,
+    a request decoding across it is labelled token by token, and the next update lands."""
+    sets = {OLD: telling(tiny_model_a, OLD), NEW: telling(tiny_model_a, NEW)}
+    pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS, backup=True, land=True)
+    update: asyncio.Task[object] | None = None
+    take = engine.weights.take
+
+    async def cancelling(*args: Any, **kwargs: Any) -> Any:
+        assert update is not None
+        if when == "before its take":
+            update.cancel()
+            await asyncio.sleep(0)  # cancelled here: the take never leaves
+        running = asyncio.ensure_future(take(*args, **kwargs))
+        for _ in range(3):  # the RPC is out
+            await asyncio.sleep(0)
+        update.cancel()
+        return await running
+
+    try:
+        steps = (engine.global_steps or 0) + 1
+        await pusher.update(sets[OLD], global_steps=steps, mode="inflight")
+        running = asyncio.create_task(engine.generate(
+            f"landed-cancel-{steps}", prompt_ids=[4],
+            sampling_params={"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}))
+        await until_decoding(engine, [running])
+        monkeypatch.setattr(engine.weights, "take", cancelling)
+        update = asyncio.create_task(
+            pusher.update(sets[NEW], global_steps=steps + 1, mode="inflight"))
+        with pytest.raises(asyncio.CancelledError):
+            await update
+        monkeypatch.undo()
+        label = steps if when == "before its take" else steps + 1
+        serving = OLD if when == "before its take" else NEW
+        assert engine.global_steps == label and not engine.is_paused
+        probe = await engine.generate(f"landed-cancel-probe-{steps}", prompt_ids=[2],
+                                      sampling_params={"max_tokens": 2, "temperature": 0.0,
+                                                       "ignore_eos": True})
+        assert probe.token_ids == (serving,) * 2 and probe.global_steps == (label,) * 2
+        segment = await running
+        for token, label_of in zip(segment.token_ids, segment.global_steps, strict=True):
+            assert label_of == (steps if weights_of(token) == OLD else steps + 1)
+        target = NEW if serving == OLD else OLD
+        await pusher.update(sets[target], global_steps=label + 1, mode="inflight")
+        probe = await engine.generate(f"landed-cancel-after-{steps}", prompt_ids=[2],
+                                      sampling_params={"max_tokens": 2, "temperature": 0.0,
+                                                       "ignore_eos": True})
+        assert probe.token_ids == (target,) * 2 and probe.global_steps == (label + 1,) * 2
+    finally:
+        monkeypatch.undo()
+        await pusher.update(load_weights(tiny_model_a), global_steps=(engine.global_steps or 0) + 1)
+        await pusher.aclose()
+
+
 async def test_bytes_that_differ_from_their_fingerprints_commit_nothing(
     engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -149,6 +149,35 @@ def test_a_failed_direct_push_with_a_backup_restores_every_parameter_and_buffer(
     assert not rollback.active and not rollback.mixed
 
 
+def test_a_backup_prepared_ahead_is_what_the_next_update_restores_and_only_that_one() -> None:
+    """``prepare`` (a landing thread's, while the model serves) copies the served state ahead
+    of the next ``begin``, which then copies nothing: a failed update restores the state as
+    it was prepared. An update that commits uses the prepared copy up, so the next ``begin``
+    copies the state again (a stale copy would restore weights no longer served)."""
+    model, rollback = Tiny(), Rollback()
+    prepared = {n: t.clone() for n, t in model.state_dict().items()}
+    rollback.prepare(model)
+    with torch.no_grad():  # (were ``begin`` to copy, it would back this up instead)
+        model.scale.add_(1.0)
+    rollback.begin(model, backup=True, direct=True, checkpoint=lambda: None)
+    rollback.loading()
+    model.load_weights(weights(8).items())
+    assert rollback.abort(model) is True
+    assert all(torch.equal(t, prepared[n]) for n, t in model.state_dict().items())
+    rollback.prepare(model)
+    rollback.begin(model, backup=True, direct=True, checkpoint=lambda: None)
+    model.load_weights(weights(9).items())
+    rollback.loaded(list(weights(9).items()))
+    rollback.commit(lambda pending: True)
+    served = {n: t.clone() for n, t in model.state_dict().items()}
+    assert not torch.equal(served["up.weight"], prepared["up.weight"])
+    rollback.begin(model, backup=True, direct=True, checkpoint=lambda: None)  # copies again
+    rollback.loading()
+    model.load_weights(weights(10).items())
+    assert rollback.abort(model) is True
+    assert all(torch.equal(t, served[n]) for n, t in model.state_dict().items())
+
+
 def test_without_a_backup_a_touched_model_is_mixed_until_a_push_lands() -> None:
     model, rollback = Tiny(), Rollback()
     rollback.begin(model, backup=False, direct=True, checkpoint=lambda: None)

@@ -309,7 +309,7 @@ def test_the_small_slots_fused_and_the_rest_as_spans_pack_the_whole_bucket(
     ``pack_bucket``, the rest as address ranges; together they write every byte that
     ``pack_bucket`` writes, and each slot is in exactly one of the two. A bucket of big slots
     is all address ranges."""
-    monkeypatch.setattr(packing, "LAUNCH_BOUND_COPIES", 3)  # four slots, launch-bound here
+    monkeypatch.setattr(packing, "SENDER_LAUNCH_BOUND_COPIES", 3)  # four slots: launch-bound
     monkeypatch.setattr(packing, "LAUNCH_BOUND_BYTES", 16 << 20)  # whatever the environment
     big = packing.LAUNCH_BOUND_BYTES // 4 + 1  # float32 elements
     tensors = {"a": torch.arange(3.0), "big": torch.rand(big), "b": torch.rand(5, 2),
@@ -345,6 +345,10 @@ def test_a_batch_of_copies_bound_by_its_launches_fuses_them_up_to_its_limit(
     assert fuse_limit([40 * mib] * 300 + [4096] * 100) == FUSE_BYTES  # a dense 7B's
     assert fuse_limit([3 * mib] * 300) == 16 * mib  # a 0.5B's: bound by its launches too
     assert fuse_limit([3 * mib] * 40) == FUSE_BYTES  # too few to be bound by launches
+    # The sender's driver copies cost a tenth of ``copy_``'s: its bar is higher.
+    sender = packing.SENDER_LAUNCH_BOUND_COPIES
+    assert fuse_limit([3 * mib] * 300, copies=sender) == FUSE_BYTES
+    assert fuse_limit([3 * mib] * 18_000, copies=sender) == 16 * mib
     assert fuse_limit([]) == FUSE_BYTES
     monkeypatch.setattr(packing, "LAUNCH_BOUND_COPIES", 3)
     dsts = [torch.empty(FUSE_BYTES // 4 + 1) for _ in range(3)]  # each just over FUSE_BYTES

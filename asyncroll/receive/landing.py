@@ -110,6 +110,11 @@ class WeightLanding:
         """The memory the landing keeps for staged pushes."""
         return sum(t.numel() * t.element_size() for t in self._arena.values())
 
+    def holds(self, push: int) -> bool:
+        """Push ``push`` has landed and waits for ``take``."""
+        landed = self._landed
+        return landed is not None and landed.push == push
+
     def take(self, push: int) -> LandedPush | None:
         """Push ``push``, landed and checked (None: it did not land here, or not last)."""
         with self._lock:
@@ -198,6 +203,7 @@ class WeightLanding:
             layout = shared[0] if shared else self._layout_of(tensors)
             with self._lock:
                 self._landed = LandedPush(report.push, report, tuple(tensors), layout)
+            self.landed += 1  # (before the verdict: the sender may read it once it returns)
 
         try:
             self._receiver.receive(load, check=check)
@@ -205,7 +211,6 @@ class WeightLanding:
             self.failed += 1
             self.last_failure = f"{type(exc).__name__}: {exc}"
             raise
-        self.landed += 1
 
     def _slot(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The arena's tensor for ``name``, shaped as ``like`` (new memory where it was not)."""

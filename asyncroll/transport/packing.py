@@ -64,11 +64,18 @@ fused up to 1 MiB, 11.9 ms fused up to 16 MiB, the same run). Below this count t
 launches are too few to matter. (Until 2026-11-30: 1024, which left the 0.5B unfused.)"""
 
 
-def fuse_limit(sizes: Sequence[int]) -> int:
+SENDER_LAUNCH_BOUND_COPIES: Final = 1024
+"""``LAUNCH_BOUND_COPIES`` for the sender's packing (``fused_slots``), whose unfused copies are
+the driver's (about 1 us of host time each, not ``copy_``'s 10-14): a staged bucket of a 0.5B
+(about 150 slots of 3.4 MB) stays unfused there, as measured before 2026-11-30."""
+
+
+def fuse_limit(sizes: Sequence[int], *, copies: int | None = None) -> int:
     """The largest copy to fuse in a batch of copies of ``sizes`` bytes: ``FUSE_BYTES``, or
-    ``LAUNCH_BOUND_BYTES`` where the batch is bound by its launches (``LAUNCH_BOUND_COPIES``
-    copies or more, averaging less than it)."""
-    if len(sizes) >= LAUNCH_BOUND_COPIES and sum(sizes) < LAUNCH_BOUND_BYTES * len(sizes):
+    ``LAUNCH_BOUND_BYTES`` where the batch is bound by its launches (``copies`` or more,
+    by default ``LAUNCH_BOUND_COPIES``, averaging less than it)."""
+    least = LAUNCH_BOUND_COPIES if copies is None else copies
+    if len(sizes) >= least and sum(sizes) < LAUNCH_BOUND_BYTES * len(sizes):
         return max(LAUNCH_BOUND_BYTES, FUSE_BYTES)
     return FUSE_BYTES
 
@@ -215,7 +222,8 @@ def fused_slots(bucket: Bucket) -> tuple[Bucket, Bucket | None]:
     of host time each) and, where the bucket is bound by its launches (``fuse_limit``), those of
     at most ``LAUNCH_BOUND_BYTES`` (whole tensors, two or more) to copy in one fused launch
     (``pack_bucket``); None for the second where there is nothing to fuse."""
-    limit = fuse_limit([s.nbytes for s in bucket.slots if s.nbytes])
+    limit = fuse_limit([s.nbytes for s in bucket.slots if s.nbytes],
+                       copies=SENDER_LAUNCH_BOUND_COPIES)
     if limit == FUSE_BYTES:
         return bucket, None
     small = [s for s in bucket.slots if 0 < s.nbytes <= limit and not s.spanning]

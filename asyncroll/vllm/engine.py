@@ -832,6 +832,9 @@ class _WeightLandingPort:
     def __init__(self, port: VLLMWeightPort) -> None:
         self._port = port
         self._attached_to: object | None = None
+        self.layerwise = True
+        """The landing threads' pushes load with vLLM's layerwise reload (the ``load`` told
+        at their attach; the workers' own receivers may have been told otherwise)."""
 
     @property
     def num_workers(self) -> int:
@@ -849,7 +852,7 @@ class _WeightLandingPort:
             "asyncroll_open_weight_landing", kwargs={"config": {**config, "name": engine.name}}
         )
         self._attached_to = owner
-        self._port._layerwise = config.get("load", "layerwise") == "layerwise"
+        self.layerwise = config.get("load", "layerwise") == "layerwise"
 
     async def detach(self) -> None:
         """Stop the landing threads (their receivers release their mappings)."""
@@ -986,7 +989,7 @@ class VLLMWeightPort:
         finish = self.finish_in_receive or inflight
         kwargs: dict[str, Any] = {
             "update_info": {"version": version, "push": push, "landed": landed},
-            "layerwise": self._layerwise,
+            "layerwise": self.landing.layerwise if landed else self._layerwise,
             "finish": finish,
         }
         if inflight:

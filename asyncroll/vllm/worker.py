@@ -170,11 +170,16 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._planning = False
         """The last push loaded through the plan."""
         self._landing: WeightLanding | None = None
+        self._receiver_info: InitInfo | None = None
+        self._landing_info: InitInfo | None = None
+        """How the pushes of the worker's own receiver, and of its landing thread, load: each
+        sender told its own (``InitInfo``); ``_info`` is the one of the push in progress
+        (``select``)."""
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         self.shutdown()
         rank = self.parallel_config.rank
-        self._info = init_info
+        self._info = self._receiver_info = init_info
         if init_info.transport == "broadcast":  # blocks until the whole group has joined
             device = torch.device(self.device) if self.device is not None else torch.device("cpu")
             self._receiver = BroadcastReceiver.join(
@@ -226,6 +231,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._push_id = update_info.push
         self.entered = time.perf_counter()
         self.stamps = {"entered": self.entered}
+        self.select(landed=update_info.landed)
         landed: LandedPush | None = None
         if update_info.landed:
             if self._landing is None:
@@ -242,11 +248,25 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             finally:
                 self._device_context = contextlib.nullcontext
 
+    def select(self, *, landed: bool) -> None:
+        """Load the push that comes next as its sender said: the landing thread's
+        (``landed``), or the worker's own receiver's."""
+        info = self._landing_info if landed else self._receiver_info
+        if info is not None:
+            self._info = info
+
+    def holds_landed(self, push: int) -> bool:
+        """Push ``push`` has landed here and waits for its take."""
+        return self._landing is not None and self._landing.holds(push)
+
     def open_landing(self, config: Mapping[str, Any]) -> None:
         """Receive pushes from the sender ``config`` describes on a thread of this worker's
         own, while the engine steps (``asyncroll.receive.landing``); an update whose
-        ``UpdateInfo.landed`` is set then loads the push landed there."""
+        ``UpdateInfo.landed`` is set then loads the push landed there, as ``config`` says
+        (``InitInfo``: backup, load, plan)."""
         self.close_landing()
+        known = {field.name for field in dataclasses.fields(InitInfo)}
+        self._landing_info = InitInfo(**{k: v for k, v in config.items() if k in known})
         rank = self.parallel_config.rank
         receiver = WeightReceiver.from_config(
             {key: config[key] for key in ("address", "secret", "nonce", "timeout_ms")},
@@ -264,13 +284,16 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Stop the landing thread, if any (``open_landing``)."""
         landing, self._landing = self._landing, None
         if landing is not None:
+            if self._plan is not None:  # it keeps views of the landed tensors
+                self._plan.forget_sources()
             landing.close()
 
     def _prepare_backup(self) -> None:
         """The backup of the served weights, taken ahead of the commit (on the landing's
         thread and stream: ``Rollback.prepare``), where a direct load keeps one."""
-        if self._info is not None and self._info.backup and self.direct:
-            with torch.no_grad():
+        info = self._landing_info
+        if info is not None and info.backup and info.load == "direct" and not self.rollback.active:
+            with torch.no_grad():  # (an update in progress keeps the backup it took)
                 self.rollback.prepare(self.model)
 
     def _receive(
@@ -496,7 +519,12 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         exists. Returns whether the weights served now are whole (previous, or untouched)."""
         self.check.discard()
         if self.direct:
-            return self.rollback.abort(self.model)
+            whole = self.rollback.abort(self.model)
+            if torch.cuda.is_available() and self.device is not None and (
+                torch.device(self.device).type == "cuda"
+            ):  # the restore is done before a landing thread's next backup reads them
+                torch.cuda.synchronize(self.device)
+            return whole
         return self.rollback.abort(
             self.model,
             end=functools.partial(_end_layerwise_reload, self.model, self.model_config),
@@ -758,6 +786,12 @@ class AsyncrollWorkerExtension:
         if inflight and (counter is None or counter.broken):
             return "the engine counts no samples (asyncroll_count_samples): no inflight update"
         engine = getattr(worker, "weight_transfer_engine", None)
+        landed = bool(update_info.get("landed"))
+        if isinstance(engine, AsyncrollWeightTransferEngine):
+            engine.select(landed=landed)  # (before vLLM's start: it takes the backup)
+            if landed and not engine.holds_landed(int(update_info.get("push", 0))):
+                return (f"push {update_info.get('push')} did not land in this worker"
+                        f" ({engine._landing!r})")
         if inflight and isinstance(engine, AsyncrollWeightTransferEngine):
             if not engine.can_roll_back():
                 return ("no inflight update: this worker could not undo a failed push before the"
@@ -798,9 +832,6 @@ class AsyncrollWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, AsyncrollWeightTransferEngine):
             raise RuntimeError("the engine was started without asyncroll's weight transfer")
-        if engine._info is None:
-            known = {field.name for field in dataclasses.fields(InitInfo)}
-            engine._info = InitInfo(**{k: v for k, v in config.items() if k in known})
         engine.open_landing(config)
 
     def asyncroll_close_weight_landing(self) -> None:

@@ -378,6 +378,29 @@ async def test_a_landed_update_cancelled_around_its_take_leaves_the_engine_whole
         await pusher.aclose()
 
 
+async def test_a_landing_pusher_and_a_receiving_one_take_turns_on_one_engine(
+    engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher
+) -> None:
+    """Two pushers on one engine, one landing first and one not (each with its own sender:
+    the landing threads and the workers' receivers), update it in turn: each push loads as
+    its own sender said, and the engine serves every update under its label."""
+    sets = {OLD: telling(tiny_model_a, OLD), NEW: telling(tiny_model_a, NEW)}
+    other = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS, backup=True,
+                         land=not pusher.channel._land)
+    try:
+        steps = (engine.global_steps or 0) + 1
+        for turn, (by, which) in enumerate(
+            [(pusher, OLD), (other, NEW), (pusher, OLD), (other, NEW)]
+        ):
+            await by.update(sets[which], global_steps=steps + turn, mode="inflight")
+            probe = await engine.generate(
+                f"turns-{steps}-{turn}", prompt_ids=[2],
+                sampling_params={"max_tokens": 2, "temperature": 0.0, "ignore_eos": True})
+            assert probe.token_ids == (which,) * 2 and probe.global_steps == (steps + turn,) * 2
+    finally:
+        await other.aclose()
+
+
 async def test_bytes_that_differ_from_their_fingerprints_commit_nothing(
     engine: VLLMEngine, tiny_model_a: Path, pusher: WeightPusher, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -817,9 +817,10 @@ class AsyncServerManager:
 
     def _adapter_channel(self, engines: Sequence[Engine]) -> Any:
         """The manager's pusher's channel (one receiver an engine: a second pusher would
-        attach again at each switch), or an adapter pusher of its own (``rolling``)."""
-        if isinstance(self._weights, WeightPusher):
-            return self._weights.channel
+        attach again at each switch), or an adapter pusher of its own (``rolling``, or a
+        pusher whose full-weight pushes land first: its sender feeds the landing threads)."""
+        if isinstance(self._weights, WeightPusher) and not self._weights.channel.lands:
+            return self._weights.channel  # (a landing one attaches the landing threads)
         if self._weights is None and not self.rolling:
             backup = True if self.resume_mode in INFLIGHT_MODES else None
             self._weights = WeightPusher(_receiving(self._engines), backup=backup)

@@ -407,6 +407,11 @@ class SenderChannel:
         return self._one_copy
 
     @property
+    def lands(self) -> bool:
+        """Pushes land in the workers' landing threads first (``land=True``)."""
+        return self._land
+
+    @property
     def timeout(self) -> float:
         return self._timeout
 

@@ -650,6 +650,27 @@ async def test_bad_adapters_are_refused_before_anything_is_sent(
     assert await outputs(manager, "ok") == served
 
 
+async def test_a_manager_whose_pusher_lands_full_weights_pushes_adapters_beside_it(
+    lora_engine: VLLMEngine, lora_model: Path, tmp_path: Path
+) -> None:
+    # A manager given WeightPusher(land=True) pushes full weights to the workers' landing
+    # threads; its adapter pushes go through a pusher of their own, to the workers'
+    # receivers, and serve as vLLM's own load of the same adapter does.
+    pusher = WeightPusher([lora_engine], land=True, backup=True)
+    tensors = adapter(lora_model, 71)
+    try:
+        async with AsyncServerManager([lora_engine], weights=pusher) as manager:
+            await manager.update_adapter("w", tensors, config=CONFIG, global_steps=1)
+            assert pusher.sender is None  # the manager's pusher moved no adapter byte
+            folder = write_peft_adapter(tmp_path / "w", tensors, CONFIG)
+            assert await outputs(manager, "w") == await vllms_own(lora_engine, folder, 911)
+            await vllm_client(lora_engine).remove_lora(911)
+    finally:
+        await pusher.aclose()
+        for revision in lora_engine.adapters.held:
+            await lora_engine.adapters.drop(revision)
+
+
 @pytest.fixture(scope="module")
 async def tp_lora_engine(lora_model: Path) -> AsyncIterator[VLLMEngine]:
     async with VLLMEngine.launch(

@@ -11,8 +11,8 @@ import asyncio
 import json
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -254,6 +254,32 @@ async def hold(target: AsyncServerManager | Engine) -> None:
     fast machine loses (a CI run saw four 400-token requests finish first)."""
     engines = target.engines if isinstance(target, AsyncServerManager) else (target,)
     await asyncio.gather(*(engine.pause("keep") for engine in engines))
+
+
+@asynccontextmanager
+async def steps_held(engine: VLLMEngine) -> AsyncIterator[asyncio.Future[list[Any]]]:
+    """The engine's step loop held inside the block: an RPC that waits between two steps
+    (``asyncroll_hold_steps``) until the block ends. Yields that RPC (not done while held)."""
+    held, release = asyncio.Event(), asyncio.Event()
+
+    async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await reader.readexactly(4) == b"held"
+        held.set()
+        await release.wait()
+        writer.write(b"go")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(holder, "127.0.0.1", 0)
+    hold = asyncio.ensure_future(engine.collective_rpc(
+        "asyncroll_hold_steps", args=(server.sockets[0].getsockname()[1],)))
+    try:
+        await held.wait()
+        yield hold
+    finally:
+        release.set()
+        assert await hold == [True]
+        server.close()
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import load_weights, until_decoding
+from engine_helpers import load_weights, steps_held, until_decoding
 
 from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.interfaces import ResumeMode
@@ -270,16 +270,7 @@ async def test_a_landed_push_arrives_while_the_engine_takes_no_step(
     commits between two steps and the engine serves the new weights under their label."""
     old, new = telling(tiny_model_a, OLD), telling(tiny_model_a, NEW)
     pusher = WeightPusher([engine], bucket_bytes=SMALL_BUCKETS, backup=True, land=True)
-    held, release, taking = asyncio.Event(), asyncio.Event(), asyncio.Event()
-
-    async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        assert await reader.readexactly(4) == b"held"
-        held.set()
-        await release.wait()
-        writer.write(b"go")
-        await writer.drain()
-        writer.close()
-
+    taking = asyncio.Event()
     take = engine.weights.take
 
     async def spied(*args: Any, **kwargs: Any) -> Any:
@@ -291,19 +282,11 @@ async def test_a_landed_push_arrives_while_the_engine_takes_no_step(
         steps = (engine.global_steps or 0) + 1
         await pusher.update(old, global_steps=steps, mode="inflight")
         monkeypatch.setattr(engine.weights, "take", spied)
-        server = await asyncio.start_server(holder, "127.0.0.1", 0)
-        hold = asyncio.ensure_future(engine.collective_rpc(
-            "asyncroll_hold_steps", args=(server.sockets[0].getsockname()[1],)))
-        try:
-            await held.wait()
+        async with steps_held(engine) as hold:
             update = asyncio.ensure_future(
                 pusher.update(new, global_steps=steps + 1, mode="inflight"))
             await taking.wait()  # every byte landed and was checked
             assert not hold.done() and not update.done()
-        finally:
-            release.set()
-            assert await hold == [True]
-            server.close()
         report = await update
         delivery = report.deliveries[engine.name]
         # (the commit's check of the parameters counts what it finds whole: on a GPU, fused

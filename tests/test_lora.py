@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import ENGINE_ARGS, inject_fault, until_decoding
+from engine_helpers import ENGINE_ARGS, inject_fault, steps_held, until_decoding
 
 from asyncroll import (
     AsyncServerManager,
@@ -332,22 +332,8 @@ async def test_later_revisions_land_while_the_engine_takes_no_step_and_the_next_
     await manager.update_adapter("l", adapter(lora_model, 61), config=CONFIG, global_steps=2)
     assert (await port.registered_last())[0]["registered"] in ("replayed", "vllm")
     revisions = [adapter(lora_model, 62), adapter(lora_model, 63)]
-    held, release = asyncio.Event(), asyncio.Event()
-
-    async def holder(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        assert await reader.readexactly(4) == b"held"
-        held.set()
-        await release.wait()
-        writer.write(b"go")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(holder, "127.0.0.1", 0)
-    hold = asyncio.ensure_future(lora_engine.collective_rpc(
-        "asyncroll_hold_steps", args=(server.sockets[0].getsockname()[1],)))
     calls = []
-    try:
-        await held.wait()
+    async with steps_held(lora_engine) as hold:
         registered = port.registered
         for step, tensors in enumerate(revisions, start=3):
             report = await manager.update_adapter("l", tensors, config=CONFIG,
@@ -357,10 +343,6 @@ async def test_later_revisions_land_while_the_engine_takes_no_step_and_the_next_
             assert "verdicts" in report.stamps  # (it landed)
             assert report.deliveries[lora_engine.name].verified == len(tensors)
             calls.append(asyncio.ensure_future(outputs(manager, "l")))  # behind it
-    finally:
-        release.set()
-        assert await hold == [True]
-        server.close()
     answers = await port.registered_last()
     assert answers[0]["registered"] == "replayed" and answers[0]["verified"] == [len(tensors), 0]
     for lora_id, (call, tensors) in enumerate(zip(calls, revisions, strict=True), start=905):

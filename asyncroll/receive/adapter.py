@@ -22,7 +22,6 @@ stream of its own.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -33,14 +32,12 @@ import torch
 from asyncroll.adapters import Placement, split_adapter
 from asyncroll.errors import WeightSyncError
 from asyncroll.fingerprints import PackedPrints
+from asyncroll.receive.landing import ReceivingThread
 from asyncroll.transport.receiver import ReceiveReport, WeightReceiver
 
 __all__ = ["AdapterTake", "Landing", "Landings"]
 
 logger = logging.getLogger(__name__)
-
-POLL_SECONDS = 0.05
-"""How often the landing thread, idle between pushes, looks whether it should stop."""
 
 Batch = Sequence[tuple[str, torch.Tensor]]
 
@@ -221,7 +218,7 @@ def _span_copied(batch: Batch, device: torch.device) -> list[tuple[str, torch.Te
     return [(name, view(t)) for name, t in batch]
 
 
-class Landings:
+class Landings(ReceivingThread):
     """Adapter pushes received on a thread of their own (see the module doc).
 
     The thread waits for the sender's next push, lands it in memory ``lend`` gives for the
@@ -247,18 +244,15 @@ class Landings:
         *,
         name: str = "asyncroll-landings",
     ) -> None:
-        self._receiver = receiver
-        self.device = device
+        super().__init__(receiver, device, name=name)
         self._lend = lend
         self._give_back = give_back
         self._layout: tuple[Placement, ...] | None = None
         self._landed: dict[int, AdapterTake] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self.landed = self.failed = 0
         self.last_failure = ""
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._start()
 
     def __repr__(self) -> str:
         waiting = sorted(self._landed)
@@ -291,34 +285,10 @@ class Landings:
             self._release(old)
         return take
 
-    def close(self, *, within: float = 10.0) -> None:
-        """Stop the thread (once its push in progress ends), close the receiver, give every
-        landed push's memory back. Idempotent."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(within)
-        if self._thread.is_alive():
-            logger.warning("%r: the landing thread did not stop in %g s", self, within)
-            return  # its receiver is its own: not closed under it
-        self._receiver.close()
-        self.release_all()
+    def _closed(self) -> None:
+        self.release_all()  # every landed push's memory goes back
 
-    def _run(self) -> None:
-        stream: torch.cuda.Stream | None = None
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            while not self._stop.is_set():
-                try:
-                    if self._receiver.poll(POLL_SECONDS):
-                        self._land()
-                except Exception as exc:
-                    if self._stop.is_set():
-                        return
-                    logger.warning("%r: %s", self, exc)
-
-    def _land(self) -> None:
+    def _land(self, stream: torch.cuda.Stream | None) -> None:
         take: AdapterTake | None = None
 
         def load(batch: Batch) -> None:

@@ -39,7 +39,7 @@ from asyncroll.transport.receiver import (
     persistent_batch,
 )
 
-__all__ = ["LandedPush", "WeightLanding"]
+__all__ = ["LandedPush", "ReceivingThread", "WeightLanding"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,56 @@ class LandedPush:
         return self.report
 
 
-class WeightLanding:
+class ReceivingThread:
+    """A receiver of its own, used by a thread of its own (on a GPU, under a CUDA stream of
+    its own): the thread waits for each push and hands it to ``_land``. Subclasses:
+    ``WeightLanding`` here, ``asyncroll.receive.adapter.Landings``."""
+
+    def __init__(self, receiver: WeightReceiver, device: torch.device, *, name: str) -> None:
+        self._receiver = receiver
+        self.device = device
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _start(self) -> None:
+        self._thread.start()
+
+    def close(self, *, within: float = 10.0) -> None:
+        """Stop the thread (once its push in progress ends), close the receiver, let go of
+        what was landed (``_closed``). Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(within)
+        if self._thread.is_alive():
+            logger.warning("%r: the landing thread did not stop in %g s", self, within)
+            return  # its receiver is its own: not closed under it
+        self._receiver.close()
+        self._closed()
+
+    def _closed(self) -> None:
+        """Once the thread has stopped and the receiver is closed."""
+
+    def _land(self, stream: torch.cuda.Stream | None) -> None:
+        """Receive one push (the receiver has a message waiting)."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while not self._stop.is_set():
+                try:
+                    if self._receiver.poll(POLL_SECONDS):
+                        self._land(stream)
+                except Exception as exc:
+                    if self._stop.is_set():
+                        return
+                    logger.warning("%r: %s", self, exc)
+
+
+class WeightLanding(ReceivingThread):
     """Full-weight pushes received on a thread of their own (see the module doc); the last
     one that landed waits for ``take``.
 
@@ -87,19 +136,16 @@ class WeightLanding:
         prepare: Callable[[], None] | None = None,
         name: str = "asyncroll-landing",
     ) -> None:
-        self._receiver = receiver
-        self.device = device
+        super().__init__(receiver, device, name=name)
         self._prepare = prepare
         self._arena: dict[str, torch.Tensor] = {}
         self._layout: tuple[tuple[tuple[str, int], ...], object] | None = None
         self._fingerprinter = Fingerprinter()
         self._landed: LandedPush | None = None
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self.landed = self.failed = 0
         self.last_failure = ""
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._start()
 
     def __repr__(self) -> str:
         waiting = self._landed.push if self._landed is not None else None
@@ -124,34 +170,10 @@ class WeightLanding:
             self._landed = None
             return landed
 
-    def close(self, *, within: float = 10.0) -> None:
-        """Stop the thread (once its push in progress ends), close the receiver, free the
-        arena. Idempotent."""
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(within)
-        if self._thread.is_alive():
-            logger.warning("%r: the landing thread did not stop in %g s", self, within)
-            return  # its receiver is its own: not closed under it
+    def _closed(self) -> None:
         with self._lock:
             self._landed = None
-        self._receiver.close()
         self._arena.clear()
-
-    def _run(self) -> None:
-        stream: torch.cuda.Stream | None = None
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            while not self._stop.is_set():
-                try:
-                    if self._receiver.poll(POLL_SECONDS):
-                        self._land(stream)
-                except Exception as exc:
-                    if self._stop.is_set():
-                        return
-                    logger.warning("%r: %s", self, exc)
 
     def _land(self, stream: torch.cuda.Stream | None) -> None:
         with self._lock:

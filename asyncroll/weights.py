@@ -477,6 +477,18 @@ class SenderChannel:
                         " a contiguous CUDA tensor (push it staged otherwise)"
                     )
         engines = self._live_engines_read()
+        if self._land:  # (the landing threads would refuse them after any pause)
+            if made_later:
+                raise InvalidRequestError(
+                    f"land=True lands whole tensors: not lazy tensors or pieces"
+                    f" ({next(iter(made_later))!r}, ...)"
+                )
+            missing = [e.name for e in engines if getattr(e.weights, "landing", None) is None]
+            if missing:
+                raise InvalidRequestError(
+                    f"{', '.join(missing)} cannot land a push (no landing thread: a VLLMEngine"
+                    " can)"
+                )
         if self._load == "direct":  # an engine's port may know its workers would refuse it
             for engine in engines:
                 refusal = getattr(engine.weights, "direct_load_refusal", None)
@@ -733,16 +745,6 @@ class SenderChannel:
         returns once each worker's verdict is in; only then does each engine's take load it
         (``take(landed=True)``): in the inflight modes, between two steps, with no byte left
         to wait for. A push that fails to land anywhere commits nothing anywhere."""
-        lazy = [n for n, t in tensors.items() if isinstance(t, LazyTensor | Piece)]
-        if lazy:
-            raise InvalidRequestError(
-                f"land=True lands whole tensors: not lazy tensors or pieces ({lazy[0]!r}, ...)"
-            )
-        missing = [e.name for e in engines if getattr(e.weights, "landing", None) is None]
-        if missing:
-            raise InvalidRequestError(
-                f"{', '.join(missing)} cannot land a push (no landing thread: a VLLMEngine can)"
-            )
         sender = await self._connected(engines, tensors)
         assert isinstance(sender, WeightSender)
         push_id = sender.next_push

@@ -25,6 +25,7 @@ from asyncroll import AsyncServerManager, InvalidRequestError, VLLMEngine, Weigh
 from asyncroll.interfaces import ResumeMode
 from asyncroll.testing import vllm_client
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
+from asyncroll.transport.piece import Piece
 from asyncroll.types import Segment
 from asyncroll.weights import WeightPusher
 
@@ -359,6 +360,37 @@ async def test_a_landed_update_cancelled_around_its_take_leaves_the_engine_whole
         monkeypatch.undo()
         await pusher.update(load_weights(tiny_model_a), global_steps=(engine.global_steps or 0) + 1)
         await pusher.aclose()
+
+
+async def test_pieces_a_landing_pusher_cannot_land_are_refused_before_any_pause(
+    engine: VLLMEngine, tiny_model_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``land=True`` lands whole tensors: a push with a piece of one (a sharded trainer's) is
+    refused at the call with ``InvalidRequestError``, before a pausing mode pauses; the engine
+    keeps its label and serves on."""
+    weights = load_weights(tiny_model_a)
+    embed = weights.pop("model.embed_tokens.weight")
+    half = embed[: embed.shape[0] // 2].contiguous()
+    weights["model.embed_tokens.weight"] = Piece(half, whole=tuple(embed.shape), offset=0)
+    label = engine.global_steps
+    assert label is not None
+    pauses: list[object] = []
+    pause = engine.pause
+
+    async def counted(*args: Any, **kwargs: Any) -> None:
+        pauses.append(args)
+        await pause(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "pause", counted)
+    pusher = WeightPusher([engine], backup=True, land=True)
+    try:
+        for mode in ("keep", "inflight"):
+            with pytest.raises(InvalidRequestError, match="lands whole tensors"):
+                await pusher.update(weights, global_steps=label + 1, mode=mode)
+        assert pusher.sender is None  # nothing attached, nothing moved
+    finally:
+        await pusher.aclose()
+    assert pauses == [] and engine.global_steps == label and not engine.is_paused
 
 
 async def test_a_landing_pusher_and_a_receiving_one_take_turns_on_one_engine(

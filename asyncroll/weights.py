@@ -1063,7 +1063,9 @@ class WeightPusher(VersionedUpdater):
                 ``inflight`` update then holds each engine between two steps only for the
                 device copies into its parameters and their check, never for the transfer.
                 Costs the workers memory for one copy of the pushed tensors when staged (none
-                with ``one_copy``, whose landing is the trainer's storages).
+                with ``one_copy``, whose landing is the trainer's storages). Whole tensors
+                only (no lazy tensors or pieces); for GPUs: on the 2-core CPU build an open
+                landing thread cost the engine throughput (docs/performance.md).
         """
         self._sender_channel = SenderChannel(
             engines,

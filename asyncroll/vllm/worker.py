@@ -827,8 +827,8 @@ class AsyncrollWorkerExtension:
     def asyncroll_open_weight_landing(self, config: dict[str, Any]) -> None:
         """Receive full-weight pushes from the sender ``config`` describes on a thread of this
         worker's own, while the engine steps (``AsyncrollWeightTransferEngine.open_landing``);
-        ``config`` also says how they load (``InitInfo``: backup, load, plan), where no
-        receiver of the worker's own was set up."""
+        ``config`` also says how they load (``InitInfo``: backup, load, plan), kept apart from
+        what the worker's own receiver was told."""
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, AsyncrollWeightTransferEngine):
             raise RuntimeError("the engine was started without asyncroll's weight transfer")

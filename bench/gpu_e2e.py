@@ -861,9 +861,15 @@ async def vllm_ipc_baseline(
 async def rollout(res: Results, work: Path, interval: float, policies: list[str],
                   slow_turns: bool, eager: bool = False,
                   batch: dict[str, int] | None = None, rounds: int = 1,
-                  num_engines: int = 1, size: str = "0.5b") -> None:
+                  num_engines: int = 1, size: str = "0.5b", gpus: int = 1) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     import rollout_throughput as rt
+    from gpu_broadcast import visible
+
+    gpus = min(gpus, num_engines)
+    if gpus > 1 and (mixed := [p for p in policies if p != "none" and not p.endswith("-roll")]):
+        raise ValueError(f"engines on {gpus} GPUs are updated group by group (-roll policies"
+                         f" only), not {mixed}: no one pusher reaches them all")
 
     folder = write_config(work / f"rollout-{size}", SHAPES[size])
     tensors = random_weights(SHAPES[size])
@@ -874,18 +880,31 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
     res.record("rollout", "workload", {"shape": size,
                                        "requests": len(jobs), "tokens": sum(n for _, n in jobs),
                                        "concurrency": concurrency, "engines": num_engines,
-                                       "update every s": interval})
+                                       "gpus": gpus, "update every s": interval})
     table = {}
     # CUDA graphs on: the stall an update causes is measured on the engine users run. Several
-    # engines (``--rollout-engines``, for ``-roll`` policies) share the GPU's half.
+    # engines (``--rollout-engines``, for ``-roll`` policies) share the GPU's half, or with
+    # ``--rollout-gpus`` go one a GPU in turn: engine i on GPU i % gpus, its process seeing
+    # that GPU only. The trainer's tensors stay on GPU 0: an engine there is pushed to
+    # through CUDA IPC, one on another GPU through the broadcast transport (NCCL).
+    placed = [i % gpus for i in range(num_engines)]
+    share = 0.5 / placed.count(0)
     async with contextlib.AsyncExitStack() as stack:
-        launched = [  # one after the other: vLLM measures the free memory as it starts
-            await stack.enter_async_context(VLLMEngine.launch(
-                folder, name=f"rollout-{i}", load_format="dummy",
-                **engine_args(gpu_memory_utilization=0.5 / num_engines, enforce_eager=eager,
-                              **(batch or {}))))
-            for i in range(num_engines)
-        ]
+        launched = []
+        for i in range(num_engines):  # one after the other: vLLM measures the free memory
+            with visible(str(placed[i]) if gpus > 1 else None):
+                launched.append(await stack.enter_async_context(VLLMEngine.launch(
+                    folder, name=f"rollout-{i}", load_format="dummy",
+                    **engine_args(gpu_memory_utilization=share, enforce_eager=eager,
+                                  **(batch or {})))))
+        on_gpu = {e.name: placed[i] for i, e in enumerate(launched)}
+
+        def group_pusher(engine: VLLMEngine, suffixes: set[str], inflight: bool) -> Any:
+            backup = True if inflight else None
+            if on_gpu[engine.name] == 0:
+                return WeightPusher([engine], one_copy="-1copy" in suffixes,
+                                    land="-land" in suffixes, backup=backup)
+            return WeightPusher([engine], backend="broadcast", backup=backup)
         engine: Any = launched[0] if num_engines == 1 else list(launched)
         first = launched[0]
         # What the scheduler runs at once: without arguments, AsyncLLM takes vLLM's bare
@@ -906,7 +925,9 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
                 log(f"rollout, round {number + 1} of {rounds}: {policy}...")
                 run[policy] = await rt.run_policy(engine, tensors, policy, jobs, interval,
                                                   concurrency=concurrency,
-                                                  slow_turns=slow_turns)
+                                                  slow_turns=slow_turns,
+                                                  group_pushers=group_pusher
+                                                  if gpus > 1 else None)
                 log(f"  {run[policy]['tokens_per_s']:.0f} tokens/s, update stages ms "
                     f"{run[policy]['update_stage_ms']}, engine stall ms "
                     f"{run[policy].get('update_stall_ms')}, groups ms {run[policy]['group_ms']}")
@@ -935,7 +956,9 @@ def _rounds_summary(rounds_run: list[dict[str, dict[str, Any]]],
             ],
         }
         for key in ("update_stall_ms", "update_stall_worst_ms", "step_gap_median_ms",
-                    "commit_gap_ms", "commit_stall_beyond_step_ms",
+                    "commit_gap_ms", "commit_stall_beyond_step_ms", "commit_gap_split_ms",
+                    "rollout_stall_ms", "rollout_stall_worst_ms", "rollout_gap_median_ms",
+                    "roll_vs_one_group", "skew_worst",
                     "commit_stall_beyond_biased_step_ms", "step_gap_length_biased_ms", "plan",
                     "loop_worst_ms", "receive_ms", "group_ms", "reprefill_per_update"):
             row[f"{key}, each round"] = [run[policy].get(key) for run in rounds_run]
@@ -969,6 +992,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--policies", default="none,abort,keep,recompute,drain")
     parser.add_argument("--rollout-engines", type=_positive, default=1,
                         help="rollout: engines sharing the GPU (for -roll policies: rolling=1)")
+    parser.add_argument("--rollout-gpus", type=_positive, default=1,
+                        help="rollout: engine i on GPU i %% N (engines off GPU 0 are pushed to"
+                             " over NCCL; -roll policies give each engine its own pusher)")
     parser.add_argument("--rollout-size", default="0.5b", choices=sorted(SHAPES),
                         help="rollout: the model shape (random weights)")
     parser.add_argument("--rounds", type=_positive, default=1,
@@ -1046,7 +1072,7 @@ async def main(args: argparse.Namespace) -> int:
                                                      args.policies.split(","),
                                                      args.slow_turns, args.eager, batch,
                                                      args.rounds, args.rollout_engines,
-                                                     args.rollout_size)))
+                                                     args.rollout_size, args.rollout_gpus)))
         await run_steps(res, steps)
     return finish(res)
 

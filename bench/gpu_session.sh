@@ -58,6 +58,8 @@
 #   bash bench/gpu_session.sh thirtysixth # 2 GPUs: three rounds, the stall beyond a length-biased
 #                                         # step (0); the landed tests, the 7B (1)
 #   bash bench/gpu_session.sh thirtyseventh # 2 GPUs: a 0.5B's copies fused (0); copy tests (1)
+#   bash bench/gpu_session.sh thirtyeighth # 2 GPUs: rolling updates, one engine a GPU
+#   bash bench/gpu_session.sh thirtyninth # 2 GPUs: the commit gap split by step ends; small pushes
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -611,6 +613,34 @@ phase_thirtyseventh() {  # 2 GPUs: issue 42's inflight commits with a 0.5B's cop
   run pytest-copies 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
     python3 -m pytest -q -p no:cacheprovider tests/test_transport_plan.py \
     tests/test_load_plan.py tests/test_receive.py &
+  wait
+}
+
+phase_thirtyeighth() {  # 2 GPUs: issue 42's rolling updates with each engine on a GPU of its
+  # own (engine 0 beside the trainer's tensors on GPU 0, pushed through CUDA IPC; engine 1 on
+  # GPU 1, through NCCL), two rounds
+  mkdir -p "$W/results/rolling-2gpu"
+  run rollout-rolling-2gpu 0,1 python3 bench/gpu_e2e.py --sections rollout \
+    --rollout-engines 2 --rollout-gpus 2 \
+    --policies none,keep-roll,inflight-roll,inflight-land-roll --rounds 2 \
+    --out "$W/results/rolling-2gpu"
+}
+
+phase_thirtyninth() {  # 2 GPUs: issue 42's inflight commits with each step's end stamped (the
+  # commit's gap split), two rounds (GPU 0); the paused push of the 0.5B and 1.5B after the
+  # receiver's fuse rule, then the step spans' test (GPU 1)
+  mkdir -p "$W/results/spans" "$W/results/push-small"
+  local pin0 pin1
+  halves
+  run rollout-spans 0 $pin0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,inflight,inflight-land,inflight-land-1copy --rounds 2 \
+    --out "$W/results/spans" &
+  (
+    run push-small 1 $pin1 python3 bench/gpu_e2e.py --sections push --sizes 0.5b,1.5b \
+      --out "$W/results/push-small"
+    run pytest-spans 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
+      python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py -k "spans or landed"
+  ) &
   wait
 }
 

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -274,7 +274,11 @@ async def run_policy(
     engine: VLLMEngine | list[VLLMEngine], weights: dict[str, Any], policy: str,
     jobs: list[tuple[list[int], int]], interval: float, *, concurrency: int = CONCURRENCY,
     slow_turns: bool = False,
+    group_pushers: Callable[[VLLMEngine, set[str], bool], Any] | None = None,
 ) -> dict[str, Any]:
+    # ``group_pushers``: with ``-roll``, the pusher of each engine's group, given the engine,
+    # the policy's suffixes and whether the mode commits inflight (engines on several GPUs:
+    # each reached its own way).
     # Suffixes, in any order: ``-1copy``: the same policy, pushed in one copy from the
     # trainer's own storages; ``-land``: each push lands in the workers first
     # (``WeightPusher(land=True)``); ``-roll``: over several engines, updated one at a time
@@ -286,8 +290,19 @@ async def run_policy(
         base, suffixes = base.removesuffix(suffix), suffixes | {suffix}
     rolling = 1 if "-roll" in suffixes else 0
     mode: ResumeMode = check_resume_mode(base) if base in RESUME_MODES else "abort"
-    pusher = None
-    if suffixes & {"-1copy", "-land"}:
+    pusher: Any = None
+    skews: list[int] = []  # a rolling update's: the engines' versions apart, at each group
+    made: list[Any] = []
+    if rolling and group_pushers is not None:
+        def skew() -> int:
+            versions = [e.global_steps or 0 for e in engines]
+            return max(versions) - min(versions)
+
+        def pusher(group: list[VLLMEngine]) -> Any:
+            made.append(_Skewed(group_pushers(group[0], suffixes, mode in INFLIGHT_MODES),
+                                skew, skews))
+            return made[-1]
+    elif suffixes & {"-1copy", "-land"}:
         inflight = mode in INFLIGHT_MODES
         pusher = WeightPusher(engines, one_copy="-1copy" in suffixes,
                               land="-land" in suffixes, backup=True if inflight else None)
@@ -299,6 +314,7 @@ async def run_policy(
     resumed = 0
     receives: dict[str, list[float]] = collections.defaultdict(list)  # the workers' view
     groups: list[list[float]] = []  # a rolling update's, each group's seconds
+    roll_ratios: list[float] = []
     commits: list[tuple[float, float]] = []  # an inflight update's RPC in the worker
     plan: dict[str, Any] = {}
     async with AsyncServerManager(engines, resume_mode=mode, weights=pusher,
@@ -351,6 +367,8 @@ async def run_policy(
                     update_seconds += report.seconds
                     if report.group_seconds:
                         groups.append(list(report.group_seconds))
+                        roll_ratios.append(  # the whole roll against one group's update
+                            report.seconds / statistics.median(report.group_seconds))
                     for stage in stages:
                         stages[stage].append(getattr(report, f"{stage}_seconds" if stage
                                                      else "seconds"))
@@ -388,7 +406,16 @@ async def run_policy(
             stalls["stalls_by_engine"] = {
                 e.name: await engine_stalls(e, started, windows) for e in engines
             }
-    if pusher is not None:
+            try:
+                stalls.update(merged_stall(
+                    [(await e.collective_rpc("asyncroll_step_times",
+                                             kwargs={"since": started}))[0] for e in engines],
+                    windows))
+            except Exception as exc:  # an older worker: no stamps
+                stalls["rollout_stall"] = f"unavailable: {exc}"
+    for made_pusher in made:
+        await made_pusher.aclose()
+    if pusher is not None and not made and hasattr(pusher, "aclose"):
         await pusher.aclose()
     reprefill = stats.num_reprefill_tokens - stats_before.num_reprefill_tokens
     return {
@@ -415,7 +442,27 @@ async def run_policy(
         # a rolling update: each group's update (median over the updates), and the whole roll
         "group_ms": [round(statistics.median(g) * 1e3, 1) for g in zip(*groups, strict=True)]
         if groups else [],
+        # the roll's whole update against its slowest group's (median over the updates)
+        "roll_vs_one_group": round(statistics.median(roll_ratios), 2) if roll_ratios else None,
+        "skew_worst": max(skews) if skews else None,
     }
+
+
+class _Skewed:
+    """A group's pusher, the engines' versions apart read as each group begins and ends."""
+
+    def __init__(self, pusher: Any, skew: Callable[[], int], skews: list[int]) -> None:
+        self.pusher, self._skew, self._skews = pusher, skew, skews
+
+    async def update(self, *args: Any, **kwargs: Any) -> Any:
+        self._skews.append(self._skew())
+        try:
+            return await self.pusher.update(*args, **kwargs)
+        finally:
+            self._skews.append(self._skew())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pusher, name)
 
 
 async def engine_stalls(
@@ -453,6 +500,8 @@ async def engine_stalls(
         "commit_stall_beyond_biased_step_ms": round(
             (statistics.mean(held) - biased_gap) * 1e3, 2),
     } if held else {}
+    if commits:
+        commit_stalls["commit_gap_split_ms"] = await _split_commit_gaps(engine, since, commits)
     return {
         **commit_stalls,
         "step_gap_median_ms": round(median_gap * 1e3, 2),
@@ -460,6 +509,64 @@ async def engine_stalls(
         "update_stall_ms": round(statistics.median(per_update) * 1e3, 2) if per_update else None,
         "update_stall_worst_ms": round(max(per_update) * 1e3, 2) if per_update else None,
     }
+
+
+async def _split_commit_gaps(
+    engine: VLLMEngine, since: float, commits: Sequence[tuple[float, float]]
+) -> dict[str, Any]:
+    """The gap that holds each commit's RPC, by the steps' ends as well as their starts
+    (``asyncroll_step_spans``; medians over the commits, in ms): the step before it (its
+    forward pass and sampling), the engine's own work between that step's end and the RPC
+    (its outputs, the requests it admits), the RPC, and from the RPC's return to the next
+    step's start (admissions, the scheduler). Beside them, the same between two steps with
+    no commit: what an ordinary gap holds besides its step."""
+    try:
+        spans = (await engine.collective_rpc("asyncroll_step_spans",
+                                             kwargs={"since": since}))[0]
+    except Exception as exc:  # an older worker: no ends stamped
+        return {"unavailable": str(exc)}
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    holding = set()
+    for called, returned in commits:
+        for k, ((a, e), (b, _)) in enumerate(itertools.pairwise(spans)):
+            if e <= called and returned <= b and a <= called:
+                holding.add(k)
+                parts["step before"].append(e - a)
+                parts["step end -> RPC called"].append(called - e)
+                parts["RPC"].append(returned - called)
+                parts["RPC returned -> next step"].append(b - returned)
+                break
+        else:
+            parts["not bracketed"].append(1.0)  # the RPC overlapped a step's stamps
+    between = [b - e for k, ((_, e), (b, _)) in enumerate(itertools.pairwise(spans))
+               if k not in holding]
+    steps = [e - a for a, e in spans]
+    split = {key: round(statistics.median(v) * 1e3, 2) if key != "not bracketed" else len(v)
+             for key, v in parts.items()}
+    if between:
+        split["no commit: step"] = round(statistics.median(steps) * 1e3, 2)
+        split["no commit: step end -> next step"] = round(statistics.median(between) * 1e3, 2)
+        split["no commit: step end -> next step, length-biased"] = round(
+            sum(g * g for g in between) / sum(between) * 1e3, 2) if sum(between) else 0.0
+    return split
+
+
+def merged_stall(step_times: Sequence[Sequence[float]], windows: list[float]) -> dict[str, Any]:
+    """The whole rollout's view of several engines: per update (``windows``: its start and
+    end), the longest time in which no engine began a step. A rollout that never stops as a
+    whole shows about one step here; engines paused together show the pause."""
+    merged = sorted(t for times in step_times for t in times)
+    per_update = []
+    for start, end in zip(windows[::2], windows[1::2], strict=True):
+        inside = [b - a for a, b in itertools.pairwise(merged) if b > start and a < end]
+        if inside:
+            per_update.append(max(inside))
+    gaps = [b - a for a, b in itertools.pairwise(merged)]
+    if not per_update or not gaps:
+        return {}
+    return {"rollout_stall_ms": round(statistics.median(per_update) * 1e3, 2),
+            "rollout_stall_worst_ms": round(max(per_update) * 1e3, 2),
+            "rollout_gap_median_ms": round(statistics.median(gaps) * 1e3, 2)}
 
 
 def _ratio(value: float, base: float | None) -> str:

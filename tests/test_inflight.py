@@ -553,3 +553,30 @@ def test_the_count_of_a_request_that_just_ended_reaches_the_next_commit() -> Non
     step([], {"a-12345678"})  # a ended; no batch ran
     assert counter.sampled == {} and counter.report() == {"a-12345678": 2}
     assert counter.report() == {}
+
+
+async def test_the_step_spans_bracket_an_rpc_run_between_two_steps(engine: VLLMEngine) -> None:
+    """``asyncroll_step_spans`` (what the rollout benchmark splits an inflight commit's gap
+    by): each step's start and end, in order and apart, on the clock every process shares;
+    an RPC held between two steps lies after the end of the step before it and before the
+    start of the step after it."""
+    import time
+
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    since = time.perf_counter()
+    await engine.generate("spans-before", prompt_ids=[2, 3], sampling_params=params)
+    async with steps_held(engine):
+        held = time.perf_counter()
+        after = asyncio.ensure_future(
+            engine.generate("spans-after", prompt_ids=[2, 4], sampling_params=params))
+        await asyncio.sleep(0)
+        released = time.perf_counter()
+    await after
+    spans = (await engine.collective_rpc("asyncroll_step_spans", kwargs={"since": since}))[0]
+    assert len(spans) >= 2 * params["max_tokens"]
+    assert all(a <= b for a, b in spans) and all(b > a for a, b in spans[-3:])  # ends stamped
+    assert all(b <= c for (_, b), (c, _) in itertools.pairwise(spans))
+    before_hold = [s for s in spans if s[0] < held]
+    after_hold = [s for s in spans if s[0] >= held]
+    assert before_hold and after_hold
+    assert before_hold[-1][1] <= held and after_hold[0][0] >= released

@@ -315,3 +315,69 @@ async def _restore(engine: VLLMEngine, model: Path, steps: int) -> None:
         await pusher.update(load_weights(model), global_steps=steps)
     finally:
         await pusher.aclose()
+
+
+@pytest.mark.engine
+async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_boundary(
+    engine: VLLMEngine, engine_b: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """An engine on the trainer's device and one on another device, each group with its own
+    pusher: staged IPC, and the broadcast transport that reaches another GPU (gloo here,
+    NCCL there). In ``inflight`` nothing pauses and nothing is aborted: each call's tokens
+    carry versions its engine had, in order, split at one boundary at most; no engine is
+    ever two versions from the other; both end on the new weights."""
+    from asyncroll.weights import WeightPusher
+
+    if torch.cuda.is_available():  # NCCL refuses two ranks on one GPU; on the GPU it is the
+        pytest.skip("shared engines share the trainer's GPU")  # rollout bench's --rollout-gpus
+    steps = max(engine.global_steps or 0, engine_b.global_steps or 0) + 1
+    before = {engine.global_steps, engine_b.global_steps}
+    skews: list[int] = []
+
+    class Recorded:
+        """A group's pusher, the two engines' versions read as each group begins and ends."""
+
+        def __init__(self, pusher: WeightPusher) -> None:
+            self.pusher = pusher
+
+        async def update(self, *args: Any, **kwargs: Any) -> Any:
+            skews.append(abs((engine.global_steps or 0) - (engine_b.global_steps or 0)))
+            try:
+                return await self.pusher.update(*args, **kwargs)
+            finally:
+                skews.append(abs((engine.global_steps or 0) - (engine_b.global_steps or 0)))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.pusher, name)
+
+    pushers = {engine.name: WeightPusher([engine]),
+               engine_b.name: WeightPusher([engine_b], backend="broadcast",
+                                           bucket_bytes=256 << 10)}
+    params = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    try:
+        async with AsyncServerManager(
+            [engine, engine_b], resume_mode="inflight", rolling=1,
+            weights=lambda group: Recorded(pushers[group[0].name]),
+        ) as manager:
+            calls = [asyncio.create_task(manager.generate(
+                f"roll-2t-{steps}-{i}", prompt_ids=[3, i], sampling_params=params))
+                for i in range(6)]
+            report = await manager.update_weights(load_weights(tiny_model_a),
+                                                  global_steps=steps)
+            outputs = await asyncio.gather(*calls)
+            assert manager.statistics().num_preempted == 0  # inflight: none aborted
+        assert len(report.group_seconds) == 2 and len(skews) == 4 and max(skews) <= 1
+        assert engine.global_steps == engine_b.global_steps == steps
+        for output in outputs:
+            assert len(output.token_ids) == 48 and output.finish_reason == "length"
+            versions = list(output.global_steps)
+            assert versions == sorted(versions) and set(versions) <= before | {steps}
+            assert len(set(versions)) <= 2
+        probes = [await e.generate(f"roll-2t-probe-{steps}-{e.name}", prompt_ids=[2, 3],
+                                   sampling_params={**params, "max_tokens": 8})
+                  for e in (engine, engine_b)]
+        assert probes[0].token_ids == probes[1].token_ids  # both on model A
+    finally:
+        for pusher in pushers.values():
+            await pusher.aclose()
+        await _restore(engine_b, tiny_model_b, steps + 1)

@@ -158,6 +158,13 @@ class ProbingExtension(AsyncrollWorkerExtension):
         counter: SampleCounter | None = getattr(self, "_asyncroll_samples", None)
         return [] if counter is None else [t for t in counter.started if t >= since]
 
+    def asyncroll_step_spans(self, since: float = 0.0) -> list[tuple[float, float]]:
+        """Each recent step's start and end (its forward pass and its sampling), from
+        ``since`` on (``SampleCounter.spans``): what a gap between two steps holds besides
+        the steps themselves."""
+        counter: SampleCounter | None = getattr(self, "_asyncroll_samples", None)
+        return [] if counter is None else [(a, b) for a, b in counter.spans if a >= since]
+
     def asyncroll_drop_load_plan(self) -> None:
         """Forget the load plan (the next push learns it again, through ``load_weights``):
         after the model's parameters were replaced outside a push, say."""

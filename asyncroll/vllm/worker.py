@@ -1044,16 +1044,29 @@ class SampleCounter:
         self.started: collections.deque[float] = collections.deque(maxlen=65536)
         """When each recent step began (``time.perf_counter``: the host's monotonic clock,
         the same in every process; benchmarks read the engine's stalls off it)."""
+        self.spans: collections.deque[list[float]] = collections.deque(maxlen=65536)
+        """Each recent step's start and end: its forward pass and, where the runner samples
+        in a call of its own (``sample_tokens``), its sampling (benchmarks split a gap
+        between two steps into the steps' work and what the engine did between them)."""
         self.broken = False
         """Counting failed once (a runner unlike the one this reads): inflight updates are
         refused from then on; the engine's steps go on."""
         self._runner = runner
         self._execute = runner.execute_model
         runner.execute_model = self._counted
+        self._sample = getattr(runner, "sample_tokens", None)
+        if self._sample is not None:
+            runner.sample_tokens = self._sampled
 
     def _counted(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        self.started.append(time.perf_counter())
-        result = self._execute(scheduler_output, *args, **kwargs)
+        began = time.perf_counter()
+        self.started.append(began)
+        span = [began, began]
+        self.spans.append(span)
+        try:
+            result = self._execute(scheduler_output, *args, **kwargs)
+        finally:
+            span[1] = time.perf_counter()
         if not self.broken:
             try:
                 self.count(scheduler_output)
@@ -1061,6 +1074,13 @@ class SampleCounter:
                 self.broken = True
                 logger.exception("counting samples failed: no inflight update from now on")
         return result
+
+    def _sampled(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._sample(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if self.spans:
+                self.spans[-1][1] = time.perf_counter()
 
     def report(self) -> dict[str, int]:
         """Every request's count, live or ended since the last report."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
 import time
@@ -522,10 +523,14 @@ class AsyncServerManager:
                 names = {e.name for e in group}
                 if pausing:
                     self._updating |= names
+                updater = self._group_updater(group)
+                # The groups after the first push the tensors the first one checked: ours
+                # do not read every byte again for NaN and inf.
+                again = {"prechecked": True} if reports and _takes_prechecked(updater) else {}
                 try:
-                    reports.append(await self._group_updater(group).update(
+                    reports.append(await updater.update(
                         tensors, global_steps=global_steps, mode=self.resume_mode,
-                        changed=changed and not reports,
+                        changed=changed and not reports, **again,
                     ))
                 except InvalidRequestError:
                     if took:  # (the same tensors passed the checks of the groups before)
@@ -1050,3 +1055,13 @@ def _receiving(engines: Sequence[Engine]) -> list[ReceivingEngine]:
             "give the manager a WeightUpdater for them (weights=...)"
         )
     return receiving
+
+
+def _takes_prechecked(updater: WeightUpdater) -> bool:
+    """Whether ``updater.update`` takes ``prechecked`` (ours, and wrappers passing keywords
+    on); an updater of one's own need not."""
+    try:
+        parameters = inspect.signature(updater.update).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "prechecked" or p.kind is p.VAR_KEYWORD for p in parameters)

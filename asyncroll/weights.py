@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -142,9 +143,14 @@ class VersionedUpdater:
         global_steps: int | None,
         mode: ResumeMode = "abort",
         changed: bool = False,
+        prechecked: bool = False,
     ) -> UpdateReport:
         """Pause, push to every live engine at once, label ``global_steps``, move to a new
         prefix-cache epoch, resume.
+
+        ``prechecked=True`` says these very tensors passed an update's checks a moment ago
+        (a rolling update's later groups): their values are not read again for NaN and inf;
+        names, shapes and dtypes are still checked against these engines.
 
         ``changed=True`` says the weights differ from the previous update's: each tensor is
         fingerprinted (64 sampled elements, its shape and dtype; a gather and one copy to the
@@ -181,7 +187,10 @@ class VersionedUpdater:
             _check_versions(engines, global_steps)
             if mode in INFLIGHT_MODES:
                 _check_inflight(engines, self._channel, recompute=mode == "inflight-recompute")
-            await self._channel.check(tensors)
+            if prechecked and isinstance(self._channel, SenderChannel):
+                await self._channel.check(tensors, finite=False)
+            else:
+                await self._channel.check(tensors)
             # Kept for the next ``changed=True``: this update's fingerprints, or the channel's
             # own (taken to verify the push) where ``changed`` was not asked for.
             recorded = prints if changed else _channel_fingerprints(self._channel)
@@ -445,9 +454,12 @@ class SenderChannel:
                 self._schemas[engine.model_path] = read_checkpoint_schema(engine.model_path)
         return engines
 
-    async def check(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Names, shapes, dtypes and finite values, against every engine's checkpoint (in a
-        thread: the finite check reads every byte)."""
+    async def check(self, tensors: Mapping[str, torch.Tensor], *, finite: bool = True) -> None:
+        """Names, shapes, dtypes and finite values (``finite``: these tensors were not read
+        for them already), against every engine's checkpoint. The finite check reads every
+        byte, in a thread (on a GPU it waits for the trainer's queued kernels); without it
+        the check costs microseconds a tensor and runs on the loop (a thread's answer waits
+        for a busy loop's next turn: tens of milliseconds under hundreds of callers)."""
         if not tensors:
             raise InvalidRequestError("no tensors to push")
         plain = {n: t for n, t in tensors.items() if not isinstance(t, LazyTensor | Piece)}
@@ -497,17 +509,18 @@ class SenderChannel:
         served = {e.model_path: e.weights.served_dtype for e in engines}
         for index, (path, schema) in enumerate(self._schemas.items()):
             if path in served:
-                finite = self._check_finite and index == 0
-                for part, values in ((plain, finite), (made_later, False)):
-                    if part:
-                        await asyncio.to_thread(
-                            check_update,
-                            part,
-                            schema,
-                            served_dtype=served[path],
-                            strict_dtype=self._strict_dtype,
-                            check_finite=values,
-                        )
+                values = finite and self._check_finite and index == 0
+                for part, read in ((plain, values), (made_later, False)):
+                    if not part:
+                        continue
+                    check = functools.partial(
+                        check_update, part, schema, served_dtype=served[path],
+                        strict_dtype=self._strict_dtype, check_finite=read,
+                    )
+                    if read:
+                        await asyncio.to_thread(check)
+                    else:
+                        check()
         # Fingerprints for the workers to check what they loaded; before any pause (a lazy
         # tensor's as it is made, bucket by bucket).
         self._fingerprints = None

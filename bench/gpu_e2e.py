@@ -958,7 +958,7 @@ def _rounds_summary(rounds_run: list[dict[str, dict[str, Any]]],
         for key in ("update_stall_ms", "update_stall_worst_ms", "step_gap_median_ms",
                     "commit_gap_ms", "commit_stall_beyond_step_ms", "commit_gap_split_ms",
                     "rollout_stall_ms", "rollout_stall_worst_ms", "rollout_gap_median_ms",
-                    "roll_vs_one_group", "skew_worst",
+                    "roll_vs_one_group", "skew_worst", "group_call_ms",
                     "commit_stall_beyond_biased_step_ms", "step_gap_length_biased_ms", "plan",
                     "loop_worst_ms", "receive_ms", "group_ms", "reprefill_per_update"):
             row[f"{key}, each round"] = [run[policy].get(key) for run in rounds_run]

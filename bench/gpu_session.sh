@@ -60,6 +60,8 @@
 #   bash bench/gpu_session.sh thirtyseventh # 2 GPUs: a 0.5B's copies fused (0); copy tests (1)
 #   bash bench/gpu_session.sh thirtyeighth # 2 GPUs: rolling updates, one engine a GPU
 #   bash bench/gpu_session.sh thirtyninth # 2 GPUs: the commit gap split by step ends; small pushes
+#   bash bench/gpu_session.sh fortieth    # 2 GPUs: rolling again, later groups prechecked
+#   bash bench/gpu_session.sh fortyfirst  # 2 GPUs: the landed commit's RPC stamped finer, 0.5B, 7B
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -641,6 +643,28 @@ phase_thirtyninth() {  # 2 GPUs: issue 42's inflight commits with each step's en
     run pytest-spans 1 $pin1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false}' \
       python3 -m pytest -q -p no:cacheprovider tests/test_inflight.py -k "spans or landed"
   ) &
+  wait
+}
+
+phase_fortieth() {  # 2 GPUs: issue 42's rolling updates, one engine a GPU, again: the later
+  # groups no longer read the tensors for NaN and inf; each group's whole call timed
+  mkdir -p "$W/results/rolling-2gpu-b"
+  run rollout-rolling-2gpu-b 0,1 python3 bench/gpu_e2e.py --sections rollout \
+    --rollout-engines 2 --rollout-gpus 2 \
+    --policies none,keep-roll,inflight-roll,inflight-land-roll --rounds 2 \
+    --out "$W/results/rolling-2gpu-b"
+}
+
+phase_fortyfirst() {  # 2 GPUs: the landed commit's RPC stamped finer (its start, its first and
+  # last batch), with the gap split (GPU 0, 0.5B); the same for the 7B one copy (GPU 1)
+  mkdir -p "$W/results/spans-b" "$W/results/spans-7b"
+  local pin0 pin1
+  halves
+  run rollout-spans-b 0 $pin0 python3 bench/gpu_e2e.py --sections rollout \
+    --policies none,inflight,inflight-land,inflight-land-1copy --rounds 1 \
+    --out "$W/results/spans-b" &
+  run rollout-spans-7b 1 $pin1 python3 bench/gpu_e2e.py --sections rollout --rollout-size 7b \
+    --policies none,inflight-1copy,inflight-land-1copy --rounds 1 --out "$W/results/spans-7b" &
   wait
 }
 

@@ -391,7 +391,8 @@ async def run_policy(
                                 if k in worker}  # the last update's load plan
                         marks = worker.get("stamps") or {}
                         before = worker.get("called", 0.0)
-                        for key in ("entered", "loaded", "checked", "updated", "finished"):
+                        for key in ("entered", "began", "loading", "queued", "loaded", "checked",
+                                    "updated", "finished"):
                             if key in marks and before:  # the commit RPC, phase by phase
                                 receives[f"rpc: to {key}"].append(marks[key] - before)
                                 before = marks[key]
@@ -414,7 +415,7 @@ async def run_policy(
             except Exception as exc:  # an older worker: no stamps
                 stalls["rollout_stall"] = f"unavailable: {exc}"
     for made_pusher in made:
-        await made_pusher.aclose()
+        await made_pusher.pusher.aclose()
     if pusher is not None and not made and hasattr(pusher, "aclose"):
         await pusher.aclose()
     reprefill = stats.num_reprefill_tokens - stats_before.num_reprefill_tokens
@@ -445,20 +446,25 @@ async def run_policy(
         # the roll's whole update against its slowest group's (median over the updates)
         "roll_vs_one_group": round(statistics.median(roll_ratios), 2) if roll_ratios else None,
         "skew_worst": max(skews) if skews else None,
+        "group_call_ms": [round(statistics.median(m.walls) * 1e3, 1) for m in made if m.walls],
     }
 
 
 class _Skewed:
-    """A group's pusher, the engines' versions apart read as each group begins and ends."""
+    """A group's pusher, the engines' versions apart read as each group begins and ends, and
+    the group's whole call timed (its report's time starts after its checks)."""
 
     def __init__(self, pusher: Any, skew: Callable[[], int], skews: list[int]) -> None:
         self.pusher, self._skew, self._skews = pusher, skew, skews
+        self.walls: list[float] = []
 
     async def update(self, *args: Any, **kwargs: Any) -> Any:
         self._skews.append(self._skew())
+        began = time.perf_counter()
         try:
             return await self.pusher.update(*args, **kwargs)
         finally:
+            self.walls.append(time.perf_counter() - began)
             self._skews.append(self._skew())
 
     def __getattr__(self, name: str) -> Any:

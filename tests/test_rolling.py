@@ -319,13 +319,16 @@ async def _restore(engine: VLLMEngine, model: Path, steps: int) -> None:
 
 @pytest.mark.engine
 async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_boundary(
-    engine: VLLMEngine, engine_b: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+    engine: VLLMEngine, engine_b: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An engine on the trainer's device and one on another device, each group with its own
     pusher: staged IPC, and the broadcast transport that reaches another GPU (gloo here,
     NCCL there). In ``inflight`` nothing pauses and nothing is aborted: each call's tokens
     carry versions its engine had, in order, split at one boundary at most; no engine is
-    ever two versions from the other; both end on the new weights."""
+    ever two versions from the other; both end on the new weights. The tensors are read
+    for NaN and inf once, by the first group's check, not again by each group's."""
+    from asyncroll import weights as weights_module
     from asyncroll.weights import WeightPusher
 
     if torch.cuda.is_available():  # NCCL refuses two ranks on one GPU; on the GPU it is the
@@ -354,6 +357,14 @@ async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_bou
                engine_b.name: WeightPusher([engine_b], backend="broadcast",
                                            bucket_bytes=256 << 10)}
     params = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    checks: list[bool] = []  # each group's check of the tensors: read for NaN and inf?
+    check_update = weights_module.check_update
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        checks.append(kwargs["check_finite"])
+        check_update(*args, **kwargs)
+
+    monkeypatch.setattr(weights_module, "check_update", counted)
     try:
         async with AsyncServerManager(
             [engine, engine_b], resume_mode="inflight", rolling=1,
@@ -367,6 +378,7 @@ async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_bou
             outputs = await asyncio.gather(*calls)
             assert manager.statistics().num_preempted == 0  # inflight: none aborted
         assert len(report.group_seconds) == 2 and len(skews) == 4 and max(skews) <= 1
+        assert checks == [True, False]  # every byte read once a roll, by the first group
         assert engine.global_steps == engine_b.global_steps == steps
         for output in outputs:
             assert len(output.token_ids) == 48 and output.finish_reason == "length"
@@ -378,6 +390,7 @@ async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_bou
                   for e in (engine, engine_b)]
         assert probes[0].token_ids == probes[1].token_ids  # both on model A
     finally:
+        monkeypatch.undo()
         for pusher in pushers.values():
             await pusher.aclose()
         await _restore(engine_b, tiny_model_b, steps + 1)

@@ -580,9 +580,11 @@ class FakeWeightUpdater(VersionedUpdater):
         global_steps: int | None,
         mode: ResumeMode = "abort",
         changed: bool = False,
+        prechecked: bool = False,
     ) -> UpdateReport:
         report = await super().update(
-            named_tensors, global_steps=global_steps, mode=mode, changed=changed
+            named_tensors, global_steps=global_steps, mode=mode, changed=changed,
+            prechecked=prechecked,
         )
         self.num_updates += 1
         return report

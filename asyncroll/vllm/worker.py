@@ -332,6 +332,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             load_batch = self._plan.load
         if worker_driven:
             self._begin()
+        self.stamps["began"] = time.perf_counter()
         rollback = self.rollback
         keep = rollback.keeps_copies
         received: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -354,6 +355,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             self.before_load(batch)
             batch = self.to_load(batch)
             rollback.loading()
+            self.stamps.setdefault("loading", time.perf_counter())  # the first batch's
             try:
                 if batch and parts:
                     assert self._plan is not None
@@ -369,6 +371,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 (name, (t.dtype, parts[name].whole if name in parts else tuple(t.shape)))
                 for name, t in arrived
             )
+            self.stamps["queued"] = time.perf_counter()  # the last batch's copies
             handed.update(name for name, _ in batch)
             rollback.loaded(batch)
             if not direct:

@@ -62,6 +62,7 @@
 #   bash bench/gpu_session.sh thirtyninth # 2 GPUs: the commit gap split by step ends; small pushes
 #   bash bench/gpu_session.sh fortieth    # 2 GPUs: rolling again, later groups prechecked
 #   bash bench/gpu_session.sh fortyfirst  # 2 GPUs: the landed commit's RPC stamped finer, 0.5B, 7B
+#   bash bench/gpu_session.sh fortysecond # 2 GPUs: the switch interval while a push lands, A/B
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -665,6 +666,29 @@ phase_fortyfirst() {  # 2 GPUs: the landed commit's RPC stamped finer (its start
     --out "$W/results/spans-b" &
   run rollout-spans-7b 1 $pin1 python3 bench/gpu_e2e.py --sections rollout --rollout-size 7b \
     --policies none,inflight-1copy,inflight-land-1copy --rounds 1 --out "$W/results/spans-7b" &
+  wait
+}
+
+phase_fortysecond() {  # 2 GPUs: issue 42's landed commit with the interpreter's switch
+  # interval short while a push lands, against Python's 5 ms (ASYNCROLL_LANDING_SWITCH_SECONDS),
+  # one round each, in opposite orders on the two GPUs
+  mkdir -p "$W/results/switch"
+  local pin0 pin1
+  halves
+  (
+    for v in 0.005 0.0005; do
+      run rollout-switch-$v-gpu0 0 $pin0 env ASYNCROLL_LANDING_SWITCH_SECONDS=$v \
+        python3 bench/gpu_e2e.py --sections rollout --policies none,inflight-land --rounds 1 \
+        --out "$W/results/switch/gpu0-$v"
+    done
+  ) &
+  (
+    for v in 0.0005 0.005; do
+      run rollout-switch-$v-gpu1 1 $pin1 env ASYNCROLL_LANDING_SWITCH_SECONDS=$v \
+        python3 bench/gpu_e2e.py --sections rollout --policies none,inflight-land --rounds 1 \
+        --out "$W/results/switch/gpu1-$v"
+    done
+  ) &
   wait
 }
 

@@ -109,3 +109,32 @@ async def test_pieces_of_tensors_do_not_land(
         await sender.push({"w": Piece(whole[:4].contiguous(), whole=(8, 4), offset=0)}, version=1,
                           verdicts=True)
     assert landing.take(push) is None
+
+
+def test_the_switch_interval_is_short_while_any_push_lands_and_restored_after() -> None:
+    """``eager_switches``: overlapping landings (two threads) keep the short interval until
+    the last one ends; then the interval before them is back."""
+    import sys
+    import threading
+
+    from asyncroll.receive.landing import SWITCH_SECONDS, eager_switches
+
+    before = sys.getswitchinterval()
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with eager_switches():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with eager_switches():
+            assert sys.getswitchinterval() <= SWITCH_SECONDS
+        assert sys.getswitchinterval() <= SWITCH_SECONDS  # the other still lands
+    finally:
+        release.set()
+        thread.join(30)
+    assert sys.getswitchinterval() == before

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,15 @@ logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
 """How often the landing thread, idle between pushes, looks whether it should stop."""
+
+SWITCH_SECONDS = float(os.environ.get("ASYNCROLL_LANDING_SWITCH_SECONDS") or 0.0005)
+"""The interpreter's switch interval while a push lands (``sys.setswitchinterval``; 5 ms by
+default). The landing thread's Python runs while the engine's step waits on the device with
+the GIL released; when that wait ends, the step may wait for the GIL up to one interval. With
+a push landing, the step an inflight commit waits behind ran 2-5 ms longer than without one
+on an H200 (the commit's gap split by the steps' ends, docs/performance.md). Between pushes
+the landing thread waits in ``poll`` and nothing changes. ``ASYNCROLL_LANDING_SWITCH_SECONDS``
+sets it (0.005 keeps Python's default: an A/B)."""
 
 Batch = Sequence[tuple[str, torch.Tensor]]
 
@@ -66,6 +77,30 @@ class LandedPush:
         sources persist; returns the push's report, as a receive would."""
         load(persistent_batch(self.tensors, layout=self.layout))
         return self.report
+
+
+_switches = threading.Lock()
+_landing_now = 0
+_interval_before = 0.0
+
+
+@contextlib.contextmanager
+def eager_switches() -> Iterator[None]:
+    """``SWITCH_SECONDS`` as the switch interval inside, restored once no thread of this
+    process lands a push (landing threads of several pushers may overlap)."""
+    global _landing_now, _interval_before
+    with _switches:
+        if _landing_now == 0:
+            _interval_before = sys.getswitchinterval()
+            sys.setswitchinterval(min(_interval_before, SWITCH_SECONDS))
+        _landing_now += 1
+    try:
+        yield
+    finally:
+        with _switches:
+            _landing_now -= 1
+            if _landing_now == 0:
+                sys.setswitchinterval(_interval_before)
 
 
 class ReceivingThread:
@@ -110,7 +145,8 @@ class ReceivingThread:
             while not self._stop.is_set():
                 try:
                     if self._receiver.poll(POLL_SECONDS):
-                        self._land(stream)
+                        with eager_switches():
+                            self._land(stream)
                 except Exception as exc:
                     if self._stop.is_set():
                         return

@@ -1058,10 +1058,11 @@ def _receiving(engines: Sequence[Engine]) -> list[ReceivingEngine]:
 
 
 def _takes_prechecked(updater: WeightUpdater) -> bool:
-    """Whether ``updater.update`` takes ``prechecked`` (ours, and wrappers passing keywords
-    on); an updater of one's own need not."""
+    """Whether ``updater.update`` names a ``prechecked`` keyword (``VersionedUpdater``'s, and
+    wrappers that say so); an updater of one's own need not, and one that only passes
+    ``**kwargs`` on is not sent it (what it passes them to may not take it)."""
     try:
-        parameters = inspect.signature(updater.update).parameters.values()
+        parameters = inspect.signature(updater.update).parameters
     except (TypeError, ValueError):
         return False
-    return any(p.name == "prechecked" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return "prechecked" in parameters

@@ -458,11 +458,11 @@ class _Skewed:
         self.pusher, self._skew, self._skews = pusher, skew, skews
         self.walls: list[float] = []
 
-    async def update(self, *args: Any, **kwargs: Any) -> Any:
+    async def update(self, *args: Any, prechecked: bool = False, **kwargs: Any) -> Any:
         self._skews.append(self._skew())
         began = time.perf_counter()
         try:
-            return await self.pusher.update(*args, **kwargs)
+            return await self.pusher.update(*args, prechecked=prechecked, **kwargs)
         finally:
             self.walls.append(time.perf_counter() - began)
             self._skews.append(self._skew())

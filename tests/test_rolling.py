@@ -343,10 +343,10 @@ async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_bou
         def __init__(self, pusher: WeightPusher) -> None:
             self.pusher = pusher
 
-        async def update(self, *args: Any, **kwargs: Any) -> Any:
+        async def update(self, *args: Any, prechecked: bool = False, **kwargs: Any) -> Any:
             skews.append(abs((engine.global_steps or 0) - (engine_b.global_steps or 0)))
             try:
-                return await self.pusher.update(*args, **kwargs)
+                return await self.pusher.update(*args, prechecked=prechecked, **kwargs)
             finally:
                 skews.append(abs((engine.global_steps or 0) - (engine_b.global_steps or 0)))
 
@@ -394,3 +394,38 @@ async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_bou
         for pusher in pushers.values():
             await pusher.aclose()
         await _restore(engine_b, tiny_model_b, steps + 1)
+
+
+async def test_the_groups_after_the_first_are_told_their_tensors_were_checked() -> None:
+    """``prechecked=True`` reaches the later groups' updaters that name it, never the first
+    group's, and never an updater of one's own that does not name it (one passing only
+    ``**kwargs`` on included: what it passes them to may not take it)."""
+    seen: list[tuple[str, object]] = []
+
+    class Named(FakeWeightUpdater):
+        async def update(self, *args: Any, prechecked: bool = False, **kwargs: Any) -> Any:
+            seen.append((self.engines[0].name, prechecked))
+            return await super().update(*args, prechecked=prechecked, **kwargs)
+
+    class Forwarding:
+        def __init__(self, inner: FakeWeightUpdater) -> None:
+            self.inner = inner
+
+        async def update(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append((self.inner.engines[0].name, kwargs.get("prechecked", "not passed")))
+            return await self.inner.update(*args, **kwargs)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    engines = [FakeEngine(name=name) for name in "abc"]
+
+    def updater(group: list[Engine]) -> Any:
+        fakes = [e for e in group if isinstance(e, FakeEngine)]
+        return Forwarding(FakeWeightUpdater(fakes)) if group[0].name == "c" else Named(fakes)
+
+    async with AsyncServerManager(engines, resume_mode="keep", weights=updater,
+                                  rolling=1) as manager:
+        await manager.update_weights({"w": torch.zeros(2)}, global_steps=1)
+    assert seen == [("a", False), ("b", True), ("c", "not passed")]
+    assert [e.global_steps for e in engines] == [1, 1, 1]

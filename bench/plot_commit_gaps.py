@@ -9,10 +9,11 @@ between two steps). One stacked bar per policy, run and round.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plot_inflight_commits import values
 
 PARTS = (
     ("step before", "the step before", "#4c72b0"),
@@ -28,22 +29,9 @@ ORDINARY = (
 
 def splits(path: str) -> list[tuple[str, dict[str, float]]]:
     """(bar label, split) for each policy and round of one run."""
-    file, _, label = path.partition("@")
-    rollout: dict[str, Any] = json.loads(Path(file).read_text())["rollout"]
-    label = label or Path(file).stem
-    found = []
-    rounds = rollout.get("rounds")
-    if rounds:
-        for policy, row in rounds.items():
-            for number, split in enumerate(row.get("commit_gap_split_ms, each round") or []):
-                if split and "RPC" in split:
-                    found.append((f"{label}\n{policy} r{number + 1}", split))
-    else:
-        for policy, row in rollout.get("results", {}).items():
-            split = row.get("commit_gap_split_ms")
-            if split and "RPC" in split:
-                found.append((f"{label}\n{policy}", split))
-    return found
+    return [(f"{label}\n{policy}" + ("" if number is None else f" r{number}"), split)
+            for label, policy, number, split in values(path, "commit_gap_split_ms")
+            if split and "RPC" in split]
 
 
 def main() -> None:

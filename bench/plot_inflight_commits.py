@@ -14,28 +14,29 @@ from pathlib import Path
 from typing import Any
 
 
-def rows(path: str) -> list[tuple[str, str, float, float | None]]:
-    """(run label, policy, RPC ms, stall beyond a biased step ms) of each policy and round."""
+def values(path: str, key: str) -> list[tuple[str, str, int | None, Any]]:
+    """(run label, policy, round or None, value) of ``key`` in one rollout run's JSON
+    (``RUN.json[@LABEL]``): each round's where the run has rounds, else its one result's."""
     file, _, label = path.partition("@")
     rollout: dict[str, Any] = json.loads(Path(file).read_text())["rollout"]
     label = label or Path(file).stem
-    found = []
     rounds = rollout.get("rounds")
     if rounds:
-        for policy, row in rounds.items():
-            receives = row.get("receive_ms, each round") or []
-            beyond = row.get("commit_stall_beyond_biased_step_ms, each round") or []
-            for number, received in enumerate(receives):
-                if received and "rpc" in received:
-                    stall = beyond[number] if number < len(beyond) else None
-                    found.append((f"{label} r{number + 1}", policy, received["rpc"], stall))
-        return found
-    for policy, result in rollout["results"].items():
-        received = result.get("receive_ms") or {}
-        if "rpc" in received:
-            found.append((label, policy, received["rpc"],
-                          result.get("commit_stall_beyond_biased_step_ms")))
-    return found
+        return [(label, policy, number + 1, value)
+                for policy, row in rounds.items()
+                for number, value in enumerate(row.get(f"{key}, each round") or [])]
+    return [(label, policy, None, result.get(key))
+            for policy, result in rollout["results"].items()]
+
+
+def rows(path: str) -> list[tuple[str, str, float, float | None]]:
+    """(run label, policy, RPC ms, stall beyond a biased step ms) of each policy and round."""
+    beyond = {(policy, number): value for _, policy, number, value
+              in values(path, "commit_stall_beyond_biased_step_ms")}
+    return [(label if number is None else f"{label} r{number}", policy, received["rpc"],
+             beyond.get((policy, number)))
+            for label, policy, number, received in values(path, "receive_ms")
+            if received and "rpc" in received]
 
 
 def main() -> None:

@@ -514,6 +514,7 @@ class AsyncServerManager:
         started = time.perf_counter()
         reports: list[UpdateReport] = []
         took: list[str] = []
+        values_read = False  # a group before read every tensor for NaN and inf
         self._rolling = True
         try:
             for group in groups:
@@ -523,15 +524,17 @@ class AsyncServerManager:
                 names = {e.name for e in group}
                 if pausing:
                     self._updating |= names
-                updater = self._group_updater(group)
-                # The groups after the first push the tensors the first one checked: ours
-                # do not read every byte again for NaN and inf.
-                again = {"prechecked": True} if reports and _takes_prechecked(updater) else {}
                 try:
+                    updater = self._group_updater(group)
+                    # Once a group's updater has read the tensors for NaN and inf, ours do
+                    # not read every byte again for the groups after it.
+                    again = ({"prechecked": True} if values_read and _takes_prechecked(updater)
+                             else {})
                     reports.append(await updater.update(
                         tensors, global_steps=global_steps, mode=self.resume_mode,
                         changed=changed and not reports, **again,
                     ))
+                    values_read = values_read or bool(getattr(updater, "values_read", False))
                 except InvalidRequestError:
                     if took:  # (the same tensors passed the checks of the groups before)
                         self._num_failed_updates += 1

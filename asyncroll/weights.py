@@ -128,6 +128,9 @@ class VersionedUpdater:
         self._lock = asyncio.Lock()
         self._fingerprints: dict[str, bytes] | None = None
         """The last update's, when it was fingerprinted (``changed=True``)."""
+        self.values_read = False
+        """The last update's checks read every tensor for NaN and inf (a rolling update's
+        later groups then need not: ``prechecked``)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} engines={[e.name for e in self._engines]}>"
@@ -187,10 +190,12 @@ class VersionedUpdater:
             _check_versions(engines, global_steps)
             if mode in INFLIGHT_MODES:
                 _check_inflight(engines, self._channel, recompute=mode == "inflight-recompute")
+            self.values_read = False
             if prechecked and isinstance(self._channel, SenderChannel):
                 await self._channel.check(tensors, finite=False)
             else:
                 await self._channel.check(tensors)
+            self.values_read = bool(getattr(self._channel, "values_read", False))
             # Kept for the next ``changed=True``: this update's fingerprints, or the channel's
             # own (taken to verify the push) where ``changed`` was not asked for.
             recorded = prints if changed else _channel_fingerprints(self._channel)
@@ -373,6 +378,8 @@ class SenderChannel:
         self._load_plan = load_plan
         self._one_copy = one_copy
         self._check_finite = check_finite
+        self.values_read = False
+        """The last ``check`` read every plain tensor for NaN and inf."""
         self._strict_dtype = strict_dtype
         self._verify = verify
         self._land = land
@@ -507,9 +514,11 @@ class SenderChannel:
                 if refusal is not None:
                     raise InvalidRequestError(f"{engine.name}: {refusal}")
         served = {e.model_path: e.weights.served_dtype for e in engines}
-        for index, (path, schema) in enumerate(self._schemas.items()):
-            if path in served:
-                values = finite and self._check_finite and index == 0
+        self.values_read = False
+        for path, schema in self._schemas.items():
+            if path in served:  # (the values once: against the first live engine's model)
+                values = finite and self._check_finite and not self.values_read
+                self.values_read = self.values_read or (values and bool(plain))
                 for part, read in ((plain, values), (made_later, False)):
                     if not part:
                         continue

@@ -880,7 +880,11 @@ async def rollout(res: Results, work: Path, interval: float, policies: list[str]
     res.record("rollout", "workload", {"shape": size,
                                        "requests": len(jobs), "tokens": sum(n for _, n in jobs),
                                        "concurrency": concurrency, "engines": num_engines,
-                                       "gpus": gpus, "update every s": interval})
+                                       "gpus": gpus, "update every s": interval,
+                                       "pushers": "one a group (-roll): CUDA IPC to an engine"
+                                       " on GPU 0 (with the policy's -land, -1copy), the"
+                                       " broadcast transport (NCCL, received in the commit)"
+                                       " to one on another GPU" if gpus > 1 else "one"})
     table = {}
     # CUDA graphs on: the stall an update causes is measured on the engine users run. Several
     # engines (``--rollout-engines``, for ``-roll`` policies) share the GPU's half, or with

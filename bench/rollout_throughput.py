@@ -443,7 +443,7 @@ async def run_policy(
         # a rolling update: each group's update (median over the updates), and the whole roll
         "group_ms": [round(statistics.median(g) * 1e3, 1) for g in zip(*groups, strict=True)]
         if groups else [],
-        # the roll's whole update against its slowest group's (median over the updates)
+        # the roll's whole update against its median group's report (median over the updates)
         "roll_vs_one_group": round(statistics.median(roll_ratios), 2) if roll_ratios else None,
         "skew_worst": max(skews) if skews else None,
         "group_call_ms": [round(statistics.median(m.walls) * 1e3, 1) for m in made if m.walls],

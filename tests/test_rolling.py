@@ -396,16 +396,18 @@ async def test_an_inflight_roll_over_two_transports_splits_every_call_at_one_bou
         await _restore(engine_b, tiny_model_b, steps + 1)
 
 
-async def test_the_groups_after_the_first_are_told_their_tensors_were_checked() -> None:
-    """``prechecked=True`` reaches the later groups' updaters that name it, never the first
-    group's, and never an updater of one's own that does not name it (one passing only
-    ``**kwargs`` on included: what it passes them to may not take it)."""
+async def test_the_groups_after_one_that_read_the_values_are_told_so() -> None:
+    """``prechecked=True`` reaches a group's updater only once an earlier group's read the
+    tensors for NaN and inf (``values_read``), and only an updater that names it: never one
+    of one's own passing ``**kwargs`` on (what it passes them to may not take it)."""
     seen: list[tuple[str, object]] = []
 
     class Named(FakeWeightUpdater):
         async def update(self, *args: Any, prechecked: bool = False, **kwargs: Any) -> Any:
             seen.append((self.engines[0].name, prechecked))
-            return await super().update(*args, prechecked=prechecked, **kwargs)
+            report = await super().update(*args, prechecked=prechecked, **kwargs)
+            self.values_read = self.engines[0].name == "b"  # (b's channel reads them)
+            return report
 
     class Forwarding:
         def __init__(self, inner: FakeWeightUpdater) -> None:
@@ -418,14 +420,37 @@ async def test_the_groups_after_the_first_are_told_their_tensors_were_checked() 
         async def aclose(self) -> None:
             await self.inner.aclose()
 
-    engines = [FakeEngine(name=name) for name in "abc"]
+    engines = [FakeEngine(name=name) for name in "abcd"]
 
     def updater(group: list[Engine]) -> Any:
         fakes = [e for e in group if isinstance(e, FakeEngine)]
-        return Forwarding(FakeWeightUpdater(fakes)) if group[0].name == "c" else Named(fakes)
+        return Forwarding(FakeWeightUpdater(fakes)) if group[0].name == "d" else Named(fakes)
 
     async with AsyncServerManager(engines, resume_mode="keep", weights=updater,
                                   rolling=1) as manager:
         await manager.update_weights({"w": torch.zeros(2)}, global_steps=1)
-    assert seen == [("a", False), ("b", True), ("c", "not passed")]
-    assert [e.global_steps for e in engines] == [1, 1, 1]
+    assert seen == [("a", False), ("b", False), ("c", True), ("d", "not passed")]
+    assert [e.global_steps for e in engines] == [1, 1, 1, 1]
+
+
+async def test_an_updater_that_cannot_be_made_fails_the_roll_and_frees_its_engines() -> None:
+    """The function making a group's updater raising mid-roll: a ``WeightSyncError`` naming
+    the group, the groups before keep what they took, and no engine is left marked as
+    updating (calls still reach it)."""
+    engines = [FakeEngine(name=name) for name in "ab"]
+
+    def updater(group: list[Engine]) -> Any:
+        if group[0].name == "b":
+            raise RuntimeError("no way to reach b")
+        return FakeWeightUpdater([e for e in group if isinstance(e, FakeEngine)])
+
+    async with AsyncServerManager(engines, resume_mode="keep", weights=updater,
+                                  rolling=1) as manager:
+        with pytest.raises(WeightSyncError, match="no way to reach b"):
+            await manager.update_weights({"w": torch.zeros(2)}, global_steps=1)
+        assert [e.global_steps for e in engines] == [1, 0]
+        assert not manager.statistics().updating
+        assert manager.statistics().num_failed_updates == 1
+        for i in range(4):  # both engines take calls again
+            await manager.generate(f"after-{i}", prompt_ids=[1], sampling_params=PARAMS)
+        assert all(e.statistics().num_requests for e in engines)

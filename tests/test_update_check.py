@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -339,3 +340,33 @@ def test_cuda_tensors_mixed_with_cpu_ones(
     update[Q_PROJ][1, 2] = float("nan")
     message = _rejected(update, schema)
     assert message == f"weight update rejected, 1 problem: {Q_PROJ!r}: has NaN or inf values"
+
+
+async def test_the_values_are_read_against_the_first_live_engine_when_an_earlier_one_died(
+    tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """A channel over engines of two checkpoints: once the engine of the first one it read
+    has died, the values are still read for NaN and inf (against the live engine's model),
+    and ``values_read`` says so; ``finite=False`` reads none."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from asyncroll.weights import SenderChannel
+
+    def stub(name: str, path: Path) -> Any:
+        return SimpleNamespace(name=name, model_path=str(path), is_dead=False,
+                               weights=SimpleNamespace(served_dtype=torch.float32))
+
+    first, second = stub("a", tiny_model_a), stub("b", tiny_model_b)
+    channel = SenderChannel([first, second], load="layerwise")
+    tensors = load_file(str(tiny_model_b / "model.safetensors"))
+    await channel.check(tensors)  # both checkpoints read, in this order
+    assert channel.values_read
+    first.is_dead = True
+    bad = dict(tensors)
+    bad["model.norm.weight"] = torch.full_like(tensors["model.norm.weight"], float("nan"))
+    with pytest.raises(InvalidRequestError, match="NaN or inf"):
+        await channel.check(bad)
+    await channel.check(bad, finite=False)  # (an earlier group read them: prechecked)
+    assert not channel.values_read

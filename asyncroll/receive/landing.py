@@ -23,6 +23,7 @@ that runs between two steps.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -48,7 +49,21 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 """How often the landing thread, idle between pushes, looks whether it should stop."""
 
-SWITCH_SECONDS = float(os.environ.get("ASYNCROLL_LANDING_SWITCH_SECONDS") or 0.0005)
+def _switch_seconds(text: str | None, default: float = 0.0005) -> float:
+    """``ASYNCROLL_LANDING_SWITCH_SECONDS``, or ``default`` where it is unset or not a
+    positive number (``sys.setswitchinterval`` refuses those: every landing would fail)."""
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = default
+    if not value > 0 or value == float("inf"):
+        logger.warning("ASYNCROLL_LANDING_SWITCH_SECONDS=%r is not a positive number of seconds:"
+                       " %g used", text, default)
+        return default
+    return value
+
+
+SWITCH_SECONDS = _switch_seconds(os.environ.get("ASYNCROLL_LANDING_SWITCH_SECONDS"))
 """The interpreter's switch interval while a push lands (``sys.setswitchinterval``; 5 ms by
 default). The landing thread's Python runs while the engine's step waits on the device with
 the GIL released; when that wait ends, the step may wait for the GIL up to one interval. With
@@ -103,6 +118,26 @@ def eager_switches() -> Iterator[None]:
                 sys.setswitchinterval(_interval_before)
 
 
+def one_openmp_thread() -> bool:
+    """Make this thread's OpenMP parallel regions single-threaded (its own ICV: other threads
+    keep theirs; ``torch.set_num_threads`` would also shrink MKL's pool for every thread).
+    Returns whether an OpenMP runtime was found in the process.
+
+    A thread that ran torch's parallel CPU ops keeps its own OpenMP team while it lives. With
+    more OpenMP threads than cores, GNU OpenMP stops spinning between regions in every team,
+    the engine's included: on the 2-core CPU machine an idle landing thread that had landed
+    one push cost the CPU engine 15-23% of its tokens a second (session 38), and a second
+    thread that ran one op cost a torch loop 15-18% (session 39, ``tests/test_landing.py``'s
+    note)."""
+    try:
+        set_threads = ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):
+        return False
+    set_threads.argtypes = [ctypes.c_int]
+    set_threads(1)
+    return True
+
+
 class ReceivingThread:
     """A receiver of its own, used by a thread of its own (on a GPU, under a CUDA stream of
     its own): the thread waits for each push and hands it to ``_land``. Subclasses:
@@ -141,6 +176,8 @@ class ReceivingThread:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        else:  # its copies and checks are small: no OpenMP team of its own beside the engine's
+            one_openmp_thread()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while not self._stop.is_set():
                 try:

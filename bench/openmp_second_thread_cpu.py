@@ -3,7 +3,7 @@ while it stays alive, idle (as a worker's landing thread does beside the CPU eng
 
 Pairs, each on a fresh second thread: the loop's rate alone, then with the thread open. Three
 kinds of second thread: it ran parallel ops as it came (``plain``: the landing thread before
-session 39), it ran them after ``asyncroll.receive.landing.one_openmp_thread`` (``ours``), it
+session 39), it ran them after ``asyncroll.transport.openmp.one_openmp_thread`` (``ours``), it
 ran none (``limit``: what a thread costs that has no OpenMP team). Prints each kind's median
 ratio (open / alone) and ours against the limit.
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from asyncroll.receive.landing import one_openmp_thread
+from asyncroll.transport.openmp import one_openmp_thread
 
 
 def loop_rate(a: torch.Tensor, b: torch.Tensor, n: int = 200) -> float:

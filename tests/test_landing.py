@@ -157,7 +157,7 @@ def test_a_landing_thread_on_the_host_runs_its_openmp_regions_alone() -> None:
     import ctypes
     import threading
 
-    from asyncroll.receive.landing import one_openmp_thread
+    from asyncroll.transport.openmp import one_openmp_thread
 
     try:
         max_threads = ctypes.CDLL(None).omp_get_max_threads
@@ -176,3 +176,24 @@ def test_a_landing_thread_on_the_host_runs_its_openmp_regions_alone() -> None:
     thread.join(30)
     assert seen == [(True, 1)]
     assert max_threads() == main_before and torch.get_num_threads() == torch_before
+
+
+def test_the_senders_packing_thread_runs_its_openmp_regions_alone() -> None:
+    """The sender's packer (``Staging.packer``) copies on the host single-threaded: a team
+    of its own would slow the trainer's threads (``one_openmp_thread``)."""
+    import ctypes
+    import uuid
+
+    from asyncroll.transport.backends import ShmBackend
+    from asyncroll.transport.staging import Staging
+
+    try:
+        max_threads = ctypes.CDLL(None).omp_get_max_threads
+    except AttributeError:
+        pytest.skip("no OpenMP runtime in this process")
+    staging = Staging(ShmBackend(), nonce=uuid.uuid4().hex[:8], count=1, bucket_bytes=1 << 16,
+                      group_of=lambda name: None, close_timeout=5.0)
+    try:
+        assert staging.packer.submit(max_threads).result(30) == 1
+    finally:
+        staging.release()

@@ -23,7 +23,6 @@ that runs between two steps.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import sys
@@ -35,6 +34,7 @@ import torch
 
 from asyncroll.errors import WeightSyncError
 from asyncroll.fingerprints import Fingerprinter
+from asyncroll.transport.openmp import one_openmp_thread
 from asyncroll.transport.receiver import (
     LoadFn,
     ReceiveReport,
@@ -116,26 +116,6 @@ def eager_switches() -> Iterator[None]:
             _landing_now -= 1
             if _landing_now == 0:
                 sys.setswitchinterval(_interval_before)
-
-
-def one_openmp_thread() -> bool:
-    """Make this thread's OpenMP parallel regions single-threaded (its own ICV: other threads
-    keep theirs; ``torch.set_num_threads`` would also shrink MKL's pool for every thread).
-    Returns whether an OpenMP runtime was found in the process.
-
-    A thread that ran torch's parallel CPU ops keeps its own OpenMP team while it lives. With
-    more OpenMP threads than cores, GNU OpenMP stops spinning between regions in every team,
-    the engine's included: on the 2-core CPU machine an idle landing thread that had landed
-    one push cost the CPU engine 15-23% of its tokens a second (session 38), and a second
-    thread that ran one op cost a torch loop 15-18% (session 39, ``tests/test_landing.py``'s
-    note)."""
-    try:
-        set_threads = ctypes.CDLL(None).omp_set_num_threads
-    except (OSError, AttributeError):
-        return False
-    set_threads.argtypes = [ctypes.c_int]
-    set_threads(1)
-    return True
 
 
 class ReceivingThread:

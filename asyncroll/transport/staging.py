@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from asyncroll.transport.backends import Backend, StagingBuffer
+from asyncroll.transport.openmp import one_openmp_thread
 from asyncroll.transport.plan import Bucket, GroupOf, TensorMeta, plan_buckets
 
 __all__ = ["Staging", "Views"]
@@ -66,8 +67,11 @@ class Staging:
         self.views: list[Views] = [{} for _ in range(count)]
         """Per buffer, its typed views for the slots of the last layout."""
         self.buffers: list[StagingBuffer] = []
-        self.packer = ThreadPoolExecutor(1, thread_name_prefix="asyncroll-pack")
-        """The one thread that packs into the buffers (FIFO)."""
+        self.packer = ThreadPoolExecutor(1, thread_name_prefix="asyncroll-pack",
+                                         initializer=one_openmp_thread)
+        """The one thread that packs into the buffers (FIFO); on the host its copies run
+        single-threaded: an OpenMP team of its own would slow the trainer's
+        (``one_openmp_thread``)."""
         try:
             for i in range(count):  # one at a time: a failure releases those made before it
                 self.buffers.append(backend.allocate(nonce=nonce, index=i, nbytes=bucket_bytes))

@@ -669,26 +669,23 @@ phase_fortyfirst() {  # 2 GPUs: the landed commit's RPC stamped finer (its start
   wait
 }
 
+switch_lane() {  # switch_lane GPU PIN INTERVAL...: the landed rollout once per interval, in order
+  local gpu=$1 pin=$2 v; shift 2
+  for v in "$@"; do
+    run rollout-switch-$v-gpu$gpu $gpu $pin env ASYNCROLL_LANDING_SWITCH_SECONDS=$v \
+      python3 bench/gpu_e2e.py --sections rollout --policies none,inflight-land --rounds 1 \
+      --out "$W/results/switch/gpu$gpu-$v"
+  done
+}
+
 phase_fortysecond() {  # 2 GPUs: issue 42's landed commit with the interpreter's switch
   # interval short while a push lands, against Python's 5 ms (ASYNCROLL_LANDING_SWITCH_SECONDS),
   # one round each, in opposite orders on the two GPUs
   mkdir -p "$W/results/switch"
   local pin0 pin1
   halves
-  (
-    for v in 0.005 0.0005; do
-      run rollout-switch-$v-gpu0 0 $pin0 env ASYNCROLL_LANDING_SWITCH_SECONDS=$v \
-        python3 bench/gpu_e2e.py --sections rollout --policies none,inflight-land --rounds 1 \
-        --out "$W/results/switch/gpu0-$v"
-    done
-  ) &
-  (
-    for v in 0.0005 0.005; do
-      run rollout-switch-$v-gpu1 1 $pin1 env ASYNCROLL_LANDING_SWITCH_SECONDS=$v \
-        python3 bench/gpu_e2e.py --sections rollout --policies none,inflight-land --rounds 1 \
-        --out "$W/results/switch/gpu1-$v"
-    done
-  ) &
+  switch_lane 0 "$pin0" 0.005 0.0005 &
+  switch_lane 1 "$pin1" 0.0005 0.005 &
   wait
 }
 

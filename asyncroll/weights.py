@@ -152,8 +152,9 @@ class VersionedUpdater:
         prefix-cache epoch, resume.
 
         ``prechecked=True`` says these very tensors passed an update's checks a moment ago
-        (a rolling update's later groups): their values are not read again for NaN and inf;
-        names, shapes and dtypes are still checked against these engines.
+        (the manager says it to a rolling update's later groups): their values are not read
+        again for NaN and inf; names, shapes and dtypes are still checked against these
+        engines. It is the caller's word: tensors never read are not checked.
 
         ``changed=True`` says the weights differ from the previous update's: each tensor is
         fingerprinted (64 sampled elements, its shape and dtype; a gather and one copy to the
@@ -1086,8 +1087,7 @@ class WeightPusher(VersionedUpdater):
                 device copies into its parameters and their check, never for the transfer.
                 Costs the workers memory for one copy of the pushed tensors when staged (none
                 with ``one_copy``, whose landing is the trainer's storages). Whole tensors
-                only (no lazy tensors or pieces); for GPUs: on the 2-core CPU build an open
-                landing thread cost the engine throughput (docs/performance.md).
+                only (no lazy tensors or pieces).
         """
         self._sender_channel = SenderChannel(
             engines,

@@ -67,10 +67,11 @@ SWITCH_SECONDS = _switch_seconds(os.environ.get("ASYNCROLL_LANDING_SWITCH_SECOND
 """The interpreter's switch interval while a push lands (``sys.setswitchinterval``; 5 ms by
 default). The landing thread's Python runs while the engine's step waits on the device with
 the GIL released; when that wait ends, the step may wait for the GIL up to one interval. With
-a push landing, the step an inflight commit waits behind ran 2-5 ms longer than without one
-on an H200 (the commit's gap split by the steps' ends, docs/performance.md). Between pushes
-the landing thread waits in ``poll`` and nothing changes. ``ASYNCROLL_LANDING_SWITCH_SECONDS``
-sets it (0.005 keeps Python's default: an A/B)."""
+a push landing, the step an inflight commit waits behind ran 1.5-7 ms longer than a received
+commit's on an H200 (the commit's gap split by the steps' ends, docs/performance.md); one A/B
+of this setting, order crossed on two GPUs, shortened that step on one GPU and not the other.
+Between pushes the landing thread waits in ``poll`` and nothing changes.
+``ASYNCROLL_LANDING_SWITCH_SECONDS`` sets it (0.005 keeps Python's default: an A/B)."""
 
 Batch = Sequence[tuple[str, torch.Tensor]]
 
@@ -156,7 +157,7 @@ class ReceivingThread:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        else:  # its copies and checks are small: no OpenMP team of its own beside the engine's
+        else:  # single-threaded on the host: no OpenMP team of its own beside the engine's
             one_openmp_thread()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             while not self._stop.is_set():

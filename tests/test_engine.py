@@ -19,6 +19,7 @@ from asyncroll import (
     VLLMEngine,
 )
 from asyncroll.testing import vllm_client
+from asyncroll.vllm import compat
 
 PROMPT = [5, 6, 7, 8]
 
@@ -119,6 +120,8 @@ async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Pat
         if p.pid not in others and "resource_tracker" not in " ".join(p.cmdline())
     ]
     assert children, "vLLM runs its EngineCore in child processes"
+    # The close waits for vLLM's monitor of the EngineCore (tests/test_engine_reap.py): found.
+    (monitor,) = compat.engine_monitor_threads(vllm_client(engine))
     try:
         first = await engine.generate("x", prompt_ids=PROMPT, sampling_params=_params(4))
         assert len(first.token_ids) == 4
@@ -138,6 +141,7 @@ async def test_dead_engine_raises_and_aclose_leaves_no_process(tiny_model_a: Pat
     _gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"left behind: {alive}"
     assert engine.statistics().in_flight == 0
+    assert not monitor.is_alive()
 
 
 async def test_engines_run_at_vllms_offline_batch_limits(

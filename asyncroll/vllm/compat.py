@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import functools
 import tempfile
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "engine_core_processes",
+    "engine_monitor_threads",
     "rendezvous_files",
     "schedules_ahead",
     "on_request_added",
@@ -32,6 +35,35 @@ def engine_core_processes(llm: Any) -> list[Any]:
     resources = getattr(getattr(llm, "engine_core", None), "resources", None)
     manager = getattr(resources, "engine_manager", None)
     return list(getattr(manager, "processes", None) or [])
+
+
+def engine_monitor_threads(llm: Any) -> list[threading.Thread]:
+    """The threads vLLM's client runs to watch its EngineCore processes
+    (``MPClientEngineMonitor``), found by the engine manager or client their target closes
+    over. Once a process exits, such a thread reads its ``exitcode``: closing the process
+    object under it raises ``ValueError`` in that thread."""
+    client = getattr(llm, "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    if client is None or manager is None:
+        return []
+    found = []
+    for thread in threading.enumerate():
+        target = getattr(thread, "_target", None)  # deleted once the target returns
+        if thread.name != "MPClientEngineMonitor" or target is None:
+            continue
+        for cell in getattr(target, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if value is manager or (callable(value) and _referent(value) is client):
+                found.append(thread)
+                break
+    return found
+
+
+def _referent(value: Any) -> Any:
+    return value() if isinstance(value, weakref.ref) else None
 
 
 def rendezvous_files(methods: Sequence[str | None]) -> list[Path]:

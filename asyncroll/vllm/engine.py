@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -497,13 +498,14 @@ class VLLMEngine:
 
     async def _shut_down(self) -> None:
         processes = compat.engine_core_processes(self._llm)
+        monitors = compat.engine_monitor_threads(self._llm)
         try:
             await asyncio.to_thread(self._llm.shutdown)
             # AsyncLLM.__del__ shuts down again, which fails at interpreter exit; once is enough.
             self._llm.shutdown = _already_shut_down  # type: ignore[method-assign]
             # vLLM stops its EngineCore but leaves the exited process unreaped (a zombie until
             # the next process starts): reap it.
-            await asyncio.to_thread(_reap, processes)
+            await asyncio.to_thread(_reap, processes, monitors)
         finally:
             for path in self._rendezvous_files:  # its workers are gone: nobody meets there
                 with contextlib.suppress(OSError):
@@ -1236,11 +1238,24 @@ def read_ranges_of(found: Mapping[str, Sequence[int]] | None) -> dict[str, tuple
     return {name: tuple(int(x) for x in read) for name, read in found.items()}
 
 
-def _reap(processes: Sequence[Any], timeout: float = 5.0) -> None:
-    """Join vLLM's exited EngineCore processes and release their sentinel pipes."""
+def _reap(
+    processes: Sequence[Any], monitors: Sequence[threading.Thread] = (), timeout: float = 5.0
+) -> None:
+    """Join vLLM's exited EngineCore processes and release their sentinel pipes, once vLLM's
+    monitor threads are done with them: a monitor that saw the process exit reads its
+    ``exitcode`` after our close otherwise, and fails with ``ValueError`` (CI saw it). Each
+    monitor ends within a second of the shutdown (its wait's period); one that does not
+    leaves the processes open."""
     for process in processes:
         with contextlib.suppress(Exception):
             process.join(timeout)
+    for monitor in monitors:
+        monitor.join(timeout)
+        if monitor.is_alive():
+            logger.warning("vLLM's engine monitor %s outlived the shutdown", monitor.name)
+            return
+    for process in processes:
+        with contextlib.suppress(Exception):
             process.close()  # ValueError if it still runs: then it keeps its pipe
 
 

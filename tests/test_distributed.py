@@ -88,12 +88,14 @@ RUN_OF_TEST = {
     "test_pushes_from_two_ranks_are_token_exact": "sharded",
     "test_a_piece_a_worker_cannot_load_is_pushed_again_whole": "sharded",
     "test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back": "sharded",
-    "test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank": "coordinator_dies",
     "test_two_ranks_push_into_two_data_parallel_engines": "data_parallel",
+    "test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank": "data_parallel",
     "test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks": "fsdp_hybrid",
     "test_fused_experts_sharded_over_two_ranks_push_token_exact": "fused_experts",
 }
 """The run each test reads: the scenario's three (``distributed_scenario.py``), and the example."""
+# The data-parallel pushes and the coordinator's death share one run: a run's start-up (two
+# ranks, the engines) is most of its time.
 
 AT_ONCE = 2
 """Runs under way together. Their engines' starts wait on one process after another far more than
@@ -130,7 +132,7 @@ class Runs:
             if name == "fused_experts":
                 codes, log = await run_ranks(folder, *self._models, die_rank=-1, family="mixtral")
                 return codes, log, folder
-            die_rank, engines = {"sharded": (1, 1), "coordinator_dies": (0, 1)}.get(name, (-1, 2))
+            die_rank, engines = {"sharded": (1, 1), "data_parallel": (0, 2)}[name]
             codes, log = await run_ranks(folder, *self._models, die_rank=die_rank, engines=engines)
             return codes, log, folder
 
@@ -208,24 +210,13 @@ def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
     assert outcome["after_death"] == outcome["fresh_b"]
 
 
-async def test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank(
-    runs: Runs,
-) -> None:
-    """Rank 0 (the engine's process) exits inside a gather: rank 1 gets ``WeightSyncError``
-    long before its 120 s deadline (its gathers fail, its worker is gone), and ends."""
-    codes, log, folder = await runs.result("coordinator_dies")
-    assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
-    found = json.loads((folder / "rank1.json").read_text())
-    assert found["died"].startswith("WeightSyncError"), found["died"]
-    assert found["died_after_s"] < 120
-
-
 async def test_two_ranks_push_into_two_data_parallel_engines(runs: Runs) -> None:
     """Two engines of one worker each on rank 0: worker ``i`` is served by rank ``i % 2``, so
     each rank's sender feeds one worker; both engines take every tensor, label each update,
-    and serve A, then B token for token as a fresh engine on B does."""
+    and serve A, then B token for token as a fresh engine on B does. (Rank 0 dies after, in
+    the next test's push: it wrote this first.)"""
     codes, log, folder = await runs.result("data_parallel")
-    assert codes == [0, 0], f"exit codes {codes}; rank 0:\n{log}"
+    assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
     found = json.loads((folder / "rank0.json").read_text())
     fresh_b = found["fresh_b"]
     assert fresh_b[0] == fresh_b[1]
@@ -237,6 +228,19 @@ async def test_two_ranks_push_into_two_data_parallel_engines(runs: Runs) -> None
         assert found[f"receivers_{tag}"] == 1  # rank 0 fed one of the two workers
     other = json.loads((folder / "rank1.json").read_text())
     assert other["receivers_a"] == other["receivers_b"] == 1  # and rank 1 the other
+
+
+async def test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank(
+    runs: Runs,
+) -> None:
+    """After the data-parallel pushes, rank 0 (the engines' process) exits inside a gather of
+    a third: rank 1 gets ``WeightSyncError`` long before its 120 s deadline (its gathers fail),
+    and ends."""
+    codes, log, folder = await runs.result("data_parallel")
+    assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
+    found = json.loads((folder / "rank1.json").read_text())
+    assert found["died"].startswith("WeightSyncError"), found["died"]
+    assert found["died_after_s"] < 120
 
 
 async def test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks(runs: Runs) -> None:

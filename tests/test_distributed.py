@@ -93,9 +93,9 @@ RUN_OF_TEST = {
     "test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks": "fsdp_hybrid",
     "test_fused_experts_sharded_over_two_ranks_push_token_exact": "fused_experts",
 }
-"""The run each test reads: the scenario's three (``distributed_scenario.py``), and the example."""
-# The data-parallel pushes and the coordinator's death share one run: a run's start-up (two
-# ranks, the engines) is most of its time.
+"""The run each test reads: the scenario's three (``distributed_scenario.py``), and the example.
+The data-parallel pushes and the coordinator's death share one run: a run's start-up (two
+ranks, the engines) is most of its time."""
 
 AT_ONCE = 2
 """Runs under way together. Their engines' starts wait on one process after another far more than

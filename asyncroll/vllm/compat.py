@@ -56,7 +56,7 @@ def engine_monitor_threads(llm: Any) -> list[threading.Thread]:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if value is manager or (callable(value) and _referent(value) is client):
+            if value is manager or _referent(value) is client:
                 found.append(thread)
                 break
     return found

@@ -1239,13 +1239,15 @@ def read_ranges_of(found: Mapping[str, Sequence[int]] | None) -> dict[str, tuple
 
 
 def _reap(
-    processes: Sequence[Any], monitors: Sequence[threading.Thread] = (), timeout: float = 5.0
+    processes: Sequence[Any],
+    monitors: Sequence[threading.Thread] = (),
+    timeout: float | None = 5.0,
 ) -> None:
     """Join vLLM's exited EngineCore processes and release their sentinel pipes, once vLLM's
     monitor threads are done with them: a monitor that saw the process exit reads its
     ``exitcode`` after our close otherwise, and fails with ``ValueError`` (CI saw it). Each
     monitor ends within a second of the shutdown (its wait's period); one that does not
-    leaves the processes open."""
+    leaves the processes open. ``timeout`` bounds each join (None: no bound)."""
     for process in processes:
         with contextlib.suppress(Exception):
             process.join(timeout)

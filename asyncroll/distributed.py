@@ -76,6 +76,7 @@ from asyncroll.transport import (
     plan_buckets,
 )
 from asyncroll.transport.aio import shielded
+from asyncroll.transport.broadcast import BroadcastSender, open_broadcast_sender
 from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
 from asyncroll.transport.lazy import Makes
 from asyncroll.transport.sender import open_weight_sender
@@ -119,7 +120,7 @@ class DistributedWeightPusher:
         dtype: torch.dtype | None = None,
         bucket_bytes: int | None = None,
         buffers: int = 2,
-        backend: Literal["auto", "shm", "cuda_ipc"] = "auto",
+        backend: Literal["auto", "shm", "cuda_ipc", "broadcast"] = "auto",
         timeout: float = 120.0,
         load: Literal["auto", "layerwise", "direct"] = "auto",
         load_plan: bool = True,
@@ -144,6 +145,15 @@ class DistributedWeightPusher:
                 tensor-parallel shard of q, k, v, gate, up, the embedding, the head), push
                 each rank's own rows, with no gather (learned from the workers' load plans
                 after the first push; ``pieces``). False: always whole tensors.
+            backend: ``auto`` (CUDA IPC on GPUs, shared memory on CPU), ``shm`` or ``cuda_ipc``:
+                each rank feeds the workers on its own GPU (colocated). ``broadcast``: the
+                engines on other GPUs or hosts (split): each rank forms a push group of its
+                own with the workers it serves (NCCL between GPUs, gloo on CPU;
+                ``asyncroll.transport.broadcast``), meeting at its host's routable address,
+                and sends them its tensors, its own rows where they are all a worker reads
+                (``pieces``); no rank sends another's workers anything, so the engines are
+                fed in parallel, one group a rank. The coordinator must serve a worker
+                (rank 0 serves worker 0).
             column_blocks: Where every worker reads only some columns of each row (the
                 row-parallel shard of o and down), the ranks exchange those column blocks
                 (a bucket's exchanges in one batch of sends and receives) and push each
@@ -164,11 +174,15 @@ class DistributedWeightPusher:
             raise InvalidRequestError("pass the engines on the coordinator rank, and only there")
         if not isinstance(buffers, int) or isinstance(buffers, bool) or buffers < 1:
             raise InvalidRequestError(f"buffers must be an int of at least 1, not {buffers!r}")
+        if backend not in ("auto", "shm", "cuda_ipc", "broadcast"):
+            raise InvalidRequestError(
+                f"backend must be auto, shm, cuda_ipc or broadcast, not {backend!r}"
+            )
         self._coordinator = coordinator
         self._dtype = dtype
         self._buffers = buffers
         self._backend = backend
-        if bucket_bytes is None and self._on_cuda():
+        if bucket_bytes is None and self._on_cuda() and backend != "broadcast":
             bucket_bytes = DEFAULT_BUCKET_BYTES["sharded_cuda_ipc"]
         self._timeout = timeout
         self._bucket_bytes = bucket_bytes
@@ -193,7 +207,7 @@ class DistributedWeightPusher:
             else None
         )
         self._engines = list(engines)
-        self._sender: WeightSender | None = None
+        self._sender: WeightSender | BroadcastSender | None = None
         """A follower's (the coordinator's is its pusher's)."""
         self._stack: contextlib.AsyncExitStack | None = None
         self._fingerprinter = Fingerprinter()
@@ -255,7 +269,7 @@ class DistributedWeightPusher:
         if self._pusher is not None:
             self._pusher.channel.know_fingerprints(self._known)
         problem = await self._problem(pushed, local, steps)
-        connect = self.is_coordinator and not self._attached()
+        connect = self._needs_connect()
         if connect:
             self._reads = None  # new workers: learn what they read again
         pieces = self._piece_names(named) if self._pusher is not None else {}
@@ -267,7 +281,8 @@ class DistributedWeightPusher:
             problems.append("the ranks push different names, shapes or dtypes")
         if problems:
             raise InvalidRequestError("; ".join(dict.fromkeys(problems)))
-        _, _, connect, workers, pieces = answers[self._coordinator]
+        _, _, _, workers, pieces = answers[self._coordinator]
+        connect = any(a[2] for a in answers)
         try:
             return await self._push(
                 pushed, named, pieces, made, steps, mode, connect=connect, workers=workers
@@ -279,8 +294,9 @@ class DistributedWeightPusher:
             logger.warning("rank %d: pushing whole tensors again: %s", self.rank, exc)
             self._reads = None
             self._piece_failures += 1
-        connect = self.is_coordinator and not self._attached()
-        connect, workers = (await self._all_gather((connect, self._workers())))[self._coordinator]
+        answers = await self._all_gather((self._needs_connect(), self._workers()))
+        connect = any(a[0] for a in answers)
+        workers = answers[self._coordinator][1]
         made = set()
         pushed, _ = self._pushed(pairs, made)
         return await self._push(
@@ -526,6 +542,13 @@ class DistributedWeightPusher:
                     " versions never go backwards"
                 )
 
+    def _needs_connect(self) -> bool:
+        """This rank's sender must be opened again (every rank's is, then): the coordinator's
+        engines changed, or this rank's push group broke (a peer failed it)."""
+        if self.is_coordinator and not self._attached():
+            return True
+        return isinstance(self._sender, BroadcastSender) and self._sender.group.closed
+
     def _attached(self) -> bool:
         assert self._pusher is not None
         live = [engine for engine in self._engines if not engine.is_dead]
@@ -545,24 +568,10 @@ class DistributedWeightPusher:
         stack = contextlib.AsyncExitStack()
         status = "connected"
         try:
-            sender = await stack.enter_async_context(
-                open_weight_sender(
-                    backend=self._make_backend(),
-                    bucket_bytes=self._bucket_size(),
-                    buffers=self._buffers,
-                    receivers=workers[self.rank] or None,
-                    connect_timeout=self._timeout,
-                    ack_timeout=self._timeout,
-                )
-            )
-            configs = await self._all_gather(sender.receiver_config())
-            waits = [sender.wait_receivers(workers[self.rank])] if workers[self.rank] else []
-            if self._pusher is not None:
-                await asyncio.gather(*waits, self._attach(configs))
-                await self._pusher.channel.adopt(self._live(), sender, stack)
+            if self._backend == "broadcast":
+                await self._connect_groups(workers, stack)
             else:
-                await asyncio.gather(*waits)
-                self._sender, self._stack = sender, stack
+                await self._connect_staged(workers, stack)
         except Exception as exc:
             await stack.aclose()
             status = f"rank {self.rank}: {type(exc).__name__}: {exc}"
@@ -574,6 +583,62 @@ class DistributedWeightPusher:
             await self._close_sender()
             raise WeightSyncError(f"the engines could not attach to every rank: {failed[0]}")
 
+    async def _connect_staged(self, workers: list[int], stack: contextlib.AsyncExitStack) -> None:
+        """Every rank's staged sender; the coordinator attaches each worker to its rank's."""
+        sender = await stack.enter_async_context(
+            open_weight_sender(
+                backend=self._make_backend(),
+                bucket_bytes=self._bucket_size(),
+                buffers=self._buffers,
+                receivers=workers[self.rank] or None,
+                connect_timeout=self._timeout,
+                ack_timeout=self._timeout,
+            )
+        )
+        configs = await self._all_gather(sender.receiver_config())
+        waits = [sender.wait_receivers(workers[self.rank])] if workers[self.rank] else []
+        if self._pusher is not None:
+            await asyncio.gather(*waits, self._attach(configs))
+            await self._pusher.channel.adopt(self._live(), sender, stack)
+        else:
+            await asyncio.gather(*waits)
+            self._sender, self._stack = sender, stack
+
+    async def _connect_groups(self, workers: list[int], stack: contextlib.AsyncExitStack) -> None:
+        """(``backend="broadcast"``.) Every rank serving workers forms a push group with them,
+        rank 0 of it; the coordinator has each worker join its rank's group (``_attach``)."""
+        if not workers[self._coordinator]:  # (every rank raises alike)
+            raise InvalidRequestError(
+                "backend='broadcast' needs the coordinator to serve a worker (worker i is"
+                f" served by rank i % {self.world_size}: make rank 0 the coordinator)"
+            )
+        if not workers[self.rank]:  # (no group here; the others' configs still gathered)
+            await self._join_groups(None)
+            return
+        on_cuda = torch.cuda.is_available()
+        sender = await stack.enter_async_context(
+            open_broadcast_sender(
+                receivers=workers[self.rank],
+                device=torch.device("cuda", torch.cuda.current_device()) if on_cuda
+                else torch.device("cpu"),
+                join=self._join_groups,
+                bucket_bytes=self._bucket_size(),
+                buffers=self._buffers,
+                peer_timeout=self._timeout,
+            )
+        )
+        if self._pusher is not None:
+            await self._pusher.channel.adopt(self._live(), sender, stack)
+        else:
+            self._sender, self._stack = sender, stack
+
+    async def _join_groups(self, config: dict[str, Any] | None) -> None:
+        """Every rank's push group config gathered; the coordinator attaches its engines'
+        workers to them (each joins its own rank's group, all at once)."""
+        configs = await self._all_gather(config)
+        if self._pusher is not None:
+            await self._attach([c or {} for c in configs])
+
     async def _close_sender(self) -> None:
         stack, self._stack, self._sender = self._stack, None, None
         if stack is not None:
@@ -584,6 +649,9 @@ class DistributedWeightPusher:
         channel = self._pusher.channel
         live = self._live()
         common = {**configs[self.rank], **channel.worker_config(), "senders": configs}
+        if self._backend == "broadcast":  # (the staged transport's fields, unused)
+            common |= {"address": "", "nonce": "", "secret": "",
+                       "timeout_ms": int(self._timeout * 1000)}
         offsets = itertools.accumulate((e.weights.num_workers for e in live), initial=0)
         await asyncio.gather(*(
             engine.weights.attach({**common, "rank_offset": offset}, owner=channel)
@@ -651,6 +719,11 @@ class DistributedWeightPusher:
                         own = await push
                 except Exception:
                     logger.warning("rank %d: the update landed, our push did not end", self.rank)
+            elif isinstance(self._sender, BroadcastSender):
+                if kind == _UNANSWERED:  # a rank died: our group is of no more use
+                    self._sender.group.close()
+                else:  # its thread goes on: let it end (its receivers end the push with it)
+                    await asyncio.gather(push, return_exceptions=True)
             push.cancel()  # (a failed update: stop now, and gather the rest below)
             await asyncio.gather(push, return_exceptions=True)
         if kind == "ok":
@@ -674,6 +747,9 @@ class DistributedWeightPusher:
             rest[name] = inner if lazy else torch.empty(0)
         if not any(isinstance(tensor, LazyTensor) for tensor in rest.values()):
             return
+        sender = self._pusher.channel.sender if self._pusher is not None else self._sender
+        if isinstance(sender, BroadcastSender) and not sender.group.closed:
+            sender.idle(self._timeout)  # a failed push's thread, making its gathers
         metas = [  # the plan the push made (a piece travels as its own tensor)
             TensorMeta(
                 name=n,
@@ -743,14 +819,18 @@ class DistributedWeightPusher:
         return [engine for engine in self._engines if not engine.is_dead]
 
     def _on_cuda(self) -> bool:
-        auto = self._backend == "auto" and torch.cuda.is_available()
+        auto = self._backend in ("auto", "broadcast") and torch.cuda.is_available()
         return self._backend == "cuda_ipc" or auto
 
     def _make_backend(self) -> CudaIpcBackend | ShmBackend:
         return CudaIpcBackend(torch.cuda.current_device()) if self._on_cuda() else ShmBackend()
 
     def _bucket_size(self) -> int:
-        return self._bucket_bytes or DEFAULT_BUCKET_BYTES["cuda_ipc" if self._on_cuda() else "shm"]
+        if self._backend == "broadcast":
+            kind = "broadcast" if self._on_cuda() else "broadcast_cpu"
+        else:
+            kind = "cuda_ipc" if self._on_cuda() else "shm"
+        return self._bucket_bytes or DEFAULT_BUCKET_BYTES[kind]
 
     async def _all_gather(self, value: Any) -> list[Any]:
         def gather() -> list[Any]:
@@ -779,7 +859,11 @@ class DistributedWeightPusher:
             if self.is_coordinator:
                 logger.warning("could not tell the other ranks the outcome: %s", exc)
                 return value
-            return ("failed", f"rank {self.rank}: the coordinator did not answer: {exc}")
+            return (_UNANSWERED, f"rank {self.rank}: the coordinator did not answer: {exc}")
+
+
+_UNANSWERED = "unanswered"
+"""The outcome a follower takes for the coordinator's when the coordinator did not answer."""
 
 
 def _lazily(

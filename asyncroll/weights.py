@@ -483,8 +483,6 @@ class SenderChannel:
                     tensor.part()
                 except ValueError as exc:
                     raise InvalidRequestError(f"{name!r}: {exc}") from None
-        if made_later and self._backend_name == "broadcast":
-            raise InvalidRequestError("the broadcast transport takes whole tensors, not lazy ones")
         if self._one_copy:
             if made_later:
                 raise InvalidRequestError(
@@ -887,7 +885,7 @@ class SenderChannel:
     async def adopt(
         self,
         engines: Sequence[ReceivingEngine],
-        sender: WeightSender,
+        sender: WeightSender | BroadcastSender,
         stack: contextlib.AsyncExitStack,
     ) -> None:
         """Push through ``sender`` from now on: ``engines`` were attached to it (and to other
@@ -901,7 +899,8 @@ class SenderChannel:
         """A push group: rank 0 here (on the tensors' device), then every worker of every
         engine, each engine's ranks in a row; where it meets is this host's routable address
         and a port bound here, so engines on other hosts (a Ray placement) need no setup."""
-        first = next(iter(tensors.values()))
+        first: Any = next(iter(tensors.values()))
+        first = first.tensor if isinstance(first, Piece) else first
         device = first.device if first.is_cuda else torch.device("cpu")
 
         async def join(config: dict[str, Any]) -> None:

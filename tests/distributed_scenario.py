@@ -267,10 +267,41 @@ async def data_parallel(
                     for e in engines
                 ]
                 out[f"steps_{tag}"] = [e.global_steps for e in engines]
-        if args.die_rank == 0:  # the coordinator, its engines with it: nothing left to close
-            await push_as_one_dies(out, pusher, model_a, steps=3, dying=0, record=args.out)
-            return
         await pusher.aclose()
+        split = await split_pushes(out, engines, model_a, model_b, steps=3, args=args)
+        if args.die_rank == 0:  # the coordinator, its engines with it: nothing left to close
+            await push_as_one_dies(out, split, model_a, steps=5, dying=0, record=args.out)
+            return
+        await split.aclose()
+
+
+async def split_pushes(
+    out: dict[str, Any], engines: list[Any], model_a: torch.nn.Module,
+    model_b: torch.nn.Module, *, steps: int, args: argparse.Namespace,
+) -> Any:
+    """A then B through ``backend="broadcast"`` (the split layout: each rank a push group of
+    its own with the workers it serves); what each engine serves after each, what it took, and
+    what each rank sent. Returns the pusher."""
+    from engine_helpers import greedy
+
+    from asyncroll import DistributedWeightPusher
+
+    split = DistributedWeightPusher(engines, backend="broadcast", timeout=args.timeout)
+    for steps_now, model, tag in ((steps, model_a, "a"), (steps + 1, model_b, "b")):
+        report = await split.update(model.named_parameters(), global_steps=steps_now)
+        assert report.push is not None
+        sender = split._pusher.channel.sender if engines else split._sender  # noqa: SLF001
+        out[f"split_sent_{tag}"] = [type(sender).__name__, report.push.receivers,
+                                    report.push.tensors]
+        if engines:
+            out[f"split_on_{tag}"] = [await greedy(e, f"split-{tag}-{e.name}") for e in engines]
+            out[f"split_delivery_{tag}"] = [
+                [report.deliveries[e.name].workers, report.deliveries[e.name].tensors,
+                 report.deliveries[e.name].verified]
+                for e in engines
+            ]
+            out[f"split_steps_{tag}"] = [e.global_steps for e in engines]
+    return split
 
 
 async def push_as_one_dies(
@@ -330,8 +361,12 @@ async def run(
     out["exchanges"] = exchanges[0]
     if engine is not None:
         out["on_b_retried"] = await greedy(engine, "on-b-retried")
-    # then rank 1 dies
-    await push_as_one_dies(out, pusher, model_a, steps=5, dying=1, record=args.out)
+    # A and B through the split layout's transport: each rank's own push group
+    engines = [engine] if engine is not None else []
+    split = await split_pushes(out, engines, model_a, model_b, steps=5, args=args)
+    await split.aclose()
+    # then rank 1 dies, in the staged transport's push
+    await push_as_one_dies(out, pusher, model_a, steps=7, dying=1, record=args.out)
     if engine is not None:
         out["steps_after"] = engine.global_steps
         out["after_death"] = await greedy(engine, "after-death")

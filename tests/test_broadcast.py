@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from asyncroll.errors import TransportBrokenError, WeightSyncError
+from asyncroll.transport import LazyTensor, Piece
 from asyncroll.transport.broadcast import BroadcastReceiver, layout, open_broadcast_sender
 
 HANG_GUARD_S = 300.0
@@ -69,6 +70,8 @@ def _receiver(config: dict[str, Any], rank: int, device: str, conn: Any, behavio
                 raise RuntimeError("this receiver's loader fails")
             for name, tensor in batch:
                 got[name] = digest(tensor)
+            for name, part in getattr(batch, "parts", {}).items():  # pieces: where they sit
+                got[f"part:{name}"] = f"{part.offset} {part.whole} {part.columns}"
 
         def check(report: Any, push: int = pushes) -> None:
             if behaviour == "reject" and push == 1:
@@ -169,6 +172,66 @@ def test_layout_buckets_small_tensors_and_sends_large_ones_whole() -> None:
             assert transfer.nbytes <= 4096
             assert all(e.offset % 256 == 0 for e in transfer.entries)
     assert [t.entries[0].name for t in transfers if t.whole] == ["embed", "layer.1.w"]
+    # In the given order (a bucket is sent before a larger tensor that follows it): a sharded
+    # trainer makes its lazy tensors in that order.
+    assert names == list(tensors)
+
+
+def _lazy(tensor: torch.Tensor, made: list[str], name: str, fail: bool = False) -> LazyTensor:
+    """``tensor`` as a ``LazyTensor`` whose make records its name in ``made`` (a failing one
+    raises instead)."""
+
+    def make() -> torch.Tensor:
+        made.append(name)
+        if fail:
+            raise RuntimeError(f"{name} cannot be made")
+        return tensor
+
+    return LazyTensor(shape=tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device,
+                      make=make)
+
+
+@pytest.mark.process
+async def test_lazy_tensors_and_pieces_arrive_made_in_plan_order() -> None:
+    """A sharded trainer's push: lazy tensors (gathers) are made as their transfer is packed,
+    in ``plan_buckets``'s order (the one every rank follows, whatever its transport), and a
+    piece arrives as its own bytes with its place in the whole. A make that fails fails the
+    push everywhere, and the rest are still made (the other ranks' gathers wait on them)."""
+    receivers = Receivers("cpu", ["ok"])
+    tensors = _tensors("cpu", 0)
+    del tensors["strided"]  # (a piece's or a made tensor's bytes are contiguous)
+    rows = tensors["layer.1.w"][16:32].contiguous()
+    async with open_broadcast_sender(receivers=1, device=torch.device("cpu"),
+                                     join=receivers.join, bucket_bytes=4096,
+                                     peer_timeout=HANG_GUARD_S) as sender:
+        for fail in (False, True):
+            made: list[str] = []
+            given: dict[str, Any] = {
+                name: _lazy(t, made, name, fail=fail and name == "layer.0.b")
+                if name in ("embed", "layer.0.b", "norm") else t
+                for name, t in tensors.items()
+            }
+            given["layer.1.w"] = Piece(rows, whole=(64, 64), offset=16 * 64)
+            receivers.receive()
+            if fail:
+                with pytest.raises(WeightSyncError, match="layer.0.b cannot be made"):
+                    await sender.push(given, version=2)
+                kind, name, _ = await receivers.next(receivers.conns[0])
+                assert (kind, name) == ("error", "WeightSyncError")
+                assert made == ["embed", "layer.0.b", "norm"]  # the rest made all the same
+                continue
+            await sender.push(given, version=1)
+            assert made == ["embed", "layer.0.b", "norm"]
+            kind, version, got = await receivers.next(receivers.conns[0])
+            assert (kind, version) == ("pushed", 1)
+            expected = {n: digest(t) for n, t in tensors.items() if n != "layer.1.w"}
+            expected |= {"layer.1.w": digest(rows),
+                         "part:layer.1.w": f"{16 * 64} (64, 64) None"}
+            assert got == expected
+        receivers.receive()  # the group went on
+        await sender.push(tensors, version=3)
+        assert (await receivers.next(receivers.conns[0]))[:2] == ("pushed", 3)
+        await receivers.stop()
 
 
 @pytest.mark.process

@@ -88,7 +88,9 @@ RUN_OF_TEST = {
     "test_pushes_from_two_ranks_are_token_exact": "sharded",
     "test_a_piece_a_worker_cannot_load_is_pushed_again_whole": "sharded",
     "test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back": "sharded",
+    "test_split_each_rank_feeds_its_own_worker_of_a_tp2_engine_token_exact": "sharded",
     "test_two_ranks_push_into_two_data_parallel_engines": "data_parallel",
+    "test_split_two_ranks_feed_two_engines_each_its_own_token_exact": "data_parallel",
     "test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank": "data_parallel",
     "test_the_fsdp_hybrid_example_trains_and_pushes_from_two_ranks": "fsdp_hybrid",
     "test_fused_experts_sharded_over_two_ranks_push_token_exact": "fused_experts",
@@ -203,11 +205,49 @@ def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
     """Rank 1 exits inside a gather: rank 0 gets ``WeightSyncError`` (long before its 120 s
     deadline: it hears of the death from gloo and from its workers), and the engine keeps
     serving B under B's label."""
-    assert outcome["died"].startswith("WeightSyncError: weight push (global_steps=5) failed")
+    assert outcome["died"].startswith("WeightSyncError: weight push (global_steps=7) failed")
     assert "every engine serves its previous weights" in outcome["died"]
     assert outcome["died_after_s"] < 120
-    assert outcome["steps_after"] == 4 and not outcome["dead"]
+    assert outcome["steps_after"] == 6 and not outcome["dead"]
     assert outcome["after_death"] == outcome["fresh_b"]
+
+
+async def test_split_each_rank_feeds_its_own_worker_of_a_tp2_engine_token_exact(
+    runs: Runs, outcome: dict[str, Any],
+) -> None:
+    """The split layout's transport (``backend="broadcast"``): each rank forms a push group of
+    its own with the worker it serves (worker ``i`` joins rank ``i % 2``'s group) and sends it
+    the tensors, gathered where they are sharded; neither rank sends the other's worker
+    anything. A then B serve what the staged pushes of A served, and B as a fresh engine on B,
+    token for token, checked against fingerprints of the shards."""
+    assert outcome["split_on_b"] == [outcome["fresh_b"]]
+    assert outcome["split_on_a"] == [outcome["on_a"]]
+    for tag, steps in (("a", 5), ("b", 6)):
+        assert outcome[f"split_steps_{tag}"] == [steps]
+        (workers, tensors, verified), = outcome[f"split_delivery_{tag}"]
+        assert (workers, tensors) == (2, 2 * 27) and verified > 0
+    _, _, folder = await runs.result("sharded")
+    other = json.loads((folder / "rank1.json").read_text())  # (written before it died)
+    for found in (outcome, other):  # each rank: its own group, one receiver, every tensor
+        assert found["split_sent_a"] == found["split_sent_b"] == ["BroadcastSender", 1, 27]
+
+
+async def test_split_two_ranks_feed_two_engines_each_its_own_token_exact(runs: Runs) -> None:
+    """Two engines of one worker each, fed by two ranks through push groups of their own
+    (rank ``i`` to engine ``i``: one group per engine, the engines fed in parallel, no rank
+    serving both): both serve A as the staged push served it, then B as a fresh engine."""
+    codes, log, folder = await runs.result("data_parallel")
+    assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
+    found = json.loads((folder / "rank0.json").read_text())
+    assert found["split_on_a"] == found["on_a"]
+    assert found["split_on_b"] == found["fresh_b"]
+    for tag, steps in (("a", 3), ("b", 4)):
+        assert found[f"split_steps_{tag}"] == [steps, steps]
+        for workers, tensors, verified in found[f"split_delivery_{tag}"]:
+            assert (workers, tensors) == (1, 27) and verified > 0
+    other = json.loads((folder / "rank1.json").read_text())
+    for rank in (found, other):
+        assert rank["split_sent_a"] == rank["split_sent_b"] == ["BroadcastSender", 1, 27]
 
 
 async def test_two_ranks_push_into_two_data_parallel_engines(runs: Runs) -> None:
@@ -234,8 +274,9 @@ async def test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank
     runs: Runs,
 ) -> None:
     """After the data-parallel pushes, rank 0 (the engines' process) exits inside a gather of
-    a third: rank 1 gets ``WeightSyncError`` long before its 120 s deadline (its gathers fail),
-    and ends."""
+    a split push (each rank its own push group): rank 1 gets ``WeightSyncError`` long before
+    its 120 s deadline (its gathers fail, and the coordinator's verdict never comes), closes
+    its group, and ends."""
     codes, log, folder = await runs.result("data_parallel")
     assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
     found = json.loads((folder / "rank1.json").read_text())

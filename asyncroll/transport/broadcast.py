@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import socket
 import threading
 import time
@@ -55,10 +56,12 @@ from asyncroll.errors import (
     WeightSyncError,
 )
 from asyncroll.transport.defaults import DEFAULT_BUCKET_BYTES
+from asyncroll.transport.lazy import LazyTensor, Makes
 from asyncroll.transport.packing import as_bytes, dtype_by_name, dtype_name, slot_view
-from asyncroll.transport.plan import align
+from asyncroll.transport.piece import Piece, split_pieces
+from asyncroll.transport.plan import Part, TensorMeta, align, plan_buckets
 from asyncroll.transport.pushes import Prints
-from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport
+from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport, _Batch
 from asyncroll.transport.sender import PushReport
 
 __all__ = [
@@ -90,6 +93,10 @@ class _Entry(msgspec.Struct, array_like=True, frozen=True):
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    part: tuple[int, ...] = ()
+    """A piece's place in its whole tensor (``plan.Part``): its offset, then the whole shape."""
+    columns: tuple[int, ...] = ()
+    """A column block's ``[first, end)`` (``plan.Part.columns``)."""
 
 
 class _Transfer(msgspec.Struct, array_like=True, frozen=True):
@@ -119,24 +126,35 @@ def routable_address() -> str:
 
 
 def layout(
-    tensors: Mapping[str, torch.Tensor], bucket_bytes: int
+    tensors: Mapping[str, torch.Tensor | LazyTensor],
+    bucket_bytes: int,
+    parts: Mapping[str, Part] | None = None,
 ) -> tuple[_Transfer, ...]:
     """Buckets of tensors in the given order, each at most ``bucket_bytes``; a tensor larger
-    than that is a transfer of its own."""
+    than that is a transfer of its own (the bucket before it is sent first, so tensors travel
+    in the given order: a sharded trainer's gathers follow it). ``parts``: the pieces'."""
+    parts = parts or {}
     transfers: list[_Transfer] = []
     entries: list[_Entry] = []
     end = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        entry = _Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), 0, nbytes)
+        part = parts.get(name)
+        where: dict[str, Any] = {} if part is None else {
+            "part": (part.offset, *part.whole), "columns": part.columns or ()
+        }
+        entry = _Entry(name, dtype_name(tensor.dtype), tuple(tensor.shape), 0, nbytes, **where)
         if nbytes > bucket_bytes:
+            if entries:
+                transfers.append(_Transfer(end, tuple(entries), whole=False))
+                entries, end = [], 0
             transfers.append(_Transfer(nbytes, (entry,), whole=True))
             continue
         offset = align(end)
         if offset + nbytes > bucket_bytes and entries:
             transfers.append(_Transfer(end, tuple(entries), whole=False))
             entries, offset = [], 0
-        entries.append(_Entry(name, entry.dtype, entry.shape, offset, nbytes))
+        entries.append(msgspec.structs.replace(entry, offset=offset))
         end = offset + nbytes
     if entries:
         transfers.append(_Transfer(end, tuple(entries), whole=False))
@@ -364,15 +382,30 @@ class BroadcastSender:
     def receivers(self) -> int:
         return self.group.world_size - 1
 
+    def idle(self, timeout: float) -> bool:
+        """Wait (blocking) for the push in progress, if any, to end: its thread cannot be
+        cancelled, and a sharded trainer must not make the rest of its gathers beside it.
+        False: it did not end within ``timeout``."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
+
     def push_blocking(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | LazyTensor | Piece],
         *,
         version: int,
         fingerprints: Mapping[str, bytes] | None = None,
     ) -> PushReport:
         """One whole push (every rank runs its side). Returns once every receiver has loaded
         and checked its part (so the caller may change ``tensors``).
+
+        ``LazyTensor``s are made as their transfer is packed, in the order of
+        ``plan_buckets`` over the push (``Makes.take``): every rank of a sharded trainer
+        makes its gathers in that order, whichever transport it pushes through, and a push
+        that fails makes the rest before it raises. A ``Piece`` travels as its own tensor,
+        its place in the whole in the manifest.
 
         Raises:
             WeightSyncError: packing failed here (the collectives were still completed, and
@@ -387,8 +420,10 @@ class BroadcastSender:
             push = self._pushes
             started = time.perf_counter()
             deadline = time.monotonic() + group.timeout
-            transfers = layout(tensors, self.bucket_bytes)
+            plain, parts = split_pieces(tensors)
+            transfers = layout(plain, self.bucket_bytes, parts)
             manifest = _encode(_Manifest(transfers, dict(fingerprints or {})))
+            makes = _makes(plain, parts, self.bucket_bytes)
             failure: BaseException | None = None
             pack_seconds = 0.0
             on_cuda = group.stream is not None
@@ -409,10 +444,25 @@ class BroadcastSender:
                 handles.append(group.broadcast(group.ready(source.to(device))))
             for index, transfer in enumerate(transfers):
                 if transfer.whole:  # from the tensor's own storage where it can
-                    source = tensors[transfer.entries[0].name]
-                    data = as_bytes(source)
-                    if data.device != device or data.data_ptr() != source.data_ptr():
-                        data = group.ready(data.to(device))  # a copy, made on our stream
+                    entry = transfer.entries[0]
+                    data: torch.Tensor | None = None
+                    if failure is None:
+                        try:
+                            source = self._take(makes, plain, [entry.name])[entry.name]
+                            made = isinstance(plain[entry.name], LazyTensor)
+                            if source.dtype != dtype_by_name(entry.dtype):  # (made as another)
+                                source = source.to(dtype_by_name(entry.dtype))
+                            data = as_bytes(source)
+                            if data.device != device or data.data_ptr() != source.data_ptr():
+                                data = group.ready(data.to(device))  # a copy, on our stream
+                            elif made:  # made on the caller's stream; dropped once sent
+                                data = group.ready(data)
+                        except Exception as exc:  # keep the collectives in step
+                            failure = exc
+                    if data is None:  # (failed: the receivers still take as many bytes)
+                        data = group.ready(
+                            torch.empty(transfer.nbytes, dtype=torch.uint8, device=device)
+                        )
                     handles.append(group.broadcast(data))
                     continue
                 slot = index % len(self._buffers)
@@ -424,13 +474,19 @@ class BroadcastSender:
                     group.wait(pending[slot], deadline)
                 if failure is None:
                     try:
+                        inputs = self._take(makes, plain, [e.name for e in transfer.entries])
+                        if on_cuda and makes is not None:  # made on the caller's stream
+                            copy_stream.wait_stream(torch.cuda.current_stream(device))
+                            for tensor in inputs.values():
+                                if tensor.is_cuda:
+                                    tensor.record_stream(copy_stream)
                         packing_on = torch.cuda.stream(copy_stream) if on_cuda else None
                         with packing_on or contextlib.nullcontext():
                             for entry in transfer.entries:
                                 slot_view(
                                     buffer, entry.offset, entry.nbytes,
                                     dtype_by_name(entry.dtype), entry.shape,
-                                ).copy_(tensors[entry.name])
+                                ).copy_(inputs[entry.name])
                     except Exception as exc:  # keep the collectives in step; report at the end
                         failure = exc
                 pack_seconds += time.perf_counter() - packing
@@ -441,6 +497,11 @@ class BroadcastSender:
                 if on_cuda:
                     sent[slot].record(group.stream)
                 handles.append(pending[slot])
+            if makes is not None and makes.pending:  # a failure: the other ranks' gathers
+                try:
+                    makes.drain()
+                except Exception as exc:
+                    failure = failure or exc
             status = _OK if failure is None else 1
             trailer = torch.tensor([_MAGIC, status], dtype=torch.int64, device=device)
             handles.append(group.broadcast(group.ready(trailer)))
@@ -473,20 +534,32 @@ class BroadcastSender:
                 began=started,
             )
 
+    @staticmethod
+    def _take(
+        makes: Makes | None,
+        plain: Mapping[str, torch.Tensor | LazyTensor],
+        names: list[str],
+    ) -> dict[str, torch.Tensor]:
+        if makes is not None:
+            return makes.take(names)
+        return {name: plain[name] for name in names}  # type: ignore[misc]
+
     async def push(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | LazyTensor | Piece],
         *,
         version: int,
         one_copy: bool = False,
         fingerprints: Prints | None = None,
+        fingerprint: Any = None,
     ) -> PushReport:
         """``push_blocking`` in a thread (the event loop keeps running). Fingerprints given
         as a callable are taken at once: the push's manifest, its first message, carries
-        them."""
+        them; so lazy tensors are checked by the receivers only where ``fingerprints`` has
+        theirs (a sharded trainer's, from its shards), never by ``fingerprint`` as made."""
         import asyncio
 
-        del one_copy  # a whole tensor is always sent from its own storage
+        del one_copy, fingerprint  # whole tensors are sent from their own storage
         if callable(fingerprints):
             fingerprints = fingerprints()
         return await asyncio.to_thread(
@@ -597,12 +670,17 @@ class BroadcastReceiver:
 
         def post(index: int) -> tuple[Any, torch.Tensor | None, torch.Tensor]:
             """Start receiving transfer ``index``: (handle, destination placed, buffer)."""
+            nonlocal failure
             transfer = transfers[index]
             if transfer.whole:
                 entry = transfer.entries[0]
                 target = None
                 if place is not None and failure is None:
-                    target = place(entry.name, dtype_by_name(entry.dtype), entry.shape, None)
+                    try:
+                        part = _part(entry)
+                        target = place(entry.name, dtype_by_name(entry.dtype), entry.shape, part)
+                    except Exception as exc:  # (a bad part) this rank's load fails; keep going
+                        failure = exc
                 if target is not None and target.numel() == transfer.nbytes:
                     into = target
                 else:
@@ -637,11 +715,16 @@ class BroadcastReceiver:
                 group.wait(handle, deadline)
             loading = time.perf_counter()
             if failure is None and placed is None:
-                batch = [
+                batch = _Batch()
+                batch.extend(
                     (e.name, slot_view(data, e.offset, e.nbytes, dtype_by_name(e.dtype), e.shape))
                     for e in transfer.entries
-                ]
+                )
                 try:
+                    for entry in transfer.entries:
+                        part = _part(entry)
+                        if part is not None:
+                            batch.parts[entry.name] = part
                     load_fn(batch)
                 except Exception as exc:
                     failure = exc
@@ -698,6 +781,33 @@ class BroadcastReceiver:
     def close(self) -> None:
         self.group.close()
         self._buffers = []
+
+
+def _part(entry: _Entry) -> Part | None:
+    """A piece's place in its whole tensor, as the manifest says (None: a whole tensor)."""
+    if not entry.part:
+        return None
+    offset, *whole = entry.part
+    columns = None
+    if entry.columns:
+        first, end = entry.columns
+        if len(whole) < 2 or not 0 <= first < end <= math.prod(whole[1:]):
+            raise ValueError(f"{entry.name!r}: columns {entry.columns} do not fit {whole}")
+        columns = (first, end)
+    return Part(whole=tuple(whole), offset=offset, columns=columns)
+
+
+def _makes(
+    plain: Mapping[str, torch.Tensor | LazyTensor], parts: Mapping[str, Part], bucket_bytes: int
+) -> Makes | None:
+    """The push's lazy tensors, made in ``plan_buckets``'s order (``Makes``), if any."""
+    if not any(isinstance(t, LazyTensor) for t in plain.values()):
+        return None
+    metas = [
+        TensorMeta(name=n, dtype=t.dtype, shape=tuple(t.shape), part=parts.get(n))
+        for n, t in plain.items()
+    ]
+    return Makes(plan_buckets(metas, bucket_bytes=bucket_bytes), plain)
 
 
 def _close_opened(opening: Any) -> None:

@@ -63,15 +63,19 @@ class Makes:
     def __init__(self, plan: Sequence[Bucket], tensors: Mapping[str, object]) -> None:
         firsts: dict[int, list[str]] = {}
         last: dict[str, int] = {}
+        first: dict[str, int] = {}
         for bucket in plan:
             for slot in bucket.slots:
                 if isinstance(tensors[slot.name], LazyTensor):
                     if slot.name not in last:
                         firsts.setdefault(bucket.index, []).append(slot.name)
+                        first[slot.name] = bucket.index
                     last[slot.name] = bucket.index
         self._batches = sorted(firsts.items())
         """(bucket index, the lazy tensors first in it), in plan order."""
         self._last = last
+        self._first = first
+        self._taken: set[str] = set()
         self._tensors = tensors
         self._next = 0
         """The first batch not made yet."""
@@ -107,6 +111,27 @@ class Makes:
                 del self._made[slot.name]  # the caller keeps it while its copies may run
         return sources, made
 
+    def take(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names``, whole, each once (the lazy ones made now, in plan order with
+        every batch planned before theirs): for a sender whose transfers are not the plan's
+        buckets (``asyncroll.transport.broadcast``) but must make them in the plan's order,
+        the one every rank follows. A lazy tensor made for a later name is kept until taken."""
+        lazies = [n for n in names if isinstance(self._tensors[n], LazyTensor)]
+        if lazies:
+            self._make_through(max(self._first[n] for n in lazies))
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            tensor = self._tensors[name]
+            if not isinstance(tensor, LazyTensor):
+                assert isinstance(tensor, torch.Tensor)
+                out[name] = tensor
+                continue
+            if name in self._taken or name not in self._made:
+                raise RuntimeError(f"{name!r} was taken already")
+            self._taken.add(name)
+            out[name] = self._made.pop(name)
+        return out
+
     def drain(self) -> None:
         """Make every lazy tensor not made yet (batch by batch, as a push would), dropping
         each."""
@@ -138,11 +163,20 @@ class Makes:
         for index, lazy in enumerate(lazies):
             by_context.setdefault(lazy.batch, []).append(index)
         made: list[torch.Tensor] = [None] * len(lazies)  # type: ignore[list-item]
+        failure: Exception | None = None
         for context, indices in by_context.items():
             batch = cast("Callable[[], AbstractContextManager[object]] | None", context)
-            with batch() if batch is not None else contextlib.nullcontext():
-                for index in indices:
-                    made[index] = lazies[index].make()
+            try:
+                with batch() if batch is not None else contextlib.nullcontext():
+                    for index in indices:
+                        try:
+                            made[index] = lazies[index].make()
+                        except Exception as exc:  # the rest still made: other ranks wait
+                            failure = failure or exc
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         for name, lazy, tensor in zip(names, lazies, made, strict=True):
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != lazy.shape:
                 got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor)

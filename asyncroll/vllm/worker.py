@@ -102,10 +102,11 @@ class InitInfo(WeightTransferInitInfo):
     ``broadcast``: a process group with the trainer, any host (``asyncroll.transport.broadcast``;
     the fields below say where it meets)."""
     senders: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """``staged`` with a trainer of several ranks (``asyncroll.DistributedWeightPusher``):
-    every rank's sender config; the worker at rank ``rank_offset + rank`` connects to
-    ``senders[(rank_offset + rank) % len(senders)]`` (the rank on its GPU, when engines are
-    placed in the trainer's rank order) instead of ``address``."""
+    """A trainer of several ranks (``asyncroll.DistributedWeightPusher``): every rank's sender
+    config; the worker ``i = rank_offset + rank`` (counted over all engines) is served by
+    ``senders[i % len(senders)]`` (the rank on its GPU, when engines are placed in the
+    trainer's rank order): ``staged``, it connects there instead of ``address``;
+    ``broadcast``, it joins that rank's push group, as its rank ``1 + i // len(senders)``."""
     host: str = ""
     port: int = 0
     world_size: int = 0
@@ -182,9 +183,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         self._info = self._receiver_info = init_info
         if init_info.transport == "broadcast":  # blocks until the whole group has joined
             device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-            self._receiver = BroadcastReceiver.join(
-                dataclasses.asdict(init_info), rank=init_info.rank_offset + rank, device=device
-            )
+            group, at = dataclasses.asdict(init_info), init_info.rank_offset + rank
+            if init_info.senders:  # a trainer of several ranks: the group of ours
+                index, senders = at, init_info.senders
+                group, at = senders[index % len(senders)], 1 + index // len(senders)
+            self._receiver = BroadcastReceiver.join(group, rank=at, device=device)
             return
         config: dict[str, Any] = {
             "address": init_info.address,

@@ -63,6 +63,7 @@
 #   bash bench/gpu_session.sh fortieth    # 2 GPUs: rolling again, later groups prechecked
 #   bash bench/gpu_session.sh fortyfirst  # 2 GPUs: the landed commit's RPC stamped finer, 0.5B, 7B
 #   bash bench/gpu_session.sh fortysecond # 2 GPUs: the switch interval while a push lands, A/B
+#   bash bench/gpu_session.sh fortythird  # 2 GPUs: the split layout (bench/gpu_split.py); the push
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -687,6 +688,14 @@ phase_fortysecond() {  # 2 GPUs: issue 42's landed commit with the interpreter's
   switch_lane 0 "$pin0" 0.005 0.0005 &
   switch_lane 1 "$pin1" 0.0005 0.005 &
   wait
+}
+
+phase_fortythird() {  # 2 GPUs: issue 44's split layout (trainer ranks on GPUs 0-1, engines
+  # fed by each rank's own push group), 1.5B then 7B; then the 7B push after d526246 (GPU 0)
+  mkdir -p "$W/results/split" "$W/results/push"
+  run split 0,1 python3 -m torch.distributed.run --nproc-per-node 2 bench/gpu_split.py \
+    --out "$W/results/split" --sizes 1.5b,7b
+  run push 0 python3 bench/gpu_e2e.py --sections push --sizes 0.5b,7b --out "$W/results/push"
 }
 
 for phase in "$@"; do

@@ -348,7 +348,8 @@ class DistributedWeightPusher:
                 if self._reads is None or self._read_updates < 2:
                     await self._learn_reads()
                 return dataclasses.replace(report, pieces=how)
-            return dataclasses.replace(await self._follow(with_pieces, version), pieces=how)
+            followed = await self._follow(with_pieces, version, made)
+            return dataclasses.replace(followed, pieces=how)
         finally:
             await asyncio.to_thread(self._finish_makes, with_pieces, made)
 
@@ -687,12 +688,16 @@ class DistributedWeightPusher:
             await shielded(self._broadcast(outcome))
 
     async def _follow(
-        self, pushed: dict[str, torch.Tensor | LazyTensor | Piece], version: int
+        self, pushed: dict[str, torch.Tensor | LazyTensor | Piece], version: int, made: set[str]
     ) -> UpdateReport:
-        """This rank's push, until the coordinator says how the update ended."""
+        """This rank's push, until the coordinator says how the update ended. A rank that
+        serves no worker makes its part of the gathers meanwhile (the others' pushes wait on
+        them)."""
         verdict = asyncio.ensure_future(self._broadcast(None))
         push: asyncio.Future[Any] | None = None
-        if self._sender is not None:
+        if self._sender is None:
+            push = asyncio.ensure_future(asyncio.to_thread(self._finish_makes, pushed, made))
+        else:
             plain = {n: t for n, t in pushed.items() if isinstance(t, torch.Tensor)}
             prints = (self._fingerprinter(plain) | self._known) if self._verify else None
             complete = prints is not None and len(prints) == len(pushed)
@@ -719,6 +724,8 @@ class DistributedWeightPusher:
                         own = await push
                 except Exception:
                     logger.warning("rank %d: the update landed, our push did not end", self.rank)
+            elif self._sender is None:  # our gathers: ended before any other is made
+                await asyncio.gather(push, return_exceptions=True)
             elif isinstance(self._sender, BroadcastSender):
                 if kind == _UNANSWERED:  # a rank died: our group is of no more use
                     self._sender.group.close()

@@ -269,10 +269,18 @@ async def data_parallel(
                 out[f"steps_{tag}"] = [e.global_steps for e in engines]
         await pusher.aclose()
         split = await split_pushes(out, engines, model_a, model_b, steps=3, args=args)
-        if args.die_rank == 0:  # the coordinator, its engines with it: nothing left to close
-            await push_as_one_dies(out, split, model_a, steps=5, dying=0, record=args.out)
-            return
         await split.aclose()
+        # Engine 0 alone: rank 1 serves no worker, and only makes its part of the gathers.
+        lone = DistributedWeightPusher(engines[:1], backend="broadcast", timeout=args.timeout)
+        report = await lone.update(model_a.named_parameters(), global_steps=5)
+        out["lone_receivers"] = report.push.receivers if report.push is not None else None
+        if engines:
+            out["lone_on_a"] = await greedy(engines[0], "lone-a")
+            out["lone_steps"] = [e.global_steps for e in engines]
+        if args.die_rank == 0:  # the coordinator, its engines with it: nothing left to close
+            await push_as_one_dies(out, lone, model_a, steps=6, dying=0, record=args.out)
+            return
+        await lone.aclose()
 
 
 async def split_pushes(

@@ -248,6 +248,11 @@ async def test_split_two_ranks_feed_two_engines_each_its_own_token_exact(runs: R
     other = json.loads((folder / "rank1.json").read_text())
     for rank in (found, other):
         assert rank["split_sent_a"] == rank["split_sent_b"] == ["BroadcastSender", 1, 27]
+    # Then engine 0 alone: rank 1 serves no worker (no group, nothing sent) and makes its part
+    # of rank 0's gathers while rank 0 pushes.
+    assert found["lone_on_a"] == found["on_a"][0]
+    assert found["lone_steps"] == [5, 4]
+    assert (found["lone_receivers"], other["lone_receivers"]) == (1, None)
 
 
 async def test_two_ranks_push_into_two_data_parallel_engines(runs: Runs) -> None:
@@ -274,9 +279,9 @@ async def test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank
     runs: Runs,
 ) -> None:
     """After the data-parallel pushes, rank 0 (the engines' process) exits inside a gather of
-    a split push (each rank its own push group): rank 1 gets ``WeightSyncError`` long before
-    its 120 s deadline (its gathers fail, and the coordinator's verdict never comes), closes
-    its group, and ends."""
+    a split push into engine 0 alone (rank 1 serves no worker, it makes gathers): rank 1 gets ``WeightSyncError`` long before
+    its 120 s deadline (its gathers fail, and the coordinator's verdict never comes), and
+    ends."""
     codes, log, folder = await runs.result("data_parallel")
     assert codes == [17, 0], f"exit codes {codes} (rank 0 exits 17 where it dies); rank 1:\n{log}"
     found = json.loads((folder / "rank1.json").read_text())

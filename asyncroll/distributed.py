@@ -41,6 +41,11 @@ update:
 A rank that dies fails the update on every other rank within ``timeout``: its workers see their
 sender go (the engines roll back), and the collectives it no longer joins fail. Tensors a failed
 push did not gather are still gathered, in order, so no rank is left in a collective.
+
+With ``backend="broadcast"`` the engines sit on other GPUs or hosts (the split layout): each
+rank forms a push group with the workers it serves (``asyncroll.transport.broadcast``) and the
+steps above are the same; with ``fan_in`` every worker joins every rank's group, and each rank
+sends its own rows of every sharded tensor, with no gather.
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ class DistributedWeightPusher:
         verify: bool = True,
         pieces: bool = True,
         column_blocks: bool = False,
+        fan_in: bool = False,
     ) -> None:
         """Call on every rank at once (it makes a process group). Args as ``WeightPusher``,
         and:
@@ -154,6 +160,13 @@ class DistributedWeightPusher:
                 (``pieces``); no rank sends another's workers anything, so the engines are
                 fed in parallel, one group a rank. The coordinator must serve a worker
                 (rank 0 serves worker 0).
+            fan_in: With ``backend="broadcast"``: every worker joins every rank's push group,
+                and each rank sends only its own rows of each sharded tensor, to every worker
+                at once (one broadcast, relayed between the workers), with no gather; the
+                coordinator sends the tensors that are not sharded. For engines that read
+                whole tensors (TP=1, data-parallel): each GPU receives the model once, from
+                every rank. Every sharded tensor must be ``Shard(0)`` over all ranks, its rows
+                dividing evenly (anything else is refused before anything pauses).
             column_blocks: Where every worker reads only some columns of each row (the
                 row-parallel shard of o and down), the ranks exchange those column blocks
                 (a bucket's exchanges in one batch of sends and receives) and push each
@@ -178,6 +191,9 @@ class DistributedWeightPusher:
             raise InvalidRequestError(
                 f"backend must be auto, shm, cuda_ipc or broadcast, not {backend!r}"
             )
+        if fan_in and backend != "broadcast":
+            raise InvalidRequestError("fan_in=True sends through push groups: backend='broadcast'")
+        self._fan_in = fan_in
         self._coordinator = coordinator
         self._dtype = dtype
         self._buffers = buffers
@@ -272,7 +288,11 @@ class DistributedWeightPusher:
         connect = self._needs_connect()
         if connect:
             self._reads = None  # new workers: learn what they read again
-        pieces = self._piece_names(named) if self._pusher is not None else {}
+        pieces = (
+            self._piece_names(named) if self._pusher is not None and not self._fan_in else {}
+        )
+        if self._fan_in and problem is None:
+            problem = _fan_in_refusal(named, self.world_size)
         answers = await self._all_gather(
             (problem, _layout(pushed), connect, self._workers(), pieces)
         )
@@ -338,7 +358,13 @@ class DistributedWeightPusher:
         with_pieces: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
         self._last_pieces = frozenset(pieces)
         try:
-            with_pieces = self._with_pieces(pushed, named, pieces, made)
+            if self._fan_in:
+                with_pieces = self._own_rows(pushed, named)
+                pieces = dict.fromkeys((n for n, t in with_pieces.items()
+                                        if isinstance(t, Piece)), None)
+                self._last_pieces = frozenset(pieces)
+            else:
+                with_pieces = self._with_pieces(pushed, named, pieces, made)
             if connect:
                 await self._connect(list(workers))
             how = {name: "rows" if windows is None else "columns"
@@ -431,6 +457,29 @@ class DistributedWeightPusher:
             if windows is not None:
                 chosen[name] = windows
         return chosen
+
+    def _own_rows(
+        self,
+        pushed: dict[str, torch.Tensor | LazyTensor],
+        named: Mapping[str, torch.Tensor | ExpertPart],
+    ) -> dict[str, torch.Tensor | LazyTensor | Piece]:
+        """(``fan_in``.) This rank's push: its own rows of every sharded tensor, as a piece
+        (cast to ``dtype`` as it is packed), and, on the coordinator, every other tensor."""
+        out: dict[str, torch.Tensor | LazyTensor | Piece] = {}
+        for name, given in pushed.items():
+            tensor = named[name]
+            if isinstance(tensor, ExpertPart) or not _is_dtensor(tensor):
+                if self.is_coordinator:
+                    out[name] = given
+                continue
+            rows: torch.Tensor = _local(tensor.detach()).contiguous()
+            target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
+            source: torch.Tensor | LazyTensor = rows
+            if target is not None and target != rows.dtype:
+                source = LazyTensor(shape=tuple(rows.shape), dtype=target, device=rows.device,
+                                    make=functools.partial(_identity, rows))
+            out[name] = Piece(source, whole=tuple(tensor.shape), offset=self.rank * rows.numel())
+        return out
 
     def _with_pieces(
         self,
@@ -613,13 +662,14 @@ class DistributedWeightPusher:
                 "backend='broadcast' needs the coordinator to serve a worker (worker i is"
                 f" served by rank i % {self.world_size}: make rank 0 the coordinator)"
             )
-        if not workers[self.rank]:  # (no group here; the others' configs still gathered)
+        served = sum(workers) if self._fan_in else workers[self.rank]
+        if not served:  # (no group here; the others' configs still gathered)
             await self._join_groups(None)
             return
         on_cuda = torch.cuda.is_available()
         sender = await stack.enter_async_context(
             open_broadcast_sender(
-                receivers=workers[self.rank],
+                receivers=served,
                 device=torch.device("cuda", torch.cuda.current_device()) if on_cuda
                 else torch.device("cpu"),
                 join=self._join_groups,
@@ -652,7 +702,7 @@ class DistributedWeightPusher:
         common = {**configs[self.rank], **channel.worker_config(), "senders": configs}
         if self._backend == "broadcast":  # (the staged transport's fields, unused)
             common |= {"address": "", "nonce": "", "secret": "",
-                       "timeout_ms": int(self._timeout * 1000)}
+                       "timeout_ms": int(self._timeout * 1000), "fan_in": self._fan_in}
         offsets = itertools.accumulate((e.weights.num_workers for e in live), initial=0)
         await asyncio.gather(*(
             engine.weights.attach({**common, "rank_offset": offset}, owner=channel)
@@ -867,6 +917,23 @@ class DistributedWeightPusher:
                 logger.warning("could not tell the other ranks the outcome: %s", exc)
                 return value
             return (_UNANSWERED, f"rank {self.rank}: the coordinator did not answer: {exc}")
+
+
+def _fan_in_refusal(named: Mapping[str, torch.Tensor | ExpertPart], world: int) -> str | None:
+    """Why ``fan_in`` cannot push these tensors (None: it can): every sharded one must be
+    ``Shard(0)`` over all ranks, its rows dividing evenly."""
+    for name, tensor in named.items():
+        if isinstance(tensor, ExpertPart):
+            return f"fan_in=True pushes no fused experts sharded over the ranks ({name!r})"
+        if not _is_dtensor(tensor):
+            continue
+        if not _gathers_in_one_call(tensor) or tensor.device_mesh.size() != world:  # type: ignore[attr-defined]
+            return (f"fan_in=True needs every sharded tensor Shard(0) over all {world} ranks:"
+                    f" {name!r} is {tensor.placements}")  # type: ignore[attr-defined]
+        if tensor.shape[0] % world:
+            return (f"fan_in=True needs rows that divide evenly: {name!r} has {tensor.shape[0]}"
+                    f" rows over {world} ranks")
+    return None
 
 
 _UNANSWERED = "unanswered"

@@ -270,45 +270,53 @@ async def data_parallel(
         await pusher.aclose()
         split = await split_pushes(out, engines, model_a, model_b, steps=3, args=args)
         await split.aclose()
+        fan_in = await split_pushes(out, engines, model_a, model_b, steps=5, args=args,
+                                    fan_in=True)
+        await fan_in.aclose()
         # Engine 0 alone: rank 1 serves no worker, and only makes its part of the gathers.
         lone = DistributedWeightPusher(engines[:1], backend="broadcast", timeout=args.timeout)
-        report = await lone.update(model_a.named_parameters(), global_steps=5)
+        report = await lone.update(model_a.named_parameters(), global_steps=7)
         out["lone_receivers"] = report.push.receivers if report.push is not None else None
         if engines:
             out["lone_on_a"] = await greedy(engines[0], "lone-a")
             out["lone_steps"] = [e.global_steps for e in engines]
         if args.die_rank == 0:  # the coordinator, its engines with it: nothing left to close
-            await push_as_one_dies(out, lone, model_a, steps=6, dying=0, record=args.out)
+            await push_as_one_dies(out, lone, model_a, steps=8, dying=0, record=args.out)
             return
         await lone.aclose()
 
 
 async def split_pushes(
     out: dict[str, Any], engines: list[Any], model_a: torch.nn.Module,
-    model_b: torch.nn.Module, *, steps: int, args: argparse.Namespace,
+    model_b: torch.nn.Module, *, steps: int, args: argparse.Namespace, fan_in: bool = False,
 ) -> Any:
     """A then B through ``backend="broadcast"`` (the split layout: each rank a push group of
-    its own with the workers it serves); what each engine serves after each, what it took, and
-    what each rank sent. Returns the pusher."""
+    its own with the workers it serves; ``fan_in``: with every worker, sending its own rows);
+    what each engine serves after each, what it took, and what each rank sent. Returns the
+    pusher."""
     from engine_helpers import greedy
 
     from asyncroll import DistributedWeightPusher
 
-    split = DistributedWeightPusher(engines, backend="broadcast", timeout=args.timeout)
+    split = DistributedWeightPusher(engines, backend="broadcast", timeout=args.timeout,
+                                    fan_in=fan_in)
+    prefix = "fan_in" if fan_in else "split"
     for steps_now, model, tag in ((steps, model_a, "a"), (steps + 1, model_b, "b")):
         report = await split.update(model.named_parameters(), global_steps=steps_now)
         assert report.push is not None
-        sender = split._pusher.channel.sender if engines else split._sender  # noqa: SLF001
-        out[f"split_sent_{tag}"] = [type(sender).__name__, report.push.receivers,
-                                    report.push.tensors]
+        sender = split._pusher.channel.sender if engines else split._sender
+        out[f"{prefix}_sent_{tag}"] = [type(sender).__name__, report.push.receivers,
+                                       report.push.tensors, report.push.bytes]
+        out[f"{prefix}_pieces_{tag}"] = sorted(report.pieces)
         if engines:
-            out[f"split_on_{tag}"] = [await greedy(e, f"split-{tag}-{e.name}") for e in engines]
-            out[f"split_delivery_{tag}"] = [
+            out[f"{prefix}_on_{tag}"] = [await greedy(e, f"{prefix}-{tag}-{e.name}")
+                                         for e in engines]
+            out[f"{prefix}_delivery_{tag}"] = [
                 [report.deliveries[e.name].workers, report.deliveries[e.name].tensors,
                  report.deliveries[e.name].verified]
                 for e in engines
             ]
-            out[f"split_steps_{tag}"] = [e.global_steps for e in engines]
+            out[f"{prefix}_steps_{tag}"] = [e.global_steps for e in engines]
     return split
 
 
@@ -373,8 +381,10 @@ async def run(
     engines = [engine] if engine is not None else []
     split = await split_pushes(out, engines, model_a, model_b, steps=5, args=args)
     await split.aclose()
+    fan_in = await split_pushes(out, engines, model_a, model_b, steps=7, args=args, fan_in=True)
+    await fan_in.aclose()
     # then rank 1 dies, in the staged transport's push
-    await push_as_one_dies(out, pusher, model_a, steps=7, dying=1, record=args.out)
+    await push_as_one_dies(out, pusher, model_a, steps=9, dying=1, record=args.out)
     if engine is not None:
         out["steps_after"] = engine.global_steps
         out["after_death"] = await greedy(engine, "after-death")

@@ -9,6 +9,8 @@ what any run takes, never what a test measures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import multiprocessing as mp
 import os
@@ -214,7 +216,7 @@ async def test_lazy_tensors_and_pieces_arrive_made_in_plan_order() -> None:
             given["layer.1.w"] = Piece(rows, whole=(64, 64), offset=16 * 64)
             receivers.receive()
             if fail:
-                with pytest.raises(WeightSyncError, match="layer.0.b cannot be made"):
+                with pytest.raises(WeightSyncError, match=r"layer\.0\.b cannot be made"):
                     await sender.push(given, version=2)
                 kind, name, _ = await receivers.next(receivers.conns[0])
                 assert (kind, name) == ("error", "WeightSyncError")
@@ -366,3 +368,80 @@ async def test_a_manifest_longer_than_the_control_message_follows_it() -> None:
         assert (kind, version) == ("pushed", 9)
         assert got == {name: digest(t) for name, t in tensors.items()}
         await receivers.stop()
+
+
+def _fan_in_receiver(configs: list[dict[str, Any]], conn: Any) -> None:
+    """A worker in two push groups (``BroadcastReceivers``): each ``receive`` command takes
+    one push from each group, in order, and reports the digests or the error."""
+    from asyncroll.transport.broadcast import BroadcastReceivers
+
+    receivers = BroadcastReceivers(
+        [BroadcastReceiver.join(config, rank=1, device=torch.device("cpu")) for config in configs]
+    )
+    conn.send(("joined", 1))
+    while conn.recv() == "receive":
+        got: dict[str, str] = {}
+
+        def load(batch: list[tuple[str, torch.Tensor]], got: dict[str, str] = got) -> None:
+            got.update((name, digest(tensor)) for name, tensor in batch)
+
+        try:
+            report = receivers.receive(load, after=lambda report: None)
+        except Exception as exc:
+            conn.send(("error", type(exc).__name__, str(exc)))
+            continue
+        conn.send(("pushed", report.tensors, got))
+    receivers.close()
+    conn.send(("closed", 1))
+
+
+@pytest.mark.process
+async def test_a_worker_in_two_push_groups_takes_both_and_a_failure_in_one_fails_both() -> None:
+    """``fan_in``'s worker: one push from each group, in order, as one; when the first group's
+    push fails (its sender could not pack), the worker still takes the second (its sender's
+    collectives complete) and fails it too, so both senders hear of the failure."""
+    ctx = mp.get_context("spawn")
+    configs: list[dict[str, Any] | None] = [None, None]
+    formed = asyncio.Event()
+    ours, theirs = ctx.Pipe()
+    process: Any = None
+
+    async def join(index: int, config: dict[str, Any]) -> None:
+        nonlocal process
+        configs[index] = config
+        if all(configs):
+            process = ctx.Process(target=_fan_in_receiver, args=(configs, theirs), daemon=True)
+            process.start()
+            formed.set()
+        await formed.wait()
+
+    halves = [{"w": torch.arange(8.0), "b": torch.ones(3)}, {"v": torch.arange(4.0)}]
+    async with contextlib.AsyncExitStack() as stack:
+        openings = [
+            stack.enter_async_context(open_broadcast_sender(
+                receivers=1, device=torch.device("cpu"), join=functools.partial(join, index),
+                bucket_bytes=4096, peer_timeout=HANG_GUARD_S))
+            for index in (0, 1)
+        ]
+        senders = list(await asyncio.gather(*openings))
+        receiving = Receivers("cpu", [])
+        assert (await receiving.next(ours))[0] == "joined"
+        ours.send("receive")
+        reports = await asyncio.gather(
+            *(sender.push(half, version=1) for sender, half in zip(senders, halves, strict=True))
+        )
+        assert [r.tensors for r in reports] == [2, 1]
+        kind, tensors, got = await receiving.next(ours)
+        assert (kind, tensors) == ("pushed", 3)
+        assert got == {n: digest(t) for half in halves for n, t in half.items()}
+        ours.send("receive")
+        broken = {**halves[0], "b": torch.empty(3, device="meta")}
+        outcomes = await asyncio.gather(senders[0].push(broken, version=2),
+                                        senders[1].push(halves[1], version=2),
+                                        return_exceptions=True)
+        assert all(isinstance(o, WeightSyncError) for o in outcomes), outcomes
+        kind, name, message = await receiving.next(ours)
+        assert (kind, name) == ("error", "WeightSyncError") and "failed in the sender" in message
+        ours.send("close")
+        assert (await receiving.next(ours))[0] == "closed"
+    process.join(HANG_GUARD_S)

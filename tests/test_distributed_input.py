@@ -40,6 +40,27 @@ def test_engines_belong_to_the_coordinator_only() -> None:
     for buffers in (None, 0, True):  # on every rank, before any sender opens
         with pytest.raises(InvalidRequestError, match="buffers must be an int of at least 1"):
             DistributedWeightPusher([FakeEngine(name="e")], buffers=buffers)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="backend must be auto, shm, cuda_ipc or"):
+        DistributedWeightPusher([FakeEngine(name="e")], backend="nccl")  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="fan_in=True sends through push groups"):
+        DistributedWeightPusher([FakeEngine(name="e")], fan_in=True)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_fan_in_refuses_what_it_cannot_send_as_each_ranks_own_rows() -> None:
+    """Before anything pauses (the ranks agree on it): a sharded tensor that is not
+    ``Shard(0)`` over every rank; a plain tensor is the coordinator's to send."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from asyncroll.distributed import _fan_in_refusal
+
+    mesh = init_device_mesh("cpu", (1,))
+    rows = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    replicated = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
+    assert _fan_in_refusal({"w": rows, "b": torch.ones(3)}, 1) is None
+    refusal = _fan_in_refusal({"w": rows, "r": replicated}, 1)
+    assert refusal is not None and "'r'" in refusal and "Shard(0) over all 1 ranks" in refusal
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -66,6 +66,7 @@ from asyncroll.transport.sender import PushReport
 
 __all__ = [
     "BroadcastReceiver",
+    "BroadcastReceivers",
     "BroadcastSender",
     "FAILED_ELSEWHERE",
     "Group",
@@ -808,6 +809,80 @@ def _makes(
         for n, t in plain.items()
     ]
     return Makes(plan_buckets(metas, bucket_bytes=bucket_bytes), plain)
+
+
+class BroadcastReceivers:
+    """A worker in several push groups, every trainer rank's (``DistributedWeightPusher``
+    with ``fan_in``): one push takes each group's push in turn, in rank order, through the
+    same ``load_fn``, and reports them as one. Offers ``BroadcastReceiver``'s ``receive``."""
+
+    def __init__(self, receivers: list[BroadcastReceiver]) -> None:
+        self.receivers = receivers
+
+    def receive(
+        self,
+        load_fn: LoadFn,
+        *,
+        place: PlaceFn | None = None,
+        timeout: float | None = None,
+        after: Callable[[ReceiveReport], None] | None = None,
+    ) -> ReceiveReport:
+        """Every group's push, then ``after`` (once, on them all) inside the last group's
+        verdict. A group's push that fails fails the rest too, after they have been taken
+        (and dropped): every group's collectives stay in step, and every sender hears of it.
+
+        Raises: as ``BroadcastReceiver.receive``, the first failure."""
+        reports: list[ReceiveReport] = []
+        failure: BaseException | None = None
+
+        def failed(_: ReceiveReport) -> None:
+            raise WeightSyncError(f"another push group of this worker failed: {failure}")
+
+        def checked(last: ReceiveReport) -> None:
+            if after is not None:
+                after(_merged([*reports, last]))
+
+        def dropped(_: list[tuple[str, torch.Tensor]]) -> None:
+            pass
+
+        for index, receiver in enumerate(self.receivers):
+            final = index == len(self.receivers) - 1
+            try:
+                if failure is not None:
+                    receiver.receive(dropped, timeout=timeout, after=failed)
+                else:
+                    reports.append(receiver.receive(
+                        load_fn, place=place, timeout=timeout, after=checked if final else None
+                    ))
+            except BaseException as exc:
+                failure = failure or exc
+                if isinstance(exc, (TransportTimeoutError, TransportClosedError)):
+                    break  # (that group is gone; the others' deadlines end them)
+        if failure is not None:
+            raise failure
+        return _merged(reports)
+
+    def close(self) -> None:
+        for receiver in self.receivers:
+            receiver.close()
+
+
+def _merged(reports: list[ReceiveReport]) -> ReceiveReport:
+    """Several groups' reports of one push, taken one after another, as one."""
+    prints: dict[str, bytes] = {}
+    for report in reports:
+        prints.update(report.fingerprints)
+    last = reports[-1]
+    return dataclasses.replace(
+        last,
+        buckets=sum(r.buckets for r in reports),
+        tensors=sum(r.tensors for r in reports),
+        bytes=sum(r.bytes for r in reports),
+        seconds=sum(r.seconds for r in reports),
+        load_seconds=sum(r.load_seconds for r in reports),
+        began=reports[0].began,
+        fingerprints=prints,
+    )
 
 
 def _close_opened(opening: Any) -> None:

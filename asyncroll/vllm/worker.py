@@ -52,12 +52,13 @@ from vllm.model_executor.model_loader.reload import layerwise
 from asyncroll.adapters import LAYOUTS_KEPT, Placement, placements
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
 from asyncroll.receive.adapter import AdapterTake, Landing, Landings
+from asyncroll.receive.assembly import Assembly
 from asyncroll.receive.check import PushCheck, check_delivered
 from asyncroll.receive.landing import LandedPush, WeightLanding
 from asyncroll.receive.load_plan import LoadPlan, PlanStatistics
 from asyncroll.receive.rollback import Rollback
 from asyncroll.transport import WeightReceiver
-from asyncroll.transport.broadcast import BroadcastReceiver
+from asyncroll.transport.broadcast import BroadcastReceiver, BroadcastReceivers
 from asyncroll.transport.plan import Part
 from asyncroll.transport.receiver import PlaceFn, ReceiveReport
 from asyncroll.vllm.compat import (
@@ -112,6 +113,11 @@ class InitInfo(WeightTransferInitInfo):
     world_size: int = 0
     rank_offset: int = 0
     """This engine's first rank in the group; a worker adds its rank within the engine."""
+    fan_in: bool = False
+    """``broadcast`` with ``senders``: the worker joins every rank's group (as its rank
+    ``1 + rank_offset + rank`` in each) and takes a push from each, in rank order: each rank's
+    own rows of the sharded tensors (put together here where the loader takes only whole
+    tensors: ``asyncroll.receive.assembly``)."""
     timeout: float = 120.0
     buffers: int = 2
     bucket_bytes: int = 0
@@ -138,7 +144,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         # vLLM 0.24 passes (config, parallel_config, model) only; the worker binds the rest.
         self.model_config: Any = getattr(self, "model_config", None)
         self.device: Any = getattr(self, "device", None)
-        self._receiver: WeightReceiver | BroadcastReceiver | None = None
+        self._receiver: WeightReceiver | BroadcastReceiver | BroadcastReceivers | None = None
         self._device_context: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
@@ -184,6 +190,17 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         if init_info.transport == "broadcast":  # blocks until the whole group has joined
             device = torch.device(self.device) if self.device is not None else torch.device("cpu")
             group, at = dataclasses.asdict(init_info), init_info.rank_offset + rank
+            if init_info.senders and init_info.fan_in:  # every rank's group, in rank order
+                joined: list[BroadcastReceiver] = []
+                try:
+                    for sender in init_info.senders:
+                        joined.append(BroadcastReceiver.join(sender, rank=1 + at, device=device))
+                except BaseException:
+                    for receiver in joined:
+                        receiver.close()
+                    raise
+                self._receiver = BroadcastReceivers(joined)
+                return
             if init_info.senders:  # a trainer of several ranks: the group of ours
                 index, senders = at, init_info.senders
                 group, at = senders[index % len(senders)], 1 + index // len(senders)
@@ -343,10 +360,19 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         """Names that arrived, and names that reached the model's loader (or their place):
         a push where they differ loaded less than it delivered, and fails loudly."""
 
+        assembly = Assembly() if self._info.fan_in else None
+        """Fed by every trainer rank: pieces the loader cannot take as they are, put together."""
+
         def load(batch: list[tuple[str, torch.Tensor]]) -> None:
             parts: dict[str, Part] = getattr(batch, "parts", None) or {}
             persist = bool(getattr(batch, "sources_persist", False))
             whole_push = bool(getattr(batch, "whole_push", False))
+            if parts and assembly is not None:
+                plan = self._plan if self._planning else None
+                batch, parts = assembly.take(
+                    batch, parts, keep=plan.knows if plan is not None else None
+                )
+                persist = persist and not parts
             arrived = batch
             if parts and not self._planning:
                 raise PieceNotPlannedError(
@@ -404,6 +430,11 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         def check(report: ReceiveReport) -> None:
             """What was loaded, checked (in a broadcast, before the group's verdict)."""
             self.last_report = report
+            if assembly is not None and assembly.incomplete:
+                raise WeightSyncError(
+                    f"push {report.push}: pieces of {', '.join(assembly.incomplete[:3])}"
+                    " arrived, not all of them"
+                )
             check_delivered(report, set(received), handed)
             if not direct:
                 self._complete_partial_layers(load_batch)
@@ -425,7 +456,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                 self.stamps["loaded"] = time.perf_counter()
                 check(report)
                 self.stamps["checked"] = time.perf_counter()
-            elif isinstance(self._receiver, BroadcastReceiver):
+            elif isinstance(self._receiver, BroadcastReceiver | BroadcastReceivers):
                 self._receiver.receive(load, place=place, after=check)
             else:
                 assert self._receiver is not None
@@ -450,7 +481,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
         take = AdapterTake(device, layout, landing)
         with _outside_device_context():
-            if isinstance(self._receiver, BroadcastReceiver):
+            if isinstance(self._receiver, BroadcastReceiver | BroadcastReceivers):
                 self.last_report = self._receiver.receive(take.load, after=take.check)
             else:
                 self.last_report = self._receiver.receive(take.load, push=push)

@@ -613,7 +613,9 @@ class DistributedWeightPusher:
 
     async def _connect(self, workers: list[int]) -> None:
         """Every rank opens a sender; the coordinator attaches each worker to its rank's.
-        Every rank learns whether every rank's workers came."""
+        Every rank learns whether every rank's workers came. Every rank joins the same
+        collectives whatever fails on it (a rank that skipped one would leave the others in
+        it until the deadline, then mismatch the next)."""
         await self._close_sender()
         stack = contextlib.AsyncExitStack()
         status = "connected"
@@ -635,17 +637,24 @@ class DistributedWeightPusher:
 
     async def _connect_staged(self, workers: list[int], stack: contextlib.AsyncExitStack) -> None:
         """Every rank's staged sender; the coordinator attaches each worker to its rank's."""
-        sender = await stack.enter_async_context(
-            open_weight_sender(
-                backend=self._make_backend(),
-                bucket_bytes=self._bucket_size(),
-                buffers=self._buffers,
-                receivers=workers[self.rank] or None,
-                connect_timeout=self._timeout,
-                ack_timeout=self._timeout,
+        try:
+            sender = await stack.enter_async_context(
+                open_weight_sender(
+                    backend=self._make_backend(),
+                    bucket_bytes=self._bucket_size(),
+                    buffers=self._buffers,
+                    receivers=workers[self.rank] or None,
+                    connect_timeout=self._timeout,
+                    ack_timeout=self._timeout,
+                )
             )
-        )
+        except Exception:
+            await self._all_gather(None)  # (the others' configs: every rank gathers once)
+            raise
         configs = await self._all_gather(sender.receiver_config())
+        if any(config is None for config in configs):
+            missing = [rank for rank, config in enumerate(configs) if config is None]
+            raise WeightSyncError(f"ranks {missing} could not open their senders")
         waits = [sender.wait_receivers(workers[self.rank])] if workers[self.rank] else []
         if self._pusher is not None:
             await asyncio.gather(*waits, self._attach(configs))
@@ -691,9 +700,14 @@ class DistributedWeightPusher:
             await self._attach([c or {} for c in configs])
 
     async def _close_sender(self) -> None:
+        """Close this rank's sender; a failure is logged (the old sender's trouble must not
+        keep this rank out of the collectives that open the next)."""
         stack, self._stack, self._sender = self._stack, None, None
         if stack is not None:
-            await stack.aclose()
+            try:
+                await stack.aclose()
+            except Exception:
+                logger.warning("rank %d: closing the sender failed", self.rank, exc_info=True)
 
     async def _attach(self, configs: list[Any]) -> None:
         assert self._pusher is not None

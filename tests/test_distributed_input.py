@@ -3,6 +3,7 @@ world of one rank; the two-rank behaviour is in ``test_distributed.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +94,39 @@ def test_column_windows_only_where_every_rank_serves_workers_reading_the_same_co
     assert _column_windows(tp2[:1], 2) is None  # rank 1 serves no worker
     assert _column_windows([tp2[0], tp2[0], tp2[1], tp2[1]], 2) is None  # a rank: two windows
     assert _column_windows([(0, 4096), (0, 4096)], 2) is None  # rows: not columns
+
+
+@pytest.mark.usefixtures("world_of_one")
+async def test_a_rank_whose_sender_fails_still_joins_every_collective_of_the_connect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank whose previous sender fails to close, or whose new one cannot open, joins the
+    same collectives as the others (the configs, then the statuses) before it raises: a rank
+    that skipped one would leave the others in it until the deadline, then mismatch the next
+    (seen once in the two-rank tests: a 120 s stall, then a failed update)."""
+    import asyncroll.distributed
+    from asyncroll import WeightSyncError
+
+    pusher = DistributedWeightPusher([FakeEngine(name="e")])
+    gathered: list[object] = []
+    real_gather = pusher._all_gather
+
+    async def counted(value: object) -> list[object]:
+        gathered.append(value)
+        return await real_gather(value)
+
+    async def close_fails() -> None:
+        raise RuntimeError("the old sender's reader failed")
+
+    old = contextlib.AsyncExitStack()
+    old.push_async_callback(close_fails)
+
+    def open_fails(**_: object) -> object:
+        raise OSError("no shared memory left")
+
+    monkeypatch.setattr(pusher, "_all_gather", counted)
+    pusher._stack = old
+    monkeypatch.setattr(asyncroll.distributed, "open_weight_sender", open_fails)
+    with pytest.raises(WeightSyncError, match=r"could not attach to every rank.*no shared memory"):
+        await pusher._connect([1])
+    assert gathered == [None, "rank 0: OSError: no shared memory left"]

@@ -1234,7 +1234,7 @@ async def test_each_ack_names_the_one_copy_list_the_receiver_holds() -> None:
     notes it per receiver: a later one-copy push of that list is sent by its id alone. Here
     the receiver holds list 7 and a staged push carries the word (one-copy itself needs CUDA:
     ``test_cuda_one_copy_reads_the_tensors_in_place_and_returns_after_the_reads``)."""
-    from asyncroll.transport.receiver import _Batch, _SharedLayout
+    from asyncroll.transport.receiver import LoadBatch, _SharedLayout
 
     tensors = model_tensors()
     async with open_weight_sender(
@@ -1245,7 +1245,7 @@ async def test_each_ack_names_the_one_copy_list_the_receiver_holds() -> None:
         try:
             for held in (7, 0):  # a list held, then none (dropped: the sender must know)
                 receiver._last_shared = (
-                    _SharedLayout(held, [], [], _Batch(), 0) if held else None
+                    _SharedLayout(held, [], [], LoadBatch(), 0) if held else None
                 )
                 receiving = asyncio.ensure_future(asyncio.to_thread(receiver.receive, list))
                 await sender.push(tensors, version=held)

@@ -61,7 +61,7 @@ from asyncroll.transport.packing import as_bytes, dtype_by_name, dtype_name, slo
 from asyncroll.transport.piece import Piece, split_pieces
 from asyncroll.transport.plan import Part, TensorMeta, align, plan_buckets
 from asyncroll.transport.pushes import Prints
-from asyncroll.transport.receiver import LoadFn, PlaceFn, ReceiveReport, _Batch
+from asyncroll.transport.receiver import LoadBatch, LoadFn, PlaceFn, ReceiveReport
 from asyncroll.transport.sender import PushReport
 
 __all__ = [
@@ -716,7 +716,7 @@ class BroadcastReceiver:
                 group.wait(handle, deadline)
             loading = time.perf_counter()
             if failure is None and placed is None:
-                batch = _Batch()
+                batch = LoadBatch()
                 batch.extend(
                     (e.name, slot_view(data, e.offset, e.nbytes, dtype_by_name(e.dtype), e.shape))
                     for e in transfer.entries

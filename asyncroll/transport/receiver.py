@@ -55,6 +55,7 @@ from asyncroll.transport.plan import Part, Slot
 from asyncroll.transport.security import RateLimitedLog
 
 __all__ = [
+    "LoadBatch",
     "LoadFn",
     "PlaceFn",
     "ReceiveReport",
@@ -156,12 +157,12 @@ class _SharedLayout:
     """The sender's id of the list (``wire.Shared.layout``)."""
     storages: list[wire.Storage]
     entries: list[wire.SharedEntry]
-    made: _Batch
+    made: LoadBatch
     """The (name, view) pairs, under their ``layout`` token (handed over as copies)."""
     nbytes: int
 
 
-class _Batch(list[tuple[str, torch.Tensor]]):
+class LoadBatch(list[tuple[str, torch.Tensor]]):
     """The list handed to load_fn; remembers which tensor iteration reached (for error reports)."""
 
     current = ""
@@ -199,8 +200,8 @@ def persistent_batch(
 ) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs as one batch that is a whole push and whose sources persist
     (as a one-copy push's): for a loader given tensors that outlive the call (a landed push,
-    ``asyncroll.receive.landing``). ``layout`` as ``_Batch.layout``."""
-    batch = _Batch()
+    ``asyncroll.receive.landing``). ``layout`` as ``LoadBatch.layout``."""
+    batch = LoadBatch()
     list.extend(batch, tensors)
     batch.sources_persist = batch.whole_push = True
     batch.layout = layout
@@ -551,7 +552,7 @@ class WeightReceiver:
 
     def _load(self, bucket: wire.Bucket, load_fn: LoadFn) -> tuple[tuple[str, str] | None, int]:
         """Load one bucket; returns (failure as (tensor, message) or None, tensors handed over)."""
-        batch = _Batch()
+        batch = LoadBatch()
         batch.sources_persist = True
         placed = 0
         try:
@@ -659,7 +660,7 @@ class WeightReceiver:
         """One-copy mode: map the trainer's storages (new ones; release the unlisted), load
         every tensor in place from them, and finish the reads on the device before the ack
         (the trainer may change its tensors once every receiver has acked)."""
-        batch = _Batch()
+        batch = LoadBatch()
         try:
             if self._backend is None:
                 raise TransportBrokenError("a shared push before the welcome")
@@ -681,7 +682,7 @@ class WeightReceiver:
             return (names, f"{type(exc).__name__}: {exc}"[:2000]), 0
         return None, len(batch)
 
-    def _shared_batch(self, message: wire.Shared, batch: _Batch) -> None:
+    def _shared_batch(self, message: wire.Shared, batch: LoadBatch) -> None:
         """Fill ``batch`` with the (name, view) pairs of a shared push, its storages mapped. A
         push that repeats the list we hold (``message.repeat``: by its id alone), or lists
         the same storages and entries as it (a trainer pushing the same tensors again: every
@@ -708,7 +709,7 @@ class WeightReceiver:
         else:
             self._last_shared = None  # (its views may go now)
             self._new_shared_batch(message, batch)  # (partly filled if it raises: named)
-            made = _Batch()
+            made = LoadBatch()
             list.extend(made, list.__iter__(batch))
             made.layout = object()  # unique while anyone keys by it
             last = self._last_shared = _SharedLayout(
@@ -720,7 +721,7 @@ class WeightReceiver:
         batch.sources_persist = batch.whole_push = True
         batch.layout = last.made.layout
 
-    def _new_shared_batch(self, message: wire.Shared, batch: _Batch) -> None:
+    def _new_shared_batch(self, message: wire.Shared, batch: LoadBatch) -> None:
         if self._backend is None:
             raise TransportBrokenError("a shared push before the welcome")
         listed = {storage.id: storage for storage in message.storages}

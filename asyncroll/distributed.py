@@ -676,17 +676,29 @@ class DistributedWeightPusher:
             await self._join_groups(None)
             return
         on_cuda = torch.cuda.is_available()
-        sender = await stack.enter_async_context(
-            open_broadcast_sender(
-                receivers=served,
-                device=torch.device("cuda", torch.cuda.current_device()) if on_cuda
-                else torch.device("cpu"),
-                join=self._join_groups,
-                bucket_bytes=self._bucket_size(),
-                buffers=self._buffers,
-                peer_timeout=self._timeout,
+        joined = False
+
+        async def join(config: dict[str, Any]) -> None:
+            nonlocal joined
+            joined = True
+            await self._join_groups(config)
+
+        try:
+            sender = await stack.enter_async_context(
+                open_broadcast_sender(
+                    receivers=served,
+                    device=torch.device("cuda", torch.cuda.current_device()) if on_cuda
+                    else torch.device("cpu"),
+                    join=join,
+                    bucket_bytes=self._bucket_size(),
+                    buffers=self._buffers,
+                    peer_timeout=self._timeout,
+                )
             )
-        )
+        except Exception:
+            if not joined:  # (failed before its group's config existed: gather ours as None)
+                await self._join_groups(None)
+            raise
         if self._pusher is not None:
             await self._pusher.channel.adopt(self._live(), sender, stack)
         else:

@@ -938,7 +938,12 @@ async def open_broadcast_sender(
         listen=listen,
     ))
     try:
-        await asyncio.gather(opening, join(config))
+        # Both end before either's failure is raised: ``join`` may be a collective of the
+        # caller's (a sharded trainer's ranks), which must not outlive this call.
+        outcomes = await asyncio.gather(opening, join(config), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
     except BaseException:
         if opening.done() and not opening.cancelled() and opening.exception() is None:
             opening.result().close()

@@ -101,6 +101,27 @@ def sharded(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def sharded_pair(
+    size: str, work: Path, correctness: bool
+) -> tuple[Path, dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """The shape's folder (rank 0 writes its config, and weights A where ``correctness``: the
+    engine starts on them), weights A and B sharded over the ranks, and their bytes."""
+    shape = SHAPES[size]
+    folder = work / f"{size}-a"
+    if dist.get_rank() == 0:
+        write_config(folder, shape)
+        if correctness:
+            from safetensors.torch import save_file
+
+            save_file({k: v.cpu() for k, v in random_weights(shape, seed=0).items()},
+                      str(folder / "model.safetensors"))
+    dist.barrier()
+    weights_a = sharded(random_weights(shape, seed=0))
+    weights_b = sharded(random_weights(shape, seed=1))
+    nbytes = sum(t.numel() * t.element_size() for t in weights_a.values())
+    return folder, weights_a, weights_b, nbytes
+
+
 @contextlib.asynccontextmanager
 async def maybe_engine(folder: Path, **options: Any) -> Any:
     if dist.get_rank() != 0:
@@ -158,20 +179,7 @@ DEFAULT_VARIANTS = ("ours", "ours column blocks", "ours 512 MiB x2",
 async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
                 correctness: bool, chosen: tuple[str, ...] = DEFAULT_VARIANTS,
                 repeats: int = 5, rounds: int = 1) -> None:
-    rank = dist.get_rank()
-    shape = SHAPES[size]
-    folder = work / f"{size}-a"
-    if rank == 0:
-        write_config(folder, shape)
-        if correctness:
-            from safetensors.torch import save_file
-
-            save_file({k: v.cpu() for k, v in random_weights(shape, seed=0).items()},
-                      str(folder / "model.safetensors"))
-    dist.barrier()
-    weights_a = sharded(random_weights(shape, seed=0))
-    weights_b = sharded(random_weights(shape, seed=1))
-    nbytes = sum(t.numel() * t.element_size() for t in weights_a.values())
+    folder, weights_a, weights_b, nbytes = sharded_pair(size, work, correctness)
     section: dict[str, Any] = out.setdefault(f"{size} two GPUs", {"GiB": round(nbytes / GiB, 3)})
     options = engine_args(gpu_memory_utilization=0.3 if size != "7b" else 0.35,
                           tensor_parallel_size=2, enable_sleep_mode=True)

@@ -45,8 +45,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_e2e import SHAPES, GiB, engine_args, greedy, random_weights, write_config
-from gpu_multi import gather_ms, sharded, timed_pushes, without_torchrun_env
+from gpu_e2e import GiB, engine_args, greedy
+from gpu_multi import gather_ms, sharded_pair, timed_pushes, without_torchrun_env
 
 from asyncroll import DistributedWeightPusher, VLLMEngine
 
@@ -98,20 +98,8 @@ def link_ms(nbytes: int, repeats: int = 3) -> dict[str, float]:
 async def split(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
                 engine_gpus: list[int], repeats: int) -> None:
     rank = dist.get_rank()
-    shape = SHAPES[size]
     correctness = size == "1.5b"
-    folder = work / f"{size}-a"
-    if rank == 0:
-        write_config(folder, shape)
-        if correctness:
-            from safetensors.torch import save_file
-
-            save_file({k: v.cpu() for k, v in random_weights(shape, seed=0).items()},
-                      str(folder / "model.safetensors"))
-    dist.barrier()
-    weights_a = sharded(random_weights(shape, seed=0))
-    weights_b = sharded(random_weights(shape, seed=1))
-    nbytes = sum(t.numel() * t.element_size() for t in weights_a.values())
+    folder, weights_a, weights_b, nbytes = sharded_pair(size, work, correctness)
     section: dict[str, Any] = out.setdefault(f"{size} split", {"GiB": round(nbytes / GiB, 3)})
     section["link (GPU 0 -> GPU 1, NCCL broadcast) "] = link = link_ms(nbytes)
     section["gathers only ms"] = gathers = gather_ms(weights_b)

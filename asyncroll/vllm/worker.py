@@ -388,7 +388,15 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             try:
                 if batch and parts:
                     assert self._plan is not None
-                    self._plan.load(batch, parts=parts, sources_persist=persist)
+                    try:
+                        self._plan.load(batch, parts=parts, sources_persist=persist)
+                    except PieceNotPlannedError:
+                        if assembly is None:
+                            raise
+                        # (nothing of the batch was loaded) put its pieces together instead
+                        batch, _ = assembly.take(batch, parts)
+                        if batch:
+                            load_batch(batch)
                 elif batch:
                     load_batch(batch)
             except PieceNotPlannedError:

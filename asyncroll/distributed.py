@@ -302,6 +302,11 @@ class DistributedWeightPusher:
         if problems:
             raise InvalidRequestError("; ".join(dict.fromkeys(problems)))
         _, _, _, workers, pieces = answers[self._coordinator]
+        if self._backend == "broadcast" and not self._fan_in and not workers[self._coordinator]:
+            raise InvalidRequestError(  # (every rank raises alike: the same agreed counts)
+                "backend='broadcast' needs the coordinator to serve a worker (worker i is"
+                f" served by rank i % {self.world_size}: make rank 0 the coordinator)"
+            )
         connect = any(a[2] for a in answers)
         try:
             return await self._push(
@@ -472,14 +477,20 @@ class DistributedWeightPusher:
                 if self.is_coordinator:
                     out[name] = given
                 continue
-            rows: torch.Tensor = _local(tensor.detach()).contiguous()
-            target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
-            source: torch.Tensor | LazyTensor = rows
-            if target is not None and target != rows.dtype:
-                source = LazyTensor(shape=tuple(rows.shape), dtype=target, device=rows.device,
-                                    make=functools.partial(_identity, rows))
-            out[name] = Piece(source, whole=tuple(tensor.shape), offset=self.rank * rows.numel())
+            out[name] = self._own_piece(tensor)
         return out
+
+    def _own_piece(self, tensor: torch.Tensor) -> Piece:
+        """This rank's rows of a ``Shard(0)`` tensor as a piece of it, cast to ``dtype`` as
+        it is packed where they differ."""
+        rows: torch.Tensor = _local(tensor.detach()).contiguous()
+        offset = tensor.device_mesh.get_local_rank() * rows.numel()  # type: ignore[attr-defined]
+        target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
+        source: torch.Tensor | LazyTensor = rows
+        if target is not None and target != rows.dtype:
+            source = LazyTensor(shape=tuple(rows.shape), dtype=target, device=rows.device,
+                                make=functools.partial(_identity, rows))
+        return Piece(source, whole=tuple(tensor.shape), offset=offset)
 
     def _with_pieces(
         self,
@@ -505,16 +516,7 @@ class DistributedWeightPusher:
                 out[name] = Piece(block, whole=tuple(tensor.shape), offset=0,
                                   columns=windows[self.rank])
                 continue
-            rows: torch.Tensor = _local(tensor.detach()).contiguous()
-            offset = tensor.device_mesh.get_local_rank() * rows.numel()  # type: ignore[attr-defined]
-            target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
-            source: torch.Tensor | LazyTensor = rows
-            if target is not None and target != rows.dtype:
-                source = LazyTensor(
-                    shape=tuple(rows.shape), dtype=target, device=rows.device,
-                    make=functools.partial(_identity, rows),
-                )
-            out[name] = Piece(source, whole=tuple(tensor.shape), offset=offset)
+            out[name] = self._own_piece(tensor)
         return out
 
     async def _learn_reads(self) -> None:
@@ -666,11 +668,6 @@ class DistributedWeightPusher:
     async def _connect_groups(self, workers: list[int], stack: contextlib.AsyncExitStack) -> None:
         """(``backend="broadcast"``.) Every rank serving workers forms a push group with them,
         rank 0 of it; the coordinator has each worker join its rank's group (``_attach``)."""
-        if not workers[self._coordinator]:  # (every rank raises alike)
-            raise InvalidRequestError(
-                "backend='broadcast' needs the coordinator to serve a worker (worker i is"
-                f" served by rank i % {self.world_size}: make rank 0 the coordinator)"
-            )
         served = sum(workers) if self._fan_in else workers[self.rank]
         if not served:  # (no group here; the others' configs still gathered)
             await self._join_groups(None)

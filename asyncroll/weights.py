@@ -639,6 +639,12 @@ class SenderChannel:
         """Close the sender (receivers release their mappings first). Idempotent."""
         stack, self._stack, self._sender = self._stack, None, None
         attached, self._attached = self._attached, []
+        await self._release(stack, attached)
+
+    async def _release(
+        self, stack: contextlib.AsyncExitStack | None, attached: Sequence[ReceivingEngine]
+    ) -> None:
+        """Close a sender's ``stack`` and detach those of ``attached`` still attached to us."""
         if stack is None:
             return
         # The workers' receivers say goodbye (releasing their mappings) while the sender waits;
@@ -889,9 +895,14 @@ class SenderChannel:
         stack: contextlib.AsyncExitStack,
     ) -> None:
         """Push through ``sender`` from now on: ``engines`` were attached to it (and to other
-        senders: a trainer of several ranks) with ``owner=self``; ``stack`` closes it."""
-        await self.aclose()
+        senders: a trainer of several ranks) with ``owner=self``; ``stack`` closes it. The
+        old sender closes, and only the engines not attached again are detached: those
+        attached again are ours under the same owner, and a detach now would close the
+        receivers they just connected (the sender then waits for them in vain)."""
+        old_stack, old_attached = self._stack, self._attached
         self._stack, self._sender, self._attached = stack, sender, list(engines)
+        again = {id(engine) for engine in engines}
+        await self._release(old_stack, [e for e in old_attached if id(e) not in again])
 
     async def _joined(
         self, engines: Sequence[ReceivingEngine], tensors: Mapping[str, torch.Tensor]

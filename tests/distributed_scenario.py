@@ -3,8 +3,10 @@ holds (``tests/test_distributed.py`` runs two of these and reads rank 0's JSON).
 
 Rank 0: the engine starts on model B and serves B's greedy outputs; the ranks push A (sharded:
 every parameter a ``DTensor``), then B, then A again, and rank 0 records what the engine serves
-after each. Then rank 1 dies in the middle of the next push's gathers (``os._exit`` inside a
-gather): rank 0 records the error it gets, the engine's label, and what it serves.
+after each. B again as pieces; A and B through the split layout's push groups, then with
+``fan_in``; A through the staged pusher again (it attaches the engine again). Then rank 1 dies
+in the middle of the next push's gathers (``os._exit`` inside a gather): rank 0 records the
+error it gets, the engine's label, and what it serves.
 
 ``--engines 2``: rank 0 holds two data-parallel engines (TP=1) instead, whose workers the two
 ranks serve one each; the ranks push A, then B. With ``--die-rank 0``, rank 0 (the coordinator,
@@ -381,10 +383,16 @@ async def run(
     engines = [engine] if engine is not None else []
     split = await split_pushes(out, engines, model_a, model_b, steps=5, args=args)
     await split.aclose()
-    # (``fan_in`` runs in the data-parallel run, into engines of one worker: a TP=2 engine
-    # attached again after fan-in pushes stalled its attach once in about six runs.)
-    # then rank 1 dies, in the staged transport's push
-    await push_as_one_dies(out, pusher, model_a, steps=7, dying=1, record=args.out)
+    fan_in = await split_pushes(out, engines, model_a, model_b, steps=7, args=args, fan_in=True)
+    await fan_in.aclose()
+    # The staged pusher again: it attaches the engine again (the push groups had it), and
+    # its push of A lands; then rank 1 dies in its push of B.
+    report = await pusher.update(model_a.named_parameters(), global_steps=9)
+    out["back_report"] = [report.global_steps, report.tensors]
+    if engine is not None:
+        out["back_on_a"] = await greedy(engine, "back-on-a")
+        out["back_steps"] = engine.global_steps
+    await push_as_one_dies(out, pusher, model_b, steps=10, dying=1, record=args.out)
     if engine is not None:
         out["steps_after"] = engine.global_steps
         out["after_death"] = await greedy(engine, "after-death")

@@ -89,6 +89,8 @@ RUN_OF_TEST = {
     "test_a_piece_a_worker_cannot_load_is_pushed_again_whole": "sharded",
     "test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back": "sharded",
     "test_split_each_rank_feeds_its_own_worker_of_a_tp2_engine_token_exact": "sharded",
+    "test_fan_in_every_rank_sends_its_own_rows_to_every_worker_token_exact": "sharded",
+    "test_the_staged_pusher_attaches_again_after_the_push_groups": "sharded",
     "test_two_ranks_push_into_two_data_parallel_engines": "data_parallel",
     "test_split_two_ranks_feed_two_engines_each_its_own_token_exact": "data_parallel",
     "test_the_coordinator_dying_mid_push_fails_the_update_on_the_other_rank": "data_parallel",
@@ -202,14 +204,25 @@ def test_a_piece_a_worker_cannot_load_is_pushed_again_whole(outcome: dict[str, A
 def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
     outcome: dict[str, Any],
 ) -> None:
-    """Rank 1 exits inside a gather: rank 0 gets ``WeightSyncError`` (long before its 120 s
-    deadline: it hears of the death from gloo and from its workers), and the engine keeps
-    serving B under B's label."""
-    assert outcome["died"].startswith("WeightSyncError: weight push (global_steps=7) failed")
+    """Rank 1 exits inside a gather of a push of B: rank 0 gets ``WeightSyncError`` (long
+    before its 120 s deadline: it hears of the death from gloo and from its workers), and the
+    engine keeps serving A under A's label."""
+    assert outcome["died"].startswith("WeightSyncError: weight push (global_steps=10) failed")
     assert "every engine serves its previous weights" in outcome["died"]
     assert outcome["died_after_s"] < 120
-    assert outcome["steps_after"] == 6 and not outcome["dead"]
-    assert outcome["after_death"] == outcome["fresh_b"]
+    assert outcome["steps_after"] == 9 and not outcome["dead"]
+    assert outcome["after_death"] == outcome["on_a"]
+
+
+def test_the_staged_pusher_attaches_again_after_the_push_groups(outcome: dict[str, Any]) -> None:
+    """After the split and fan-in pushers had the engine, the staged pusher attaches it again
+    (each rank a new sender, each worker its rank's) and its push lands: the engine serves A
+    under its label. (Its channel once closed its old sender by detaching the engine it had
+    just attached again: the receivers left as they came, and a rank that had not yet seen
+    its worker ready waited for it until the deadline.)"""
+    assert outcome["back_report"] == [9, 27]
+    assert outcome["back_steps"] == 9
+    assert outcome["back_on_a"] == outcome["on_a"]
 
 
 async def test_split_each_rank_feeds_its_own_worker_of_a_tp2_engine_token_exact(
@@ -230,6 +243,29 @@ async def test_split_each_rank_feeds_its_own_worker_of_a_tp2_engine_token_exact(
     other = json.loads((folder / "rank1.json").read_text())  # (written before it died)
     for found in (outcome, other):  # each rank: its own group, one receiver, every tensor
         assert found["split_sent_a"][:3] == found["split_sent_b"][:3] == ["BroadcastSender", 1, 27]
+
+
+async def test_fan_in_every_rank_sends_its_own_rows_to_every_worker_token_exact(
+    runs: Runs, outcome: dict[str, Any],
+) -> None:
+    """``fan_in``: both workers of the TP=2 engine join both ranks' push groups; each rank
+    sends only its own rows of every sharded tensor (every parameter here), no gather, to both
+    workers at once; the workers put the rows together (the CPU build loads whole tensors)
+    and serve A, then B, token for token as before, checked against the shards' prints."""
+    assert outcome["fan_in_on_a"] == [outcome["on_a"]]
+    assert outcome["fan_in_on_b"] == [outcome["fresh_b"]]
+    _, _, folder = await runs.result("sharded")
+    other = json.loads((folder / "rank1.json").read_text())
+    for tag, steps in (("a", 7), ("b", 8)):
+        assert outcome[f"fan_in_steps_{tag}"] == [steps]
+        (workers, tensors, verified), = outcome[f"fan_in_delivery_{tag}"]
+        assert (workers, tensors) == (2, 2 * 2 * 27) and verified > 0  # 27 pieces from each
+        assert len(outcome[f"fan_in_pieces_{tag}"]) == 27  # every tensor: each rank's rows
+        for found in (outcome, other):  # two receivers each, half of every tensor
+            kind, receivers, tensors, sent = found[f"fan_in_sent_{tag}"]
+            assert (kind, receivers, tensors) == ("BroadcastSender", 2, 27)
+            whole = outcome[f"split_sent_{tag}"][3]  # (bytes sent: buckets padded to 256 B)
+            assert abs(sent * 2 - whole) < 0.01 * whole  # half the bytes of a gathered push
 
 
 async def test_split_two_ranks_feed_two_engines_each_its_own_token_exact(runs: Runs) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 from pathlib import Path
@@ -26,7 +27,13 @@ from engine_helpers import (
 from asyncroll import EngineSleepingError, InvalidRequestError, VLLMEngine, WeightSyncError
 from asyncroll.testing import vllm_client
 from asyncroll.testing.contract import LateAction, ran_to_budget, retry_if_late
-from asyncroll.transport import CudaIpcBackend, Piece, ShmBackend, WeightSender
+from asyncroll.transport import (
+    CudaIpcBackend,
+    Piece,
+    ShmBackend,
+    WeightSender,
+    open_weight_sender,
+)
 from asyncroll.types import PauseMode
 from asyncroll.weights import SenderChannel, WeightPusher, default_buffers
 
@@ -357,6 +364,40 @@ async def test_pushers_sharing_an_engine_take_turns(
         await other.aclose()
     await update_weights(engine, weights_a, global_steps=steps + 3)
     assert await greedy(engine, "turn-a2") == FRESH_GREEDY["a"]
+
+
+async def test_a_channel_adopting_a_sender_keeps_the_engines_attached_to_it(
+    engine: VLLMEngine, tiny_model_a: Path, tiny_model_b: Path
+) -> None:
+    """How a sharded trainer's coordinator attaches again (``DistributedWeightPusher``): the
+    engine joins a new sender under the channel's name, then the channel adopts that
+    sender. The old sender closes; the engine, attached again, stays attached (a detach
+    here closed the receivers just connected: the other ranks' senders then waited for
+    theirs until the deadline), and the next push goes through the adopted sender."""
+    weights_a, weights_b = load_weights(tiny_model_a), load_weights(tiny_model_b)
+    steps = await _next_steps(engine)
+    pusher, other = WeightPusher([engine]), WeightPusher([engine])
+    try:
+        await pusher.update(weights_b, global_steps=steps)
+        on_b = await greedy(engine, "adopting-b")
+        await other.update(weights_a, global_steps=steps + 1)  # the engine is other's now
+        channel = pusher.channel
+        workers = engine.weights.num_workers
+        stack = contextlib.AsyncExitStack()
+        sender = await stack.enter_async_context(open_weight_sender(receivers=workers))
+        config = {**sender.receiver_config(), **channel.worker_config()}
+        await asyncio.gather(
+            sender.wait_receivers(workers), engine.weights.attach(config, owner=channel)
+        )
+        await channel.adopt([engine], sender, stack)
+        assert engine.weights.attached_to is channel and channel.is_attached([engine])
+        assert sender.statistics().receivers == workers
+        await pusher.update(weights_b, global_steps=steps + 2)
+        assert pusher.sender is sender
+        assert await greedy(engine, "adopted-b") == on_b != FRESH_GREEDY["a"]
+    finally:
+        await other.aclose()
+        await pusher.aclose()
 
 
 async def test_failed_push_without_backup_holds_requests_until_a_push_succeeds(

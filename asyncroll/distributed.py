@@ -635,6 +635,10 @@ class DistributedWeightPusher:
         failed = [s for s in await self._all_gather(status) if s != "connected"]
         if failed:
             await self._close_sender()
+            if self._pusher is not None:  # (its channel may have adopted the new sender, or
+                # kept the old one while the engines attached elsewhere: either way, the next
+                # update must connect again, not push to receivers that are gone)
+                await self._pusher.channel.aclose()
             raise WeightSyncError(f"the engines could not attach to every rank: {failed[0]}")
 
     async def _connect_staged(self, workers: list[int], stack: contextlib.AsyncExitStack) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,3 +131,69 @@ async def test_a_rank_whose_sender_fails_still_joins_every_collective_of_the_con
     with pytest.raises(WeightSyncError, match=r"could not attach to every rank.*no shared memory"):
         await pusher._connect([1])
     assert gathered == [None, "rank 0: OSError: no shared memory left"]
+
+
+class _OneWorkerPort:
+    """A weight port of one worker whose receiver is real (``WeightReceiver``): it connects to
+    the sender it is attached to, and closes at a detach."""
+
+    num_workers = 1
+
+    def __init__(self) -> None:
+        self.attached_to: object | None = None
+        self.receiver: Any = None
+
+    async def attach(self, config: dict[str, Any], *, owner: object) -> None:
+        import asyncio
+
+        from asyncroll.transport import WeightReceiver
+
+        await self.detach()
+        self.receiver = WeightReceiver.from_config(config, name="worker")
+        await asyncio.to_thread(self.receiver.connect)
+        self.attached_to = owner
+
+    async def detach(self) -> None:
+        self.attached_to = None
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+
+class _OneWorkerEngine:
+    name = "one-worker"
+    is_dead = False
+
+    def __init__(self) -> None:
+        self.weights = _OneWorkerPort()
+
+
+@pytest.mark.usefixtures("world_of_one")
+async def test_a_connect_another_rank_failed_leaves_the_coordinator_to_connect_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another rank's sender could not open, while the coordinator's engines attached to its
+    own and its channel adopted it: the connect raises on every rank, and the coordinator's
+    channel lets the engines go, so the next update connects again (it once kept the adopted
+    sender: the next updates pushed to it while the other ranks' workers were gone)."""
+    from asyncroll import WeightSyncError
+
+    engine = _OneWorkerEngine()
+    pusher = DistributedWeightPusher([engine])  # type: ignore[list-item]
+    real_gather = pusher._all_gather
+
+    async def another_rank_failed(value: object) -> list[object]:
+        found = await real_gather(value)
+        return [*found, "rank 1: OSError: no shared memory left"] if value == "connected" else found
+
+    monkeypatch.setattr(pusher, "_all_gather", another_rank_failed)
+    assert pusher._needs_connect()
+    with pytest.raises(WeightSyncError, match=r"could not attach to every rank: rank 1: OSError"):
+        await pusher._connect([1])
+    assert pusher._needs_connect()
+    assert engine.weights.attached_to is None and engine.weights.receiver is None
+    monkeypatch.setattr(pusher, "_all_gather", real_gather)
+    await pusher._connect([1])  # and it does
+    assert not pusher._needs_connect() and engine.weights.attached_to is pusher._pusher.channel
+    await pusher.aclose()
+    assert engine.weights.attached_to is None

@@ -211,7 +211,7 @@ def test_a_rank_dying_mid_push_fails_the_update_and_the_engine_rolls_back(
     assert "every engine serves its previous weights" in outcome["died"]
     assert outcome["died_after_s"] < 120
     assert outcome["steps_after"] == 9 and not outcome["dead"]
-    assert outcome["after_death"] == outcome["on_a"]
+    assert outcome["after_death"] == outcome["on_a"] != outcome["fresh_b"]  # not B
 
 
 def test_the_staged_pusher_attaches_again_after_the_push_groups(outcome: dict[str, Any]) -> None:

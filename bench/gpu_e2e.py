@@ -99,6 +99,9 @@ SHAPES: dict[str, dict[str, Any]] = {  # Qwen2.5 configs
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                tie_word_embeddings=False),
 }
 PROBES = [[5, 6, 7, 8], [100, 200, 300], [42] * 12, [7, 1, 7, 1, 7], [900, 17, 1500]]
 
@@ -370,11 +373,13 @@ def write_config(folder: Path, shape: dict[str, Any]) -> Path:
 def random_weights(shape: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """Trainer-side tensors with Hugging Face Qwen2 names and shapes, bf16 on the GPU (or a
     shape of ``asyncroll.testing.tiny_model.SHAPES``: its checkpoint's names, norms at 1)."""
+    return dict(iter_random_weights(shape, seed))
+
+
+def weight_shapes(shape: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The names and shapes ``random_weights`` makes, in its order."""
     if "family" in shape:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        return {n: torch.ones(s, dtype=torch.bfloat16, device="cuda") if n.endswith("norm.weight")
-                else (torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02)
-                for n, s in checkpoint_shapes(shape).items()}
+        return checkpoint_shapes(shape)
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape["vocab_size"], h)}
@@ -391,9 +396,23 @@ def random_weights(shape: dict[str, Any], seed: int = 0) -> dict[str, torch.Tens
     shapes["model.norm.weight"] = (h,)
     if not shape["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (shape["vocab_size"], h)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return {n: (torch.randn(s, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-            for n, s in shapes.items()}
+    return shapes
+
+
+def iter_random_weights(shape: dict[str, Any], seed: int = 0,
+                        device: str = "cuda") -> Iterator[tuple[str, torch.Tensor]]:
+    """``random_weights`` one tensor at a time (the same bytes, in the same order): a caller
+    that shards each tensor as it comes never holds the whole model."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    moe = "family" in shape
+    for n, s in weight_shapes(shape).items():
+        if moe:
+            yield n, (torch.ones(s, dtype=torch.bfloat16, device=device)
+                      if n.endswith("norm.weight")
+                      else torch.randn(s, generator=gen, device=device,
+                                       dtype=torch.bfloat16) * 0.02)
+        else:
+            yield n, (torch.randn(s, generator=gen, device=device) * 0.02).to(torch.bfloat16)
 
 
 def _sum(tensor: torch.Tensor) -> float:

@@ -1,11 +1,16 @@
-"""Two GPUs, one node: a 2-rank sharded trainer pushing into a TP=2 vLLM engine on the same GPUs
-(``asyncroll.DistributedWeightPusher``), against the same shape's one-GPU update in the same run.
+"""N GPUs, one node: an N-rank sharded trainer pushing into a TP=N vLLM engine on the same GPUs
+(``asyncroll.DistributedWeightPusher``), against the per-GPU limit measured in the same run (and,
+on two GPUs, the same shape's one-GPU update).
 
     torchrun --nproc-per-node 2 bench/gpu_multi.py --out $OUT/multi [--sizes 1.5b,7b]
+    torchrun --nproc-per-node 4 bench/gpu_multi.py --out $OUT/multi --sizes 32b --skip-single
+    torchrun --nproc-per-node 4 bench/gpu_multi.py --out $OUT/multi --sizes qwen3-30b-a3b ...
 
-Rank r holds half of every tensor (a ``DTensor``, ``Shard(0)``, as FSDP2 keeps parameters) on
-GPU r; rank 0 holds the engine (TP=2: its workers on GPUs 0 and 1, each fed by the trainer rank
-on its GPU). Per shape:
+Rank r holds 1/N of every tensor (a ``DTensor``, ``Shard(0)``, as FSDP2 keeps parameters) on
+GPU r, made one tensor at a time (never the whole model on a GPU); rank 0 holds the engine
+(TP=N: its worker r on GPU r, fed by the trainer rank on its GPU). Sizes: the Qwen2.5 shapes of
+``gpu_e2e.SHAPES`` (0.5b, 1.5b, 7b, 32b) or a shape of ``asyncroll.testing.tiny_model.SHAPES``
+(``qwen3-30b-a3b``: per-expert checkpoint names, pushed into vLLM's fused experts). Per shape:
 
 - correctness (1.5B): the engine starts on weights A from disk; after pushing B its greedy
   outputs differ, after pushing A back they equal the fresh engine's; hybrid: the engine sleeps,
@@ -14,8 +19,13 @@ on its GPU). Per shape:
   each of ``--variants`` in turn, ``--rounds`` times (each round's median kept: the same run's
   A/B); the extra GPU memory of each rank during a push (``max_memory_allocated`` above what it
   held before);
+- the per-GPU limit (``per_gpu_limit``): what GPU r's worker loads at the measured one-copy
+  rate, plus what it must receive from the other ranks (o and down column blocks, replicated
+  norms and routers) at the measured exchange rate (an NCCL all-to-all, every rank at once);
+  each variant's update over it (the issue's target: at most 1.5x);
 - the one-GPU update of the same shape (TP=1 engine on GPU 0, ``WeightPusher`` from full
-  tensors on GPU 0), and the one-GPU two-copy limit, measured in the same run;
+  tensors on GPU 0), and the one-GPU two-copy limit, measured in the same run
+  (``--skip-single`` leaves it out: a 32B trainer copy and engine do not fit one GPU);
 - the baseline (``--skip-ipc`` leaves it out): vLLM's own ``ipc`` weight-transfer backend into a
   TP=2 engine (dummy weights) from the same sharded trainer, as vLLM 0.24 documents it for
   several trainer ranks: every rank gathers each tensor (``full_tensor()``, lazily, in one order)
@@ -25,7 +35,7 @@ on its GPU). Per shape:
   the update from ``start_weight_update`` to ``finish_weight_update`` on rank 0, median of 5
   after a warm-up; ``ours vs vLLM ipc``: our ``ours`` update (the defaults) over vLLM's best.
   Checks: the engine serves the pushed tensors (a replicated norm on every worker, the shards of a
-  row-parallel weight summed over the workers).
+  row-parallel weight summed over the workers; for a mixture, its fused experts summed).
 
 Prints a table and writes OUT/gpu_multi.json (rank 0).
 """
@@ -53,12 +63,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_e2e import (
+    MODEL_SHAPES,
     SHAPES,
     GiB,
     copy_rate_gbs,
     engine_args,
     greedy,
+    iter_random_weights,
     random_weights,
+    weight_shapes,
     write_config,
 )
 
@@ -87,15 +100,25 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def sharded(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def shape_of(size: str) -> dict[str, Any]:
+    return SHAPES.get(size) or MODEL_SHAPES[size]
+
+
+def gpus(world: int) -> str:
+    """A section's name: "two GPUs" as the earlier runs wrote it, else the count."""
+    return "two GPUs" if world == 2 else f"{world} GPUs"
+
+
+def sharded(tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each full tensor as it comes, kept as this rank's ``Shard(0)`` rows: every rank makes
+    the same full tensor (the same seed) and keeps its own rows, with no communication."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     out = {}
-    for name in list(tensors):
-        full = tensors.pop(name)
-        out[name] = distribute_tensor(full, mesh, [Shard(0)])
+    for name, full in tensors:
+        out[name] = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
         del full
     torch.cuda.empty_cache()
     return out
@@ -106,7 +129,7 @@ def sharded_pair(
 ) -> tuple[Path, dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
     """The shape's folder (rank 0 writes its config, and weights A where ``correctness``: the
     engine starts on them), weights A and B sharded over the ranks, and their bytes."""
-    shape = SHAPES[size]
+    shape = shape_of(size)
     folder = work / f"{size}-a"
     if dist.get_rank() == 0:
         write_config(folder, shape)
@@ -116,8 +139,8 @@ def sharded_pair(
             save_file({k: v.cpu() for k, v in random_weights(shape, seed=0).items()},
                       str(folder / "model.safetensors"))
     dist.barrier()
-    weights_a = sharded(random_weights(shape, seed=0))
-    weights_b = sharded(random_weights(shape, seed=1))
+    weights_a = sharded(iter_random_weights(shape, seed=0))
+    weights_b = sharded(iter_random_weights(shape, seed=1))
     nbytes = sum(t.numel() * t.element_size() for t in weights_a.values())
     return folder, weights_a, weights_b, nbytes
 
@@ -176,16 +199,94 @@ DEFAULT_VARIANTS = ("ours", "ours column blocks", "ours 512 MiB x2",
                     "ours whole tensors (no pieces)")
 
 
+MEMORY = {"7b": 0.35}  # the engine's share of each GPU (0.3 otherwise): beside the trainer's
+# shards of A and B, its staging buffers and buckets (32B on 4 GPUs: 2 x 16 GB of shards)
+
+REPLICATED = ("norm.weight", "mlp.gate.weight")  # whole on every worker: norms, a MoE's router
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")  # a column block on each worker (experts too)
+
+
+def per_gpu_bytes(shapes: dict[str, tuple[int, ...]], world: int,
+                  itemsize: int = 2) -> tuple[int, int]:
+    """What the worker on GPU r of a TP=``world`` engine loads, and how much of that its trainer
+    rank (``Shard(0)`` rows) does not hold: column-parallel tensors (q, k, v, gate, up, the
+    embeddings and head) are rows the rank holds; row-parallel ones (o, down) a column block of
+    all rows, 1/world of it held; replicated ones (norms, a router) whole, 1/world held. Assumes
+    the key-value heads divide over the workers (true of the 7B, 32B and 30B-A3B at TP=4)."""
+    loads = received = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if name.endswith(REPLICATED):
+            loads += nbytes
+            received += nbytes * (world - 1) // world
+        elif name.endswith(ROW_PARALLEL):
+            loads += nbytes // world
+            received += nbytes * (world - 1) // world**2
+        else:
+            loads += nbytes // world
+    return loads, received
+
+
+def exchange_rate(nbytes: int = GiB, repeats: int = 3) -> dict[str, float]:
+    """What each GPU receives a second while every rank exchanges with every other at once (an
+    NCCL all-to-all of ``nbytes`` a rank, the column blocks' pattern), median of ``repeats``."""
+    world = dist.get_world_size()
+    send = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    recv = torch.empty_like(send)
+    times = []
+    for _ in range(repeats + 1):  # a warm-up first
+        torch.cuda.synchronize()
+        dist.barrier()
+        began = time.perf_counter()
+        dist.all_to_all_single(recv, send)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    del send, recv
+    torch.cuda.empty_cache()
+    seconds = statistics.median(times[1:])
+    received = nbytes * (world - 1) // world
+    return {"ms": round(seconds * 1e3, 2),
+            "GB/s received a GPU": round(received / seconds / 1e9, 1)}
+
+
+def per_gpu_limit(size: str) -> dict[str, Any]:
+    """The issue's per-GPU limit, measured in this run: the worker's bytes at the one-copy rate
+    of its GPU, plus the bytes it must receive from the other ranks at the exchange rate."""
+    world = dist.get_world_size()
+    loads, received = per_gpu_bytes(weight_shapes(shape_of(size)), world)
+    rate = copy_rate_gbs()
+    exchange = exchange_rate()
+    copy_ms = loads / rate / 1e6
+    receive_ms = received / exchange["GB/s received a GPU"] / 1e6
+    return {"GiB loaded a GPU": round(loads / GiB, 3),
+            "GiB received a GPU": round(received / GiB, 3), "copy GB/s": round(rate, 1),
+            "exchange": exchange,
+            "one-copy ms": round(copy_ms, 2), "receive ms": round(receive_ms, 2),
+            "limit ms": round(copy_ms + receive_ms, 2)}
+
+
 async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
                 correctness: bool, chosen: tuple[str, ...] = DEFAULT_VARIANTS,
-                repeats: int = 5, rounds: int = 1) -> None:
+                repeats: int = 5, rounds: int = 1, save: Any = lambda: None) -> None:
+    world = dist.get_world_size()
+    began = time.perf_counter()
     folder, weights_a, weights_b, nbytes = sharded_pair(size, work, correctness)
-    section: dict[str, Any] = out.setdefault(f"{size} two GPUs", {"GiB": round(nbytes / GiB, 3)})
-    options = engine_args(gpu_memory_utilization=0.3 if size != "7b" else 0.35,
-                          tensor_parallel_size=2, enable_sleep_mode=True)
+    log(f"{size}: {nbytes / GiB:.1f} GiB, {len(weights_a)} tensors sharded over {world} ranks "
+        f"in {time.perf_counter() - began:.0f} s")
+    section: dict[str, Any] = out.setdefault(f"{size} {gpus(world)}",
+                                             {"GiB": round(nbytes / GiB, 3),
+                                              "tensors": len(weights_a)})
+    section["headline variant"] = chosen[0]
+    section["per-GPU limit"] = limit = per_gpu_limit(size)
+    log(f"{size}: per-GPU limit {limit}")
+    save()
+    options = engine_args(gpu_memory_utilization=MEMORY.get(size, 0.3),
+                          tensor_parallel_size=world, enable_sleep_mode=True)
     if not correctness:
         options["load_format"] = "dummy"
-    async with maybe_engine(folder, name=f"tp2-{size}", **options) as engine:
+    began = time.perf_counter()
+    async with maybe_engine(folder, name=f"tp{world}-{size}", **options) as engine:
+        log(f"{size}: TP={world} engine up in {time.perf_counter() - began:.0f} s")
         pusher = DistributedWeightPusher([engine] if engine is not None else [], timeout=300,
                                          column_blocks=True)
         checks: dict[str, bool] = {}
@@ -233,15 +334,16 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
             section["checks"] = checks
             log(f"{size} checks: {checks}")
         section["gather only ms"] = gather_ms(weights_b)
-        # What the engine must serve after a push of A (a collective: both ranks, same order).
-        expected_a = {name: float(weights_a[name].full_tensor().sum(dtype=torch.float64))
-                      for name in SERVED_CHECKED}
+        log(f"{size}: gathers alone {section['gather only ms']}")
+        # What the engine must serve after a push of A (a collective: every rank, same order).
+        expected_a = served_expected(weights_a)
         for turn in range(rounds):  # the variants in turn, ``rounds`` times: the same run's A/B
             for label in chosen:
                 await pusher.aclose()
                 pusher = DistributedWeightPusher(
                     [engine] if engine is not None else [], timeout=300, **VARIANTS[label])
                 found = await timed_pushes(pusher, weights_b, steps, repeats)
+                found["vs per-GPU limit"] = round(found["update_ms"] / limit["limit ms"], 3)
                 if turn == 0:  # then A, by the same pusher: the engine serves what it pushed
                     await pusher.update(weights_a, global_steps=next(steps))
                     if engine is not None:
@@ -253,11 +355,16 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
                 ranks: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(ranks, found)
                 found["per rank"] = ranks
+                found["extra_GiB max over ranks"] = max(r["extra_GiB"] for r in ranks)
                 if turn == 0:
                     section[label] = found | {"rounds update_ms": []}
                 section[label]["rounds update_ms"].append(round(found["update_ms"], 2))
-                log(f"{size} two GPUs, {label} (round {turn + 1}): {found}")
+                log(f"{size} {gpus(world)}, {label} (round {turn + 1}): "
+                    f"{ {k: v for k, v in found.items() if k != 'per rank'} }")
+                save()
         section["bucket MiB x buffers"] = "1024 x2 unless named"
+        section["extra memory target GiB (buffers + one bucket)"] = (
+            "3 at 1 GiB x2, 1.5 at 512 MiB x2")
         await pusher.aclose()
     del weights_a, weights_b
     gc.collect()
@@ -289,7 +396,8 @@ IPC_VARIANTS = (("vLLM ipc packed 1 GiB", True, GiB), ("vLLM ipc packed 2 GiB", 
                 ("vLLM ipc unpacked", False, GiB))
 
 
-async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: int = 5) -> None:
+async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: int = 5,
+                         chosen: tuple[str, ...] = tuple(v[0] for v in IPC_VARIANTS)) -> None:
     """vLLM's own ``ipc`` backend into a TP=2 engine from the sharded trainer (module doc).
 
     Both ranks run every update, whatever fails: before each one they agree (``agree``, gloo)
@@ -302,24 +410,23 @@ async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: in
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    rank = dist.get_rank()
-    shape = SHAPES[size]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = shape_of(size)
     folder = work / f"{size}-ipc"
     if rank == 0:
         write_config(folder, shape)
-    weights = sharded(random_weights(shape, seed=1))  # multi()'s weights B
-    expected = {name: float(weights[name].full_tensor().sum(dtype=torch.float64))
-                for name in SERVED_CHECKED}  # a collective: both ranks, same order
-    section: dict[str, Any] = out.setdefault(f"{size} two GPUs", {})
-    options = engine_args(gpu_memory_utilization=0.3 if size != "7b" else 0.35,
-                          tensor_parallel_size=2,
+    weights = sharded(iter_random_weights(shape, seed=1))  # multi()'s weights B
+    expected = served_expected(weights)  # a collective: every rank, same order
+    section: dict[str, Any] = out.setdefault(f"{size} {gpus(world)}", {})
+    options = engine_args(gpu_memory_utilization=MEMORY.get(size, 0.3),
+                          tensor_parallel_size=world,
                           worker_extension_cls="_baseline_ext.BaselineWorkerExtension")
     failed: str | None = None  # this rank's first error; agree() makes it every rank's
     async with contextlib.AsyncExitStack() as stack:
         engine: Any = None
         try:
             engine = await stack.enter_async_context(maybe_engine(
-                folder, name=f"vllm-ipc-tp2-{size}", load_format="dummy",
+                folder, name=f"vllm-ipc-tp{world}-{size}", load_format="dummy",
                 weight_transfer_config=WeightTransferConfig(backend="ipc"), **options))
             if engine is not None:
                 await vllm_client(engine).init_weight_transfer_engine(
@@ -327,6 +434,8 @@ async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: in
         except Exception as exc:  # rank 0 only; the other rank learns it in agree()
             failed = f"engine: {exc!r}"
         for label, packed, buffer in IPC_VARIANTS:
+            if label not in chosen:
+                continue
             updates, extras = [], []
             error = failed
             for i in range(1 + repeats):  # a warm-up, then the timed updates
@@ -347,17 +456,18 @@ async def vllm_ipc_multi(size: str, work: Path, out: dict[str, Any], repeats: in
                 section[label] = {"update_ms": statistics.median(updates),
                                   "updates_ms": [round(u, 2) for u in updates],
                                   "extra_GiB (rank 0)": round(max(extras) / GiB, 3)}
-            log(f"{size} two GPUs, {label}: {section[label]}")
+            log(f"{size} {gpus(world)}, {label}: {section[label]}")
         if engine is not None and failed is None:
             section["vLLM ipc checks"] = await served(engine, expected)
             log(f"{size} vLLM ipc checks: {section['vLLM ipc checks']}")
     timed = {label: section[label]["update_ms"] for label, _, _ in IPC_VARIANTS
-             if "update_ms" in section[label]}
-    if timed and "update_ms" in section.get("ours", {}):
+             if "update_ms" in section.get(label, {})}
+    ours = section.get("headline variant", "ours")
+    if timed and "update_ms" in section.get(ours, {}):
         best = min(timed, key=timed.__getitem__)
-        section["ours vs vLLM ipc"] = round(section["ours"]["update_ms"] / timed[best], 3)
+        section["ours vs vLLM ipc"] = round(section[ours]["update_ms"] / timed[best], 3)
         section["best vLLM ipc"] = best
-        log(f"{size} two GPUs: ours {section['ours']['update_ms']:.1f} ms, "
+        log(f"{size} {gpus(world)}: {ours} {section[ours]['update_ms']:.1f} ms, "
             f"{best} {timed[best]:.1f} ms, ratio {section['ours vs vLLM ipc']}")
     del weights
     gc.collect()
@@ -425,23 +535,47 @@ async def ipc_update(engine: Any, weights: dict[str, torch.Tensor], packed: bool
     return errors[0] if errors else None
 
 
-SERVED_CHECKED = ("model.norm.weight", "model.layers.0.mlp.down_proj.weight")
+def served_expected(weights: dict[str, torch.Tensor]) -> dict[str, tuple[float, str]]:
+    """What the engine must serve after a push of ``weights``, by served name: the sum of a
+    replicated tensor (the final norm) on every worker, and sums over the workers of sharded
+    ones (row-parallel o and down of layer 0; for a mixture, layer 0's fused experts: w13 holds
+    every expert's gate and up, w2 its down). A collective: every rank, in the same order."""
+
+    def total(names: list[str]) -> float:
+        return sum(float(weights[n].full_tensor().sum(dtype=torch.float64)) for n in names)
+
+    layer = "model.layers.0"
+    expected = {"model.norm.weight": (total(["model.norm.weight"]), "on every worker"),
+                f"{layer}.self_attn.o_proj.weight": (total([f"{layer}.self_attn.o_proj.weight"]),
+                                                     "summed over the workers")}
+    if f"{layer}.mlp.down_proj.weight" in weights:
+        expected[f"{layer}.mlp.down_proj.weight"] = (
+            total([f"{layer}.mlp.down_proj.weight"]), "summed over the workers")
+    experts = [n for n in weights if n.startswith(f"{layer}.mlp.experts.")]
+    if experts:
+        expected[f"{layer}.mlp.experts.w13_weight"] = (
+            total([n for n in experts if n.endswith(("gate_proj.weight", "up_proj.weight"))]),
+            "summed over the workers")
+        expected[f"{layer}.mlp.experts.w2_weight"] = (
+            total([n for n in experts if n.endswith("down_proj.weight")]),
+            "summed over the workers")
+    return expected
 
 
-async def served(engine: Any, expected: dict[str, float]) -> dict[str, Any]:
-    """Whether the engine serves the pushed tensors: per-worker parameter sums (the worker
-    extension's ``asyncroll_weight_digest``); a replicated tensor (a norm) whole on every
-    worker, a sharded one (row-parallel ``down_proj``) summed over the workers."""
-    norm, split = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
+async def served(engine: Any, expected: dict[str, tuple[float, str]]) -> dict[str, Any]:
+    """Whether the engine serves the pushed tensors (``served_expected``): per-worker parameter
+    sums (the worker extension's ``asyncroll_weight_digest``)."""
     try:
         digests = [dict(d) for d in await engine.collective_rpc("asyncroll_weight_digest")]
-        return {
-            "workers": len(digests),
-            f"{norm} on every worker": all(
-                math.isclose(d[norm], expected[norm], rel_tol=1e-9) for d in digests),
-            f"{split} summed over the workers": math.isclose(
-                sum(d[split] for d in digests), expected[split], rel_tol=1e-9),
-        }
+        found: dict[str, Any] = {"workers": len(digests)}
+        for name, (value, how) in expected.items():
+            if how == "on every worker":
+                found[f"{name} {how}"] = all(
+                    math.isclose(d[name], value, rel_tol=1e-9) for d in digests)
+            else:
+                found[f"{name} {how}"] = math.isclose(
+                    sum(d[name] for d in digests), value, rel_tol=1e-9, abs_tol=1e-6)
+        return found
     except Exception as exc:  # a check that could not run is a failed one, not a hang
         return {"digest": f"failed: {exc!r}"[:500]}
 
@@ -449,7 +583,7 @@ async def served(engine: Any, expected: dict[str, float]) -> dict[str, Any]:
 async def single(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]) -> None:
     """The same shape into a TP=1 engine on GPU 0 from one process (rank 0; rank 1 waits)."""
     if dist.get_rank() == 0:
-        shape = SHAPES[size]
+        shape = shape_of(size)
         folder = write_config(work / f"{size}-one", shape)
         tensors = random_weights(shape, seed=2)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -485,7 +619,11 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="the variants in turn, this many times (each round's median kept)")
     parser.add_argument("--skip-ipc", action="store_true",
-                        help="leave out the vLLM ipc backend baseline (TP=2)")
+                        help="leave out the vLLM ipc backend baseline (TP=N)")
+    parser.add_argument("--ipc-variants", default=",".join(v[0] for v in IPC_VARIANTS),
+                        help="of the vLLM ipc baseline's variants")
+    parser.add_argument("--skip-single", action="store_true",
+                        help="leave out the one-GPU update of the same shape")
     args = parser.parse_args()
     chosen = tuple(args.variants.split(","))
     unknown = [label for label in chosen if label not in VARIANTS]
@@ -504,19 +642,24 @@ async def main() -> None:
         if rank == 0:
             (args.out / "gpu_multi.json").write_text(json.dumps(out, indent=1))
 
+    out["command"] = " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}", *sys.argv])
+    label = gpus(dist.get_world_size())
     for size in args.sizes.split(","):
         await multi(size, work, out, steps, correctness=size == "1.5b", chosen=chosen,
-                    repeats=args.repeats, rounds=args.rounds)
+                    repeats=args.repeats, rounds=args.rounds, save=save)
         save()
-        await single(size, work, out, steps)
-        if rank == 0:
-            two, one = out[f"{size} two GPUs"][chosen[0]], out[f"{size} one GPU"]["ours"]
-            out[f"{size} two GPUs"]["vs one GPU"] = round(two["update_ms"] / one["update_ms"], 3)
-            log(f"{size}: two GPUs {two['update_ms']:.1f} ms, one GPU {one['update_ms']:.1f} ms,"
-                f" ratio {out[f'{size} two GPUs']['vs one GPU']}")
-        save()
+        if not args.skip_single:
+            await single(size, work, out, steps)
+            if rank == 0:
+                many, one = out[f"{size} {label}"][chosen[0]], out[f"{size} one GPU"]["ours"]
+                out[f"{size} {label}"]["vs one GPU"] = round(
+                    many["update_ms"] / one["update_ms"], 3)
+                log(f"{size}: {label} {many['update_ms']:.1f} ms, one GPU "
+                    f"{one['update_ms']:.1f} ms, ratio {out[f'{size} {label}']['vs one GPU']}")
+            save()
         if not args.skip_ipc:
-            await vllm_ipc_multi(size, work, out)
+            await vllm_ipc_multi(size, work, out,
+                                 chosen=tuple(args.ipc_variants.split(",")))
             save()
     log(f"done in {time.perf_counter() - started:.0f} s")
     dist.destroy_process_group()

@@ -64,6 +64,10 @@
 #   bash bench/gpu_session.sh fortyfirst  # 2 GPUs: the landed commit's RPC stamped finer, 0.5B, 7B
 #   bash bench/gpu_session.sh fortysecond # 2 GPUs: the switch interval while a push lands, A/B
 #   bash bench/gpu_session.sh fortythird  # 2 GPUs: the split layout (bench/gpu_split.py); the push
+#   bash bench/gpu_session.sh fortyfourth # 4 GPUs: 1.5B colocated TP=4 and split, with checks
+#   bash bench/gpu_session.sh fortyfifth  # 4 GPUs: 32B colocated TP=4 (vLLM ipc beside)
+#   bash bench/gpu_session.sh fortysixth  # 4 GPUs: 30B-A3B colocated TP=4 (vLLM ipc beside)
+#   bash bench/gpu_session.sh fortyseventh # 4 GPUs: 7B split, TP=1 one and two, TP=2, fan_in
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -115,7 +119,7 @@ run() {  # run NAME GPUS COMMAND...: one logged step of a lane; says how it ende
   CUDA_VISIBLE_DEVICES=$gpus timeout "$left" "$@" >"$W/logs/$name.log" 2>&1
   local rc=$?
   echo "== $(date +%T) $name: rc=$rc in $((SECONDS - began)) s (GPUs $gpus)" | tee -a "$W/logs/summary.txt"
-  grep -E "^reward|update median|^layout|^recipe|^sync|^one_step|^fully|G .* T |error|Error" \
+  grep -E "^reward|update median|^layout|^recipe|^sync|^one_step|^fully|G .* T |error|Error|^(0\.5b|1\.5b|7b|32b|qwen3-30b-a3b)[: ]|^done in" \
     "$W/logs/$name.log" | tail -n 12 | sed 's/^/     /' | tee -a "$W/logs/summary.txt"
   pack
 }
@@ -696,6 +700,46 @@ phase_fortythird() {  # 2 GPUs: issue 44's split layout (trainer ranks on GPUs 0
   run split 0,1 python3 -m torch.distributed.run --nproc-per-node 2 bench/gpu_split.py \
     --out "$W/results/split" --sizes 1.5b,7b
   run push 0 python3 bench/gpu_e2e.py --sections push --sizes 0.5b,7b --out "$W/results/push"
+}
+
+multi4() {  # multi4 SIZE ARGS...: a 4-rank trainer into a TP=4 engine on GPUs 0-3
+  # (gpu_multi.py's work folder is outside the results that every step packs)
+  local size=$1; shift
+  mkdir -p "$W/results/multi4"
+  run multi4-$size 0,1,2,3 python3 -m torch.distributed.run --nproc-per-node 4 \
+    --master-port 29531 bench/gpu_multi.py --out "$W/multi4-$size" --sizes $size --skip-single "$@"
+  cp "$W/multi4-$size/gpu_multi.json" "$W/results/multi4/gpu_multi-4gpu-$size.json" 2>/dev/null
+  rm -rf "$W/multi4-$size"
+  pack
+}
+
+split4() {  # split4 SIZE ARGS...: a 2-rank trainer on GPUs 0-1, engines on GPUs 2-3
+  local size=$1; shift
+  mkdir -p "$W/results/split4"
+  run split4-$size 0,1,2,3 python3 -m torch.distributed.run --nproc-per-node 2 \
+    --master-port 29532 bench/gpu_split.py --out "$W/split4-$size" --sizes $size \
+    --engine-gpus 2,3 --layouts tp1,tp2 "$@"
+  cp "$W/split4-$size/gpu_split.json" "$W/results/split4/gpu_split-4gpu-$size.json" 2>/dev/null
+  rm -rf "$W/split4-$size"
+  pack
+}
+
+phase_fortyfourth() {  # 4 GPUs: issue 44, the 1.5B with its checks: colocated TP=4, then the
+  # split layout (trainer on 0-1, engines on 2-3; TP=1 one and two, TP=2; fan_in or not)
+  multi4 1.5b --variants "ours column blocks,ours" --skip-ipc
+  split4 1.5b
+}
+
+phase_fortyfifth() {  # 4 GPUs: issue 44, the Qwen2.5-32B shape colocated TP=4, vLLM ipc beside
+  multi4 32b --variants "ours column blocks,ours" --ipc-variants "vLLM ipc packed 2 GiB"
+}
+
+phase_fortysixth() {  # 4 GPUs: issue 44, the Qwen3-30B-A3B shape colocated TP=4, vLLM ipc beside
+  multi4 qwen3-30b-a3b --variants "ours column blocks,ours" --ipc-variants "vLLM ipc packed 2 GiB"
+}
+
+phase_fortyseventh() {  # 4 GPUs: issue 44, the split layout at 7B
+  split4 7b
 }
 
 for phase in "$@"; do

@@ -13,15 +13,25 @@ trainer ranks (two), the layouts are:
 - two engines (TP=1): engine 0 on GPU 1 served by rank 0, engine 1 on GPU 0 served by rank 1:
   each rank feeds its own engine, the two pushes cross NVLink in opposite directions at once.
 
-Per size: correctness (1.5B: the engine starts on weights A from disk; after a push of B its
-greedy outputs differ, after a push of A they equal the fresh engine's, on every engine), the
-update time (median of ``--repeats``, after a warm-up) of each layout, and in the same run the
-limits: NCCL's broadcast of the model's bytes from GPU 0 to GPU 1 (the link), and the gathers
-alone (every tensor all-gathered over the two ranks, which a TP=1 engine needs: it reads
-every row). Ratios: each layout's update over link + gathers; two engines over one (flat is
-1.0: the engines are fed in parallel).
+On four GPUs (``--engine-gpus 2,3``) the trainer's ranks sit on GPUs 0-1 and the engines on
+2-3, apart: ``--layouts tp1`` runs one TP=1 engine on GPU 2, then two (GPUs 2 and 3), and
+``tp2`` one TP=2 engine across GPUs 2-3 (worker r served by rank r). In each layout, each of
+``--fan-in`` in turn: ``no``, each rank pushes to the workers it serves (gathering what they
+read whole), and ``yes`` (``fan_in=True``), every worker joins every rank's push group and each
+rank sends only its own rows, with no gather. ``fan_in`` needs every worker on a GPU of no
+trainer rank: it does not run on two GPUs.
 
-On four GPUs (trainer on 0-1, engines on 2-3) the same code runs with ``--engine-gpus 2,3``.
+Per size and pusher: correctness (1.5B: the engines start on weights A from disk; after a push
+of B their greedy outputs differ, after a push of A they equal each engine's fresh outputs), the
+update time (median of ``--repeats``, after a warm-up), then a push of A that every engine must
+serve (per-worker parameter sums: a norm whole on every worker, o_proj summed over an engine's
+workers); and in the same run the limits: NCCL's broadcast of the model's bytes from GPU 0 to
+GPU 1 (the link), and the gathers alone (every tensor all-gathered over the two ranks, which a
+TP=1 engine needs: it reads every row). Ratios: each update over link + gathers (without
+fan_in); the rate each receiving GPU reached (the bytes it received over the update time)
+over the link's (the issue's target: 0.85); two engines over one (flat is 1.0: the engines
+are fed in parallel).
+
 Prints a table and writes OUT/gpu_split.json (rank 0).
 """
 
@@ -46,7 +56,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_e2e import GiB, engine_args, greedy
-from gpu_multi import gather_ms, sharded_pair, timed_pushes, without_torchrun_env
+from gpu_multi import (
+    gather_ms,
+    served,
+    served_expected,
+    sharded_pair,
+    timed_pushes,
+    without_torchrun_env,
+)
 
 from asyncroll import DistributedWeightPusher, VLLMEngine
 
@@ -57,11 +74,11 @@ def log(msg: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def engine_on(gpu: int, folder: Path, **options: Any) -> Any:
-    """A TP=1 engine on physical GPU ``gpu`` (rank 0 holds every engine)."""
+async def engine_on(gpu_list: list[int], folder: Path, **options: Any) -> Any:
+    """An engine on physical GPUs ``gpu_list`` (rank 0 holds every engine)."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     with without_torchrun_env():
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_list))
         try:
             launching = VLLMEngine.launch(folder, **options)
             engine = await launching.__aenter__()
@@ -95,8 +112,40 @@ def link_ms(nbytes: int, repeats: int = 3) -> dict[str, float]:
     return {"ms": round(ms, 2), "GB/s": round(nbytes / ms / 1e6, 1)}
 
 
+async def pushes(pusher: Any, engines: list[Any], weights_a: dict[str, torch.Tensor],
+                 weights_b: dict[str, torch.Tensor], expected_a: dict[str, Any],
+                 steps: Iterator[int], repeats: int, link: dict[str, float],
+                 limit: float | None, fan_in: bool) -> dict[str, Any]:
+    """One pusher's timed pushes of B, then a push of A that every engine must serve (the
+    per-worker digests), and the rate each receiving GPU reached against the link's."""
+    found = await timed_pushes(pusher, weights_b, steps, repeats)
+    await pusher.update(weights_a, global_steps=next(steps))
+    if dist.get_rank() == 0:
+        found["serves A after its push"] = [await served(e, expected_a) for e in engines]
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, found)
+    found["per rank"] = ranks
+    moved = [r["GiB moved (this rank)"] for r in ranks]
+    # A receiving GPU gets every rank's bytes with fan_in (each rank sends its rows to every
+    # worker), else its own rank's.
+    received = sum(moved) if fan_in else max(moved)
+    found["GiB received a GPU"] = round(received, 3)
+    rate = received * GiB / (found["update_ms"] / 1e3) / 1e9
+    found["GB/s received a GPU"] = round(rate, 1)
+    found["link rate reached"] = round(rate / link["GB/s"], 3)
+    if limit is not None:
+        found["vs limit (link + gathers)"] = round(found["update_ms"] / limit, 3)
+    return found
+
+
+def all_served(found: dict[str, Any]) -> bool:
+    return all("digest" not in seen and all(v for k, v in seen.items() if k != "workers")
+               for seen in found.get("serves A after its push", []))
+
+
 async def split(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
-                engine_gpus: list[int], repeats: int) -> None:
+                engine_gpus: list[int], repeats: int, layouts: list[str],
+                fan_ins: list[bool], save: Any) -> None:
     rank = dist.get_rank()
     correctness = size == "1.5b"
     folder, weights_a, weights_b, nbytes = sharded_pair(size, work, correctness)
@@ -106,48 +155,72 @@ async def split(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
     limit = link["ms"] + gathers["ours"]
     section["limit ms (link + gathers)"] = round(limit, 2)
     log(f"{size}: {nbytes / GiB:.2f} GiB; link {link}; gathers {gathers}")
+    expected_a = served_expected(weights_a)  # a collective: every rank, same order
     options = engine_args(gpu_memory_utilization=0.3 if size != "7b" else 0.35)
     if not correctness:
         options["load_format"] = "dummy"
     checks: dict[str, bool] = {}
-    fresh_a: Any = None
-    async with contextlib.AsyncExitStack() as stack:
+    # (layout, engines' GPU lists): TP=1 engines one then two; one TP=2 engine across two GPUs.
+    plans: list[tuple[str, list[list[int]]]] = []
+    if "tp1" in layouts:
+        plans += [("1 engine", [engine_gpus[:1]]),
+                  ("2 engines", [engine_gpus[:1], engine_gpus[1:2]])]
+    if "tp2" in layouts:
+        plans += [("1 engine TP=2", [engine_gpus[:2]])]
+    async with contextlib.AsyncExitStack() as outer:
         engines: list[Any] = []
-        for count in (1, 2):
+        for label, plan in plans:
+            if len(plan) < len(engines) or (engines and len(plan[0]) != 1):
+                await outer.aclose()  # a layout of other engines: close the ones running
+                engines = []
+            began = time.perf_counter()
             if rank == 0:
-                gpu = engine_gpus[count - 1]
-                engines.append(await stack.enter_async_context(
-                    engine_on(gpu, folder, name=f"split-{size}-{count}", **options)))
+                for gpu_list in plan[len(engines):]:
+                    name = f"split-{size}-{len(engines) + 1}-tp{len(gpu_list)}"
+                    engines.append(await outer.enter_async_context(engine_on(
+                        gpu_list, folder, name=name, tensor_parallel_size=len(gpu_list),
+                        **options)))
+            else:
+                engines = [None] * len(plan)
             dist.barrier()
-            label = f"{count} engine{'s' if count > 1 else ''}"
-            pusher = DistributedWeightPusher(engines, backend="broadcast", timeout=120)
-            if correctness:
-                if rank == 0 and count == 1:  # every engine starts on A from disk
-                    fresh_a = await greedy(engines[0], "fresh-a")
-                await pusher.update(weights_b, global_steps=next(steps))
-                on_b = [await greedy(e, f"on-b-{count}") for e in engines]
-                await pusher.update(weights_a, global_steps=next(steps))
-                on_a = [await greedy(e, f"on-a-{count}") for e in engines]
+            log(f"{size} {label}: engines up in {time.perf_counter() - began:.0f} s")
+            served_engines = [e for e in engines if e is not None]
+            fresh = ([await greedy(e, f"fresh-{label}") for e in served_engines]
+                     if correctness else None)
+            for fan_in in fan_ins:
+                variant = f"{label}{', fan_in' if fan_in else ''}"
+                pusher = DistributedWeightPusher(served_engines, backend="broadcast",
+                                                 timeout=120, fan_in=fan_in)
+                try:
+                    if fresh is not None:
+                        await pusher.update(weights_b, global_steps=next(steps))
+                        on_b = [await greedy(e, f"on-b-{variant}") for e in served_engines]
+                        await pusher.update(weights_a, global_steps=next(steps))
+                        on_a = [await greedy(e, f"on-a-{variant}") for e in served_engines]
+                        if rank == 0:
+                            checks[f"{variant}: B differs from the fresh A"] = all(
+                                b != a for b, a in zip(on_b, fresh, strict=True))
+                            checks[f"{variant}: A pushed back equals the fresh engine on A"] = (
+                                on_a == fresh)
+                    found = await pushes(pusher, served_engines, weights_a, weights_b,
+                                         expected_a, steps, repeats, link,
+                                         None if fan_in else limit, fan_in)
+                finally:
+                    await pusher.aclose()
                 if rank == 0:
-                    checks[f"{label}: B differs from the fresh A"] = all(
-                        b != fresh_a for b in on_b)
-                    checks[f"{label}: A pushed back equals the fresh engine on A"] = all(
-                        a == fresh_a for a in on_a)
-            found = await timed_pushes(pusher, weights_b, steps, repeats)
-            ranks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, found)
-            found["per rank"] = ranks
-            found["vs limit"] = round(found["update_ms"] / limit, 3)
-            section[label] = found
-            log(f"{size} {label}: {found}")
-            await pusher.aclose()
-        if rank == 0:
-            one, two = section["1 engine"]["update_ms"], section["2 engines"]["update_ms"]
-            section["2 engines vs 1"] = round(two / one, 3)
-            section["link rate reached, 1 engine"] = round(link["ms"] / one, 3)
+                    checks[f"{variant}: every engine serves A after its push"] = all_served(found)
+                section[variant] = found
+                log(f"{size} {variant}: "
+                    f"{ {k: v for k, v in found.items() if k != 'per rank'} }")
+                save()
+        for suffix in ("", ", fan_in"):
+            one, two = section.get(f"1 engine{suffix}"), section.get(f"2 engines{suffix}")
+            if one and two:
+                section[f"2 engines vs 1{suffix}"] = round(two["update_ms"] / one["update_ms"], 3)
     if checks:
         section["checks"] = checks
         log(f"{size} checks: {checks}")
+    save()
     del weights_a, weights_b
     gc.collect()
     torch.cuda.empty_cache()
@@ -161,6 +234,11 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engine-gpus", default="1,0",
                         help="the GPUs of engine 0 and engine 1 (engine i served by rank i)")
+    parser.add_argument("--layouts", default="tp1",
+                        help="tp1: TP=1 engines, one then two; tp2: one TP=2 engine on the "
+                             "first two engine GPUs (only where no trainer rank is on them)")
+    parser.add_argument("--fan-in", default="no,yes",
+                        help="the pushers to run in each layout: without fan_in (no), with (yes)")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
@@ -170,12 +248,20 @@ async def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "engine GPUs": engine_gpus, "ranks": dist.get_world_size()}
+    out["command"] = " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}", *sys.argv])
+    layouts = args.layouts.split(",")
+    if "tp2" in layouts and set(engine_gpus[:2]) & set(range(dist.get_world_size())):
+        parser.error("tp2 needs engine GPUs apart from the trainer's (NCCL: one rank a GPU)")
+    fan_ins = [{"no": False, "yes": True}[f] for f in args.fan_in.split(",")]
     steps = iter(range(1, 10**6))
     started = time.perf_counter()
-    for size in args.sizes.split(","):
-        await split(size, work, out, steps, engine_gpus, args.repeats)
+
+    def save() -> None:
         if rank == 0:
             (args.out / "gpu_split.json").write_text(json.dumps(out, indent=1))
+
+    for size in args.sizes.split(","):
+        await split(size, work, out, steps, engine_gpus, args.repeats, layouts, fan_ins, save)
     log(f"done in {time.perf_counter() - started:.0f} s")
     dist.destroy_process_group()
 

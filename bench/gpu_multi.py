@@ -562,6 +562,18 @@ def served_expected(weights: dict[str, torch.Tensor]) -> dict[str, tuple[float, 
     return expected
 
 
+def served_name(name: str, digest: dict[str, float]) -> str:
+    """``name`` as the engine serves it: itself, or (fused experts, whose prefix vLLM's
+    versions name differently) the one served name of its layer with its last component."""
+    if name in digest:
+        return name
+    layer = name.split(".")[2]
+    hits = [n for n in digest if n.endswith(name.rsplit(".", 1)[1]) and f"layers.{layer}." in n]
+    if len(hits) != 1:
+        raise KeyError(f"{name!r}: served as {hits} (of {len(digest)} names)")
+    return hits[0]
+
+
 async def served(engine: Any, expected: dict[str, tuple[float, str]]) -> dict[str, Any]:
     """Whether the engine serves the pushed tensors (``served_expected``): per-worker parameter
     sums (the worker extension's ``asyncroll_weight_digest``)."""
@@ -569,12 +581,13 @@ async def served(engine: Any, expected: dict[str, tuple[float, str]]) -> dict[st
         digests = [dict(d) for d in await engine.collective_rpc("asyncroll_weight_digest")]
         found: dict[str, Any] = {"workers": len(digests)}
         for name, (value, how) in expected.items():
+            got = served_name(name, digests[0])
             if how == "on every worker":
                 found[f"{name} {how}"] = all(
-                    math.isclose(d[name], value, rel_tol=1e-9) for d in digests)
+                    math.isclose(d[got], value, rel_tol=1e-9) for d in digests)
             else:
                 found[f"{name} {how}"] = math.isclose(
-                    sum(d[name] for d in digests), value, rel_tol=1e-9, abs_tol=1e-6)
+                    sum(d[got] for d in digests), value, rel_tol=1e-9, abs_tol=1e-6)
         return found
     except Exception as exc:  # a check that could not run is a failed one, not a hang
         return {"digest": f"failed: {exc!r}"[:500]}

@@ -68,6 +68,7 @@
 #   bash bench/gpu_session.sh fortyfifth  # 4 GPUs: 32B colocated TP=4 (vLLM ipc beside)
 #   bash bench/gpu_session.sh fortysixth  # 4 GPUs: 30B-A3B colocated TP=4 (vLLM ipc beside)
 #   bash bench/gpu_session.sh fortyseventh # 4 GPUs: 7B split, TP=1 one and two, TP=2, fan_in
+#   bash bench/gpu_session.sh fortyeighth # 4 GPUs: the split layout again (1.5B, 7B), the 30B-A3B
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -740,6 +741,14 @@ phase_fortysixth() {  # 4 GPUs: issue 44, the Qwen3-30B-A3B shape colocated TP=4
 
 phase_fortyseventh() {  # 4 GPUs: issue 44, the split layout at 7B
   split4 7b
+}
+
+phase_fortyeighth() {  # 4 GPUs: issue 44 after the fan_in routing fix: the split layout at 1.5B
+  # (checks) and 7B; the 30B-A3B colocated TP=4 with its served-experts check (no vLLM ipc:
+  # fortysixth measured it)
+  split4 1.5b
+  split4 7b
+  multi4 qwen3-30b-a3b --variants "ours,ours column blocks" --skip-ipc
 }
 
 for phase in "$@"; do

@@ -14,11 +14,11 @@ def test_each_ranks_rows_in_any_order_make_the_tensor_once_all_arrived() -> None
     whole = torch.arange(24, dtype=torch.float32).reshape(6, 4)
     assembly = Assembly()
     pieces = [(whole[3:], Part(whole=(6, 4), offset=12)), (whole[:3], Part(whole=(6, 4), offset=0))]
-    batch, parts = assembly.take([("w", pieces[0][0].clone()), ("b", torch.ones(2))],
-                                 {"w": pieces[0][1]})
+    batch, parts, _ = assembly.take([("w", pieces[0][0].clone()), ("b", torch.ones(2))],
+                                    {"w": pieces[0][1]})
     assert [name for name, _ in batch] == ["b"] and parts == {}  # w waits for its other rows
     assert assembly.incomplete == ["w"]
-    batch, parts = assembly.take([("w", pieces[1][0].clone())], {"w": pieces[1][1]})
+    batch, parts, _ = assembly.take([("w", pieces[1][0].clone())], {"w": pieces[1][1]})
     (name, made), = batch
     assert name == "w" and torch.equal(made, whole) and parts == {}
     assert assembly.incomplete == []
@@ -34,12 +34,16 @@ def test_column_blocks_make_the_tensor() -> None:
     assert torch.equal(made, whole)
 
 
-def test_pieces_the_loader_takes_stay_pieces() -> None:
+def test_pieces_the_loader_takes_stay_pieces_and_pieces_not_needed_leave() -> None:
     assembly = Assembly()
-    piece = torch.ones(2, 4)
-    part = Part(whole=(4, 4), offset=0)
-    batch, parts = assembly.take([("q", piece)], {"q": part}, keep=lambda name: name == "q")
+    piece, other = torch.ones(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16)
+    part, other_part = Part(whole=(4, 4), offset=0), Part(whole=(4, 4), offset=8)
+    routes = {"q": "load", "k": "skip"}
+    batch, parts, skipped = assembly.take(
+        [("q", piece), ("k", other)], {"q": part, "k": other_part},
+        route=lambda name, tensor, where: routes[name])  # type: ignore[arg-type,return-value]
     assert batch == [("q", piece)] and parts == {"q": part}
+    assert skipped == [("k", torch.bfloat16, (4, 4))]
     assert assembly.incomplete == []
 
 

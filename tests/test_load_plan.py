@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from asyncroll.errors import PieceNotPlannedError, WeightSyncError
+from asyncroll.receive.assembly import Assembly
 from asyncroll.receive.load_plan import LoadPlan
 from asyncroll.transport import LazyTensor, Part, Piece, ShmBackend, WeightReceiver, wire
 from asyncroll.transport.packing import FUSE_BYTES
@@ -545,6 +546,69 @@ def test_a_worker_loads_pieces_of_its_own_rows_exactly(rank: int) -> None:
         plain.load_weights(tensors.items())
         assert_same(planned, plain)
     assert plan.statistics().planned == len(tensors) and plan.statistics().learned == 0
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_piece_a_fan_in_worker_gets_is_loaded_skipped_or_put_together(rank: int) -> None:
+    """``fan_in``: every rank's rows of every tensor reach every worker. A tensor-parallel
+    worker loads its own rank's rows where the plan says, needs none of the other rank's (its
+    rows are one rank's), and puts together what it reads across ranks: all of a replicated
+    norm, the columns of every row of a row-parallel shard. Unknown names are put together."""
+    model = TensorParallelLike(rank)
+    plan = LoadPlan(model, model.load_weights)
+    plan.begin_push()
+    plan.load(staged(tensor_parallel_push(0)))
+    tensors = tensor_parallel_push(1)
+    other = 1 - rank
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "embed_tokens.weight"):
+        assert plan.piece_route(name, *rows_of(tensors[name], rank)) == "load"
+        assert plan.piece_route(name, *rows_of(tensors[name], other)) == "skip"
+    for name in ("norm.weight", "o_proj.weight"):
+        for sender in (0, 1):
+            assert plan.piece_route(name, *rows_of(tensors[name], sender)) == "assemble"
+    assert plan.piece_route("lm_head.weight", *rows_of(tensors["embed_tokens.weight"], 0)) == (
+        "assemble")  # not learned
+    piece, part = rows_of(tensors["embed_tokens.weight"], other)
+    half = piece.numel() // 2  # off the grid of equal pieces: never skipped
+    assert plan.piece_route("embed_tokens.weight", piece[: piece.shape[0] // 2].contiguous(),
+                            Part(whole=part.whole, offset=part.offset + half)) == "assemble"
+
+
+@pytest.mark.parametrize("first", [0, 1])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fan_in_pieces_arriving_in_any_buckets_load_every_tensor_once(
+    rank: int, first: int
+) -> None:
+    """The 7B split run's failure (two H200s, session 43): a TP=2 worker fed by both ranks
+    got its own rank's rows of ``lm_head`` alone in a bucket (loaded by the plan) and the other
+    rank's rows in a bucket the plan could not load (put together, never completed: "pieces of
+    lm_head.weight arrived, not all of them"). Each piece is routed by what it holds, so every
+    tensor loads once, bitwise as the whole tensors load, in either order of the groups."""
+    planned, plain = TensorParallelLike(rank), TensorParallelLike(rank)
+    plan = LoadPlan(planned, planned.load_weights)
+    plan.begin_push()
+    plan.load(staged(tensor_parallel_push(0)))
+    tensors = tensor_parallel_push(1)
+    embed = "embed_tokens.weight"
+    buckets = []
+    for sender in (first, 1 - first):  # each rank's push group: its rows, the embedding alone
+        rows = {name: rows_of(tensor, sender) for name, tensor in tensors.items()}
+        buckets.append([(name, rows[name]) for name in tensors if name != embed])
+        buckets.append([(embed, rows[embed])])
+    assembly = Assembly()
+    plan.begin_push()
+    skipped = []
+    for bucket in buckets:
+        taken = assembly.take([(name, piece) for name, (piece, _) in bucket],
+                              {name: part for name, (_, part) in bucket}, route=plan.piece_route)
+        skipped += [name for name, _, _ in taken.skipped]
+        if taken.batch:
+            plan.load(taken.batch, parts=taken.parts)
+    assert assembly.incomplete == []
+    assert sorted(skipped) == sorted(["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                      "self_attn.v_proj.weight", embed])
+    plain.load_weights(tensors.items())
+    assert_same(planned, plain)
 
 
 def test_a_piece_the_plan_cannot_load_is_refused_before_anything_loads() -> None:

@@ -51,7 +51,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -306,6 +306,46 @@ class LoadPlan:
                 continue
             ranges[name] = _read_range(entry.copies) + _read_columns(entry)
         return ranges
+
+    def piece_route(
+        self, name: str, piece: torch.Tensor, part: Part
+    ) -> Literal["load", "skip", "assemble"]:
+        """Where a worker fed by every trainer rank (``fan_in``) takes a piece of ``name``:
+
+        - ``load``: the plan loads it (``load(parts=...)``): it holds every element the name's
+          load reads, or the load reads nothing;
+        - ``skip``: it holds none of them, and the one piece of its size at its place holds
+          them all (a tensor-parallel worker's rows are one rank's rows): not needed here;
+        - ``assemble``: put together with the other pieces and loaded whole: the plan does not
+          know the name (or only with its batch), or what the load reads spans pieces (a
+          replicated norm, a row-parallel shard's columns).
+
+        ``skip`` assumes the pieces of a tensor are equal and laid end to end (each rank's
+        ``Shard(0)`` rows, as ``fan_in`` sends them); a piece off that grid is put together."""
+        self._ensure_checked()
+        entry = self._entries.get(name)
+        if (
+            entry is None
+            or name in self._with_batch
+            or not piece.is_contiguous()
+            or not _whole_matches(entry, piece.dtype, part)
+        ):
+            return "assemble"
+        count = piece.numel()
+        copies = [c for c in entry.copies if all(c.size)]
+        if all(part.source_view(c.size, c.stride, c.offset, count) is not None for c in copies):
+            return "load"
+        if (
+            part.columns is None
+            and count
+            and part.offset % count == 0
+            and entry.stride == _contiguous_strides(entry.shape)
+        ):
+            first, end = _read_range(copies)
+            disjoint = end <= part.offset or part.offset + count <= first
+            if disjoint and first // count == (end - 1) // count:
+                return "skip"
+        return "assemble"
 
     def knows(self, name: str) -> bool:
         """Whether the plan maps ``name`` (its loads are replayed)."""

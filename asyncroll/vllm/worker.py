@@ -369,9 +369,12 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
             whole_push = bool(getattr(batch, "whole_push", False))
             if parts and assembly is not None:
                 plan = self._plan if self._planning else None
-                batch, parts = assembly.take(
-                    batch, parts, keep=plan.knows if plan is not None else None
+                batch, parts, skipped = assembly.take(
+                    batch, parts, route=plan.piece_route if plan is not None else None
                 )
+                for name, dtype, whole in skipped:  # another rank's rows: delivered, not read
+                    received[name] = (dtype, whole)
+                    handed.add(name)
                 persist = persist and not parts
             arrived = batch
             if parts and not self._planning:
@@ -394,7 +397,7 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                         if assembly is None:
                             raise
                         # (nothing of the batch was loaded) put its pieces together instead
-                        batch, _ = assembly.take(batch, parts)
+                        batch = assembly.take(batch, parts).batch
                         if batch:
                             load_batch(batch)
                 elif batch:

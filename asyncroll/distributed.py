@@ -132,7 +132,7 @@ class DistributedWeightPusher:
         check_finite: bool = True,
         verify: bool = True,
         pieces: bool = True,
-        column_blocks: bool = False,
+        column_blocks: bool | Literal["auto"] = "auto",
         fan_in: bool = False,
     ) -> None:
         """Call on every rank at once (it makes a process group). Args as ``WeightPusher``,
@@ -171,10 +171,14 @@ class DistributedWeightPusher:
                 row-parallel shard of o and down), the ranks exchange those column blocks
                 (a bucket's exchanges in one batch of sends and receives) and push each
                 worker its block, instead of gathering the whole tensor (needs ``pieces``).
-                Off by default: on two H200s, when each tensor's exchange was its own
-                collective, it served token-exact and was faster than the gathers at 7B with
-                1 GiB buckets, but slower with 512 MiB ones and at 1.5B (docs/performance.md).
-                The batched exchange has run on gloo ranks only, not yet on NCCL.
+                ``auto`` (the default): for tensors of at least ``COLUMN_BLOCK_BYTES``
+                (32 MiB), whose gather moves most; smaller ones are gathered, one call a
+                bucket, where each exchange's sends and receives cost more than the bytes
+                they save. True: every such tensor; False: none. On four H200s
+                (docs/performance.md): a 32B shape took 59.0 ms with the exchange against
+                104.5 ms gathered; a 1.5B shape (every o and down under 32 MiB) 24.6 against
+                16.4, and the 30B-A3B's 6,144 expert projections of 3 MiB 1,257 against
+                676 ms.
         """
         if not dist.is_initialized():
             raise InvalidRequestError("torch.distributed is not initialized (init_process_group)")
@@ -193,6 +197,10 @@ class DistributedWeightPusher:
             )
         if fan_in and backend != "broadcast":
             raise InvalidRequestError("fan_in=True sends through push groups: backend='broadcast'")
+        if column_blocks not in (True, False, "auto"):
+            raise InvalidRequestError(
+                f"column_blocks must be True, False or 'auto', not {column_blocks!r}"
+            )
         self._fan_in = fan_in
         self._coordinator = coordinator
         self._dtype = dtype
@@ -427,7 +435,7 @@ class DistributedWeightPusher:
         - None: each rank's own rows, with no exchange, where every worker reads only rows of
           the rank that serves it (a column-parallel shard: q, k, v, gate, up, the embedding);
         - per rank, the columns ``[first, end)`` its workers read of every row (a row-parallel
-          shard: o, down; with ``column_blocks``): the ranks exchange those column blocks
+          shard: o, down; as ``column_blocks`` says): the ranks exchange those column blocks
           (``_column_block``: each rank receives only what its workers load) instead of
           gathering the whole tensor.
         Only tensors ``Shard(0)`` over all ranks, evenly."""
@@ -457,7 +465,7 @@ class DistributedWeightPusher:
                 chosen[name] = None
                 continue
             windows = None
-            if self._column_blocks and tensor.dim() == 2:
+            if tensor.dim() == 2 and _exchanges_columns(self._column_blocks, tensor):
                 windows = _column_windows(known, world)
             if windows is not None:
                 chosen[name] = windows
@@ -1095,6 +1103,21 @@ def _column_windows(reads: Sequence[tuple[int, ...]], world: int) -> Windows | N
     if any(window is None for window in windows):
         return None
     return [window for window in windows if window is not None]
+
+
+COLUMN_BLOCK_BYTES = 32 << 20
+"""``column_blocks="auto"``: the row-parallel tensors exchanged as column blocks, by size. A
+gather moves about ``world`` times the bytes a worker loads of the tensor (over the links, then
+into the worker); an exchange moves one block, but costs ``2 (world - 1)`` sends and receives a
+tensor where a bucket's gathers are one call. Measured on four H200s (32B: o 50 MiB, down 270
+MiB, exchanged 1.77x faster; 1.5B and the 30B-A3B's experts, all under 32 MiB: gathered faster)."""
+
+
+def _exchanges_columns(column_blocks: bool | str, tensor: torch.Tensor) -> bool:
+    """Whether a row-parallel ``tensor`` moves as column blocks (``column_blocks``)."""
+    if column_blocks == "auto":
+        return tensor.numel() * tensor.element_size() >= COLUMN_BLOCK_BYTES
+    return bool(column_blocks)
 
 
 class _Exchanges:

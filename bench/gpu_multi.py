@@ -183,10 +183,13 @@ async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Ite
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # "ours": the defaults (rows as pieces, row-parallel tensors gathered, 1 GiB buckets x2 on
-    # GPUs); the others change one thing. Session 34 (2026-11-29) ran the column blocks as
-    # "ours" and the default as "ours rows only", both at 512 MiB ("ours 1 GiB x2": columns).
+    # "ours": the defaults (rows as pieces; row-parallel tensors of at least 32 MiB exchanged
+    # as column blocks, smaller ones gathered; 1 GiB buckets x2 on GPUs); the others change one
+    # thing. Until session 43 the default gathered every row-parallel tensor (now "ours rows
+    # only"); session 34 (2026-11-29) ran the column blocks as "ours" and the default as "ours
+    # rows only", both at 512 MiB ("ours 1 GiB x2": columns).
     "ours": {},
+    "ours rows only": {"column_blocks": False},
     "ours column blocks": {"column_blocks": True},
     "ours 512 MiB x2": {"bucket_bytes": 512 << 20},
     "ours column blocks 512 MiB x2": {"column_blocks": True, "bucket_bytes": 512 << 20},
@@ -194,7 +197,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours whole tensors (no pieces)": {"pieces": False},
     "ours whole tensors 512 MiB x2": {"pieces": False, "bucket_bytes": 512 << 20},
 }
-DEFAULT_VARIANTS = ("ours", "ours column blocks", "ours 512 MiB x2",
+DEFAULT_VARIANTS = ("ours", "ours rows only", "ours column blocks", "ours 512 MiB x2",
                     "ours column blocks 512 MiB x2", "ours unverified",
                     "ours whole tensors (no pieces)")
 

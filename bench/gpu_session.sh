@@ -69,6 +69,7 @@
 #   bash bench/gpu_session.sh fortysixth  # 4 GPUs: 30B-A3B colocated TP=4 (vLLM ipc beside)
 #   bash bench/gpu_session.sh fortyseventh # 4 GPUs: 7B split, TP=1 one and two, TP=2, fan_in
 #   bash bench/gpu_session.sh fortyeighth # 4 GPUs: the split layout again (1.5B, 7B), the 30B-A3B
+#   bash bench/gpu_session.sh fortyninth  # 4 GPUs: column_blocks="auto" at 32B and 1.5B (not run)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -741,6 +742,12 @@ phase_fortysixth() {  # 4 GPUs: issue 44, the Qwen3-30B-A3B shape colocated TP=4
 
 phase_fortyseventh() {  # 4 GPUs: issue 44, the split layout at 7B
   split4 7b
+}
+
+phase_fortyninth() {  # 4 GPUs: issue 44 after column_blocks="auto" became the default ("ours"):
+  # the 32B and 1.5B against rows only and column blocks everywhere
+  multi4 32b --variants "ours,ours rows only,ours column blocks" --skip-ipc
+  multi4 1.5b --variants "ours,ours rows only,ours column blocks" --skip-ipc
 }
 
 phase_fortyeighth() {  # 4 GPUs: issue 44 after the fan_in routing fix: the split layout at 1.5B

@@ -46,6 +46,31 @@ def test_engines_belong_to_the_coordinator_only() -> None:
         DistributedWeightPusher([FakeEngine(name="e")], backend="nccl")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="fan_in=True sends through push groups"):
         DistributedWeightPusher([FakeEngine(name="e")], fan_in=True)
+    with pytest.raises(InvalidRequestError, match="column_blocks must be True, False or 'auto'"):
+        DistributedWeightPusher([FakeEngine(name="e")], column_blocks="yes")  # type: ignore[arg-type]
+
+
+def test_column_blocks_auto_exchanges_the_large_row_parallel_tensors() -> None:
+    """``column_blocks="auto"`` (the default) exchanges a row-parallel tensor of at least
+    32 MiB as column blocks and gathers a smaller one; True and False choose for every size.
+    At the measured shapes (bf16): the 32B's o and down are exchanged (1.77x faster on four
+    H200s), the 1.5B's and the 30B-A3B's (its o, its 3 MiB experts) gathered (faster there)."""
+    from asyncroll.distributed import COLUMN_BLOCK_BYTES, _exchanges_columns
+
+    def row_parallel(rows: int, columns: int) -> torch.Tensor:
+        return torch.empty(rows, columns, dtype=torch.bfloat16, device="meta")
+
+    assert COLUMN_BLOCK_BYTES == 32 << 20
+    assert _exchanges_columns("auto", row_parallel(1024, 16384))  # 32 MiB exactly
+    assert not _exchanges_columns("auto", row_parallel(1024, 16383))
+    assert _exchanges_columns(True, row_parallel(8, 8))
+    assert not _exchanges_columns(False, row_parallel(5120, 27648))
+    shapes = {"32b o": (5120, 5120), "32b down": (5120, 27648), "7b down": (3584, 18944),
+              "7b o": (3584, 3584), "1.5b down": (1536, 8960), "1.5b o": (1536, 1536),
+              "30b-a3b o": (2048, 4096), "30b-a3b expert down": (2048, 768)}
+    exchanged = {name for name, shape in shapes.items()
+                 if _exchanges_columns("auto", row_parallel(*shape))}
+    assert exchanged == {"32b o", "32b down", "7b down"}
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -70,6 +70,7 @@
 #   bash bench/gpu_session.sh fortyseventh # 4 GPUs: 7B split, TP=1 one and two, TP=2, fan_in
 #   bash bench/gpu_session.sh fortyeighth # 4 GPUs: the split layout again (1.5B, 7B), the 30B-A3B
 #   bash bench/gpu_session.sh fortyninth  # 4 GPUs: column_blocks="auto" at 32B and 1.5B (not run)
+#   bash bench/gpu_session.sh fiftieth    # 4 GPUs: expert parallelism; the 7B's auto mix (not run)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -748,6 +749,20 @@ phase_fortyninth() {  # 4 GPUs: issue 44 after column_blocks="auto" became the d
   # the 32B and 1.5B against rows only and column blocks everywhere
   multi4 32b --variants "ours,ours rows only,ours column blocks" --skip-ipc
   multi4 1.5b --variants "ours,ours rows only,ours column blocks" --skip-ipc
+}
+
+phase_fiftieth() {  # 4 GPUs: issue 44's expert parallelism (tests/test_moe.py, TP=2 with EP) on
+  # GPUs 0-1, beside the 7B on two GPUs with column_blocks="auto" (down exchanged, o gathered)
+  # against rows only and column blocks everywhere, on GPUs 2-3
+  mkdir -p "$W/results/multi2"
+  run pytest-moe-ep 0,1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider tests/test_moe.py -k expert_parallel &
+  run multi2-7b 2,3 python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29533 \
+    bench/gpu_multi.py --out "$W/multi2-7b" --sizes 7b --skip-ipc --rounds 2 \
+    --variants "ours,ours rows only,ours column blocks" &
+  wait
+  cp "$W/multi2-7b/gpu_multi.json" "$W/results/multi2/gpu_multi-7b-auto.json" 2>/dev/null
+  rm -rf "$W/multi2-7b"
 }
 
 phase_fortyeighth() {  # 4 GPUs: issue 44 after the fan_in routing fix: the split layout at 1.5B

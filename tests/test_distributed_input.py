@@ -46,8 +46,9 @@ def test_engines_belong_to_the_coordinator_only() -> None:
         DistributedWeightPusher([FakeEngine(name="e")], backend="nccl")  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="fan_in=True sends through push groups"):
         DistributedWeightPusher([FakeEngine(name="e")], fan_in=True)
-    with pytest.raises(InvalidRequestError, match="column_blocks must be True, False or 'auto'"):
-        DistributedWeightPusher([FakeEngine(name="e")], column_blocks="yes")  # type: ignore[arg-type]
+    for bad in ("yes", 1, 0, None):
+        with pytest.raises(InvalidRequestError, match="column_blocks must be True, False or"):
+            DistributedWeightPusher([FakeEngine(name="e")], column_blocks=bad)  # type: ignore[arg-type]
 
 
 def test_column_blocks_auto_exchanges_the_large_row_parallel_tensors() -> None:
@@ -71,6 +72,10 @@ def test_column_blocks_auto_exchanges_the_large_row_parallel_tensors() -> None:
     exchanged = {name for name, shape in shapes.items()
                  if _exchanges_columns("auto", row_parallel(*shape))}
     assert exchanged == {"32b o", "32b down", "7b down"}
+    # By the bytes pushed: a float32 master pushed as bfloat16 counts as bfloat16.
+    master = torch.empty(1536, 8960, dtype=torch.float32, device="meta")  # 1.5B down: 52.5 MiB
+    assert _exchanges_columns("auto", master)
+    assert not _exchanges_columns("auto", master, torch.bfloat16)
 
 
 @pytest.mark.usefixtures("world_of_one")

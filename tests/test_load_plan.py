@@ -769,6 +769,18 @@ def test_pieces_beside_a_name_that_loads_only_with_its_batch_are_refused() -> No
         twins.plan.load(batch, parts={q: Part(whole=(H, H), offset=H // 2 * H)})
     assert all(torch.equal(a, b) for a, b in zip(before, twins.planned.parameters(), strict=True))
 
+    # A piece the plan loads (here all of q's rows, as a piece) beside those names: refused
+    # together too, and ``load_apart`` (a fan_in worker's way out) loads the piece through the
+    # plan and the whole tensors with their batch, as the whole tensors load.
+    whole_piece = {q: Part(whole=(H, H), offset=0)}
+    assert twins.plan.piece_route(q, tensors[q], whole_piece[q]) == "load"
+    batch = [(q, tensors[q]), *((n, tensors[n]) for n in ("embed_tokens.weight", "lm_head.weight"))]
+    with pytest.raises(PieceNotPlannedError, match="loads only with its whole batch"):
+        twins.plan.load(batch, parts=whole_piece)
+    twins.plan.load_apart(batch, parts=whole_piece)
+    twins.plain.load_weights(batch)
+    assert_same(twins.planned, twins.plain)
+
 
 class _Aliased(torch.nn.Module):
     """A loader that writes ``a`` over the first rows and ``b`` over all of them: loaded in

@@ -307,6 +307,24 @@ class LoadPlan:
             ranges[name] = _read_range(entry.copies) + _read_columns(entry)
         return ranges
 
+    def load_apart(
+        self,
+        batch: Batch,
+        *,
+        parts: Mapping[str, Part],
+        sources_persist: bool | None = None,
+    ) -> None:
+        """``load`` of a batch in two loads: its pieces (``parts``: each one the plan loads,
+        ``piece_route``), then its whole tensors. For a batch that ``load`` refuses whole
+        because a whole tensor of it loads only with its batch (``load_weights`` would take
+        the pieces for whole tensors). A piece copied twice lands the same bytes."""
+        pieces = [(name, tensor) for name, tensor in batch if name in parts]
+        wholes = [(name, tensor) for name, tensor in batch if name not in parts]
+        if pieces:
+            self.load(pieces, parts=parts, sources_persist=sources_persist)
+        if wholes:
+            self.load(wholes, parts={}, sources_persist=sources_persist)
+
     def piece_route(
         self, name: str, piece: torch.Tensor, part: Part
     ) -> Literal["load", "skip", "assemble"]:

@@ -396,10 +396,10 @@ class AsyncrollWeightTransferEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
                     except PieceNotPlannedError:
                         if assembly is None:
                             raise
-                        # (nothing of the batch was loaded) put its pieces together instead
-                        batch = assembly.take(batch, parts).batch
-                        if batch:
-                            load_batch(batch)
+                        # Its pieces are each one the plan loads (routed above): a whole
+                        # tensor that loads only with its batch refused them together. Never
+                        # put them together now: their other pieces were loaded or skipped.
+                        self._plan.load_apart(batch, parts=parts, sources_persist=persist)
                 elif batch:
                     load_batch(batch)
             except PieceNotPlannedError:

@@ -76,23 +76,8 @@ from gpu_e2e import (
 )
 
 from asyncroll import DistributedWeightPusher, VLLMEngine, WeightPusher
+from asyncroll.distributed import torchrun_hidden
 from asyncroll.testing import vllm_client
-
-TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE",
-                "ROLE_NAME", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-                "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ERROR_FILE")
-
-
-@contextlib.contextmanager
-def without_torchrun_env() -> Iterator[None]:
-    """vLLM's workers must not see torchrun's rank variables (they would join our group)."""
-    saved = {k: os.environ.pop(k) for k in TORCHRUN_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 def log(msg: str) -> None:
@@ -150,7 +135,7 @@ async def maybe_engine(folder: Path, **options: Any) -> Any:
     if dist.get_rank() != 0:
         yield None
         return
-    with without_torchrun_env():
+    with torchrun_hidden():
         launching = VLLMEngine.launch(folder, **options)
         engine = await launching.__aenter__()
     try:
@@ -353,8 +338,7 @@ async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
                         seen = await served(engine, expected_a)
                         found["serves A after its push"] = seen
                         section.setdefault("checks", {})[f"{label}: serves A after its push"] = (
-                            "digest" not in seen and all(v for k, v in seen.items()
-                                                         if k != "workers"))
+                            serves_all(seen))
                 ranks: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(ranks, found)
                 found["per rank"] = ranks
@@ -577,6 +561,11 @@ def served_name(name: str, digest: dict[str, float]) -> str:
     return hits[0]
 
 
+def serves_all(seen: dict[str, Any]) -> bool:
+    """Whether ``served`` found every expected tensor served (a check that could not run fails)."""
+    return "digest" not in seen and all(v for k, v in seen.items() if k != "workers")
+
+
 async def served(engine: Any, expected: dict[str, tuple[float, str]]) -> dict[str, Any]:
     """Whether the engine serves the pushed tensors (``served_expected``): per-worker parameter
     sums (the worker extension's ``asyncroll_weight_digest``)."""
@@ -608,7 +597,7 @@ async def single(size: str, work: Path, out: dict[str, Any], steps: Iterator[int
         section["two-copy limit ms"] = round(2 * nbytes / rate / 1e6, 2)
         section["copy GB/s"] = round(rate, 1)
         options = engine_args(gpu_memory_utilization=0.3 if size != "7b" else 0.35)
-        with without_torchrun_env():
+        with torchrun_hidden():
             async with VLLMEngine.launch(folder, name=f"one-{size}", load_format="dummy",
                                          **options) as engine:
                 pusher = WeightPusher([engine], bucket_bytes=512 << 20)

@@ -60,12 +60,13 @@ from gpu_multi import (
     gather_ms,
     served,
     served_expected,
+    serves_all,
     sharded_pair,
     timed_pushes,
-    without_torchrun_env,
 )
 
 from asyncroll import DistributedWeightPusher, VLLMEngine
+from asyncroll.distributed import torchrun_hidden
 
 
 def log(msg: str) -> None:
@@ -77,7 +78,7 @@ def log(msg: str) -> None:
 async def engine_on(gpu_list: list[int], folder: Path, **options: Any) -> Any:
     """An engine on physical GPUs ``gpu_list`` (rank 0 holds every engine)."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    with without_torchrun_env():
+    with torchrun_hidden():
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_list))
         try:
             launching = VLLMEngine.launch(folder, **options)
@@ -136,11 +137,6 @@ async def pushes(pusher: Any, engines: list[Any], weights_a: dict[str, torch.Ten
     if limit is not None:
         found["vs limit (link + gathers)"] = round(found["update_ms"] / limit, 3)
     return found
-
-
-def all_served(found: dict[str, Any]) -> bool:
-    return all("digest" not in seen and all(v for k, v in seen.items() if k != "workers")
-               for seen in found.get("serves A after its push", []))
 
 
 async def split(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
@@ -208,7 +204,8 @@ async def split(size: str, work: Path, out: dict[str, Any], steps: Iterator[int]
                 finally:
                     await pusher.aclose()
                 if rank == 0:
-                    checks[f"{variant}: every engine serves A after its push"] = all_served(found)
+                    checks[f"{variant}: every engine serves A after its push"] = all(
+                        serves_all(seen) for seen in found.get("serves A after its push", []))
                 section[variant] = found
                 log(f"{size} {variant}: "
                     f"{ {k: v for k, v in found.items() if k != 'per rank'} }")

@@ -51,12 +51,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from asyncroll.errors import PieceNotPlannedError
+from asyncroll.receive.assembly import Route
 from asyncroll.transport.packing import CopySplit, run_copies, split_copies
 from asyncroll.transport.plan import Part
 
@@ -325,9 +326,7 @@ class LoadPlan:
         if wholes:
             self.load(wholes, parts={}, sources_persist=sources_persist)
 
-    def piece_route(
-        self, name: str, piece: torch.Tensor, part: Part
-    ) -> Literal["load", "skip", "assemble"]:
+    def piece_route(self, name: str, piece: torch.Tensor, part: Part) -> Route:
         """Where a worker fed by every trainer rank (``fan_in``) takes a piece of ``name``:
 
         - ``load``: the plan loads it (``load(parts=...)``): it holds every element the name's

@@ -237,19 +237,25 @@ async def main() -> None:
     parser.add_argument("--fan-in", default="no,yes",
                         help="the pushers to run in each layout: without fan_in (no), with (yes)")
     args = parser.parse_args()
+    layouts = args.layouts.split(",")
+    fan_in_words = args.fan_in.split(",")
+    if unknown := [w for w in layouts if w not in ("tp1", "tp2")]:
+        parser.error(f"unknown layouts {unknown}: tp1, tp2")
+    if unknown := [w for w in fan_in_words if w not in ("no", "yes")]:
+        parser.error(f"unknown --fan-in values {unknown}: no, yes")
+    engine_gpus = [int(g) for g in args.engine_gpus.split(",")]
+    world = int(os.environ["WORLD_SIZE"])
+    if "tp2" in layouts and set(engine_gpus[:2]) & set(range(world)):
+        parser.error("tp2 needs engine GPUs apart from the trainer's (NCCL: one rank a GPU)")
+    fan_ins = [word == "yes" for word in fan_in_words]
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    engine_gpus = [int(g) for g in args.engine_gpus.split(",")]
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                            "engine GPUs": engine_gpus, "ranks": dist.get_world_size()}
     out["command"] = " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}", *sys.argv])
-    layouts = args.layouts.split(",")
-    if "tp2" in layouts and set(engine_gpus[:2]) & set(range(dist.get_world_size())):
-        parser.error("tp2 needs engine GPUs apart from the trainer's (NCCL: one rank a GPU)")
-    fan_ins = [{"no": False, "yes": True}[f] for f in args.fan_in.split(",")]
     steps = iter(range(1, 10**6))
     started = time.perf_counter()
 

@@ -71,6 +71,8 @@
 #   bash bench/gpu_session.sh fortyeighth # 4 GPUs: the split layout again (1.5B, 7B), the 30B-A3B
 #   bash bench/gpu_session.sh fortyninth  # 4 GPUs: column_blocks="auto" at 32B and 1.5B (not run)
 #   bash bench/gpu_session.sh fiftieth    # 4 GPUs: expert parallelism; the 7B's auto mix (not run)
+#   bash bench/gpu_session.sh fiftyfirst  # 2 GPUs: the same, one after the other
+#   bash bench/gpu_session.sh fiftysecond # 2 GPUs: the one-GPU push and the broadcast, re-run
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -763,6 +765,27 @@ phase_fiftieth() {  # 4 GPUs: issue 44's expert parallelism (tests/test_moe.py, 
   wait
   cp "$W/multi2-7b/gpu_multi.json" "$W/results/multi2/gpu_multi-7b-auto.json" 2>/dev/null
   rm -rf "$W/multi2-7b"
+}
+
+phase_fiftyfirst() {  # 2 GPUs: issue 44's expert parallelism (tests/test_moe.py, TP=2 with
+  # EP), then the 7B on two GPUs with column_blocks="auto" against rows only and column blocks
+  # everywhere, and the same shape on one GPU
+  mkdir -p "$W/results/multi2"
+  run pytest-moe-ep 0,1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider --tb=long tests/test_moe.py -k expert_parallel
+  run multi2-7b 0,1 python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29533 \
+    bench/gpu_multi.py --out "$W/multi2-7b" --sizes 7b --skip-ipc --rounds 2 \
+    --variants "ours,ours rows only,ours column blocks"
+  cp "$W/multi2-7b/gpu_multi.json" "$W/results/multi2/gpu_multi-7b-auto.json" 2>/dev/null
+  rm -rf "$W/multi2-7b"
+}
+
+phase_fiftysecond() {  # 2 GPUs: what session 41's receiver change owes: the one-GPU push
+  # (gpu_e2e) and the broadcast into a local engine on GPU 1, vLLM's nccl path beside it
+  run push-7b 0 python3 bench/gpu_e2e.py --sections push --sizes 7b --out "$W/results/push7b"
+  mkdir -p "$W/results/broadcast"
+  run broadcast-7b 0,1 python3 bench/gpu_broadcast.py --sections correctness,push --sizes 7b \
+    --engine local --out "$W/results/broadcast"
 }
 
 phase_fortyeighth() {  # 4 GPUs: issue 44 after the fan_in routing fix: the split layout at 1.5B

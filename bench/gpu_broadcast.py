@@ -153,9 +153,15 @@ async def correctness(res: Results, engines: Engines, work: Path, device: str) -
                 except WeightSyncError as exc:
                     res.check(s, "a failing worker fails the push (WeightSyncError)", True)
                     res.record(s, "failure", str(exc)[:300])
-                serving = await greedy(engine, "after-failure") if not engine.is_dead else None
-                res.check(s, "after the failed push the engine serves A or holds",
-                          serving == fresh_a or serving is None, engine)
+                # No backup: the engine holds (admits nothing) until a push succeeds. A
+                # request now would wait for that push, so the check reads the state, then
+                # pushes A and requires A served.
+                res.check(s, "after the failed push the engine holds or is dead",
+                          engine.is_dead or engine.statistics().holding, repr(engine))
+                if not engine.is_dead:
+                    await pusher.update(weights_of(a, device), global_steps=4)
+                    res.check(s, "a push after the failure ends the hold, serving A",
+                              await greedy(engine, "after-failure") == fresh_a, repr(engine))
         finally:
             await pusher.aclose()
 

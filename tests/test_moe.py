@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from pathlib import Path
@@ -211,10 +212,18 @@ async def test_pushes_into_an_expert_parallel_engine_are_token_exact(moe_models:
     """Expert parallelism (``enable_expert_parallel``, TP=2): each worker holds half of each
     layer's experts and loads only those of a whole push. Seed 0's weights, then seed 1's back
     (what the engine served fresh, token for token), then seed 0's again (its first outputs).
-    Not yet run: written for the next GPU lease (issue 44)."""
+    The engine must really split its experts: each worker's fused expert parameters hold
+    half of them (``asyncroll_parameter_shapes``)."""
     model_1 = moe_models["qwen3_moe", 1]
+    config = json.loads((model_1 / "config.json").read_text())
+    experts = config.get("num_experts") or config["num_local_experts"]  # (transformers 5's)
     async with VLLMEngine.launch(model_1, name="moe-ep", tensor_parallel_size=2,
                                  enable_expert_parallel=True, **ENGINE_ARGS) as engine:
+        shapes = await engine.collective_rpc("asyncroll_parameter_shapes")
+        held = [{n: s[0] for n, s in worker.items() if n.endswith("experts.w13_weight")}
+                for worker in shapes]
+        assert len(held) == 2 and all(held), shapes
+        assert all(n == experts // 2 for worker in held for n in worker.values()), held
         fresh = await greedy(engine, "ep-fresh")
         steps = _steps_after(engine)
         async with aclosing(WeightPusher([engine])) as pusher:

@@ -85,6 +85,12 @@ class ProbingExtension(AsyncrollWorkerExtension):
         model = self.model_runner.model  # type: ignore[attr-defined]
         return [(name, float(p.detach().double().sum())) for name, p in model.named_parameters()]
 
+    def asyncroll_parameter_shapes(self) -> dict[str, list[int]]:
+        """Each served parameter's shape on this worker (what a tensor-parallel or expert-
+        parallel worker holds of it)."""
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        return {name: list(p.shape) for name, p in model.named_parameters()}
+
     def asyncroll_weight_checksums(self, names: list[str]) -> dict[str, float]:
         """A position-weighted sum of each named parameter (``position_checksum``): unlike a
         plain sum, it changes when rows move (two experts swapped, gate and up crossed)."""

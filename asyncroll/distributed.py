@@ -64,6 +64,7 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -491,7 +492,7 @@ class DistributedWeightPusher:
     def _own_piece(self, tensor: torch.Tensor) -> Piece:
         """This rank's rows of a ``Shard(0)`` tensor as a piece of it, cast to ``dtype`` as
         it is packed where they differ."""
-        rows: torch.Tensor = _local(tensor.detach()).contiguous()
+        rows: torch.Tensor = _local(tensor).contiguous()
         offset = tensor.device_mesh.get_local_rank() * rows.numel()  # type: ignore[attr-defined]
         target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
         source: torch.Tensor | LazyTensor = rows
@@ -518,7 +519,7 @@ class DistributedWeightPusher:
             if windows is not None:
                 group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
                 block = _column_block(
-                    tensor.detach(), windows, self.rank, self._dtype, name=name, made=made,
+                    tensor, windows, self.rank, self._dtype, name=name, made=made,
                     exchanges=exchanges.setdefault(group, _Exchanges(group)),
                 )
                 out[name] = Piece(block, whole=tuple(tensor.shape), offset=0,
@@ -562,8 +563,13 @@ class DistributedWeightPusher:
                 raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
             if name in pushed:
                 raise InvalidRequestError(f"tensor {name!r} is given twice")
-            pushed[name] = _lazily(name, tensor.detach(), self._dtype, made, batches)
-            local[name] = _local(tensor.detach())
+            # A DTensor as it is: its detach() goes through DTensor's dispatch (10-15 us of
+            # host time a tensor: a mixture's 18,867 tensors took 0.3 s before each update);
+            # every use reads it under no_grad or through its plain local tensor.
+            sharded = _is_dtensor(tensor)
+            pushed[name] = _lazily(name, tensor if sharded else tensor.detach(), self._dtype,
+                                   made, batches)
+            local[name] = _local(tensor)
         if not pushed:
             raise InvalidRequestError("no tensors to push")
         return pushed, local
@@ -869,24 +875,22 @@ class DistributedWeightPusher:
             return {}
         rank = self.rank
 
-        def sample() -> tuple[list[str], list[int], torch.Tensor]:
-            names, widths, parts = [], [], []
+        def sample() -> tuple[list[str], torch.Tensor]:
+            held: list[tuple[str, _HeldSamples]] = []
+            meshes: dict[Any, tuple[int, int]] = {}
             for name, made in lazy.items():
                 source = named[name]
-                samples = (
-                    source.samples(made.dtype) if isinstance(source, ExpertPart)
-                    else shard_samples(source.detach(), made.dtype, rank=rank)
-                )
-                if samples is None:
-                    continue  # another layout: fingerprinted as it is made
-                names.append(name)
-                widths.append(samples.numel())
-                parts.append(samples.view(torch.uint8).reshape(-1).cpu())
-            if not parts:
-                return names, widths, torch.zeros(0, dtype=torch.int32)
-            return names, widths, torch.cat(parts).to(torch.int32)
+                if isinstance(source, ExpertPart):
+                    whole = source.samples(made.dtype)
+                    found = None if whole is None else _HeldSamples(whole.numel(), 0, whole)
+                else:
+                    found = held_samples(source, rank=rank, meshes=meshes)
+                if found is not None:  # None: another layout, fingerprinted as it is made
+                    held.append((name, found))
+            dtypes = [lazy[name].dtype for name, _ in held]
+            return [name for name, _ in held], _sample_blob([h for _, h in held], dtypes)
 
-        names, _, joined = await asyncio.to_thread(sample)
+        names, joined = await asyncio.to_thread(sample)
 
         def add_up() -> bytes:
             dist.all_reduce(joined, group=self._group)
@@ -992,8 +996,10 @@ def _lazily(
     device = _local(tensor).device
     batch = None
     if sharded and _gathers_in_one_call(tensor):
-        group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
-        batch = batches.setdefault(group, functools.partial(_coalescing, group))
+        mesh = tensor.device_mesh  # type: ignore[attr-defined]
+        batch = batches.get(mesh)  # (a mesh's get_group() costs microseconds a call)
+        if batch is None:
+            batch = batches[mesh] = functools.partial(_coalescing, mesh.get_group())
 
     def make() -> torch.Tensor:
         made.add(name)
@@ -1030,7 +1036,7 @@ class ExpertPart:
         (or the layout is not ``Shard(0)`` over one mesh dimension)."""
         if not _gathers_in_one_call(self.tensor):
             return None
-        local: torch.Tensor = self.tensor.to_local()  # type: ignore[attr-defined]
+        local = _local(self.tensor)
         mesh = self.tensor.device_mesh  # type: ignore[attr-defined]
         first = mesh.get_local_rank() * -(-self.tensor.shape[0] // mesh.size())
         if not first <= self.expert < first + local.shape[0]:
@@ -1170,7 +1176,7 @@ def _column_block(
     by sends and receives added to that batch instead (``_Exchanges``): each rank copies its
     own rows' block in place, sends each other rank that rank's columns of its rows, and
     receives its columns of their rows straight into the block; read only after the batch."""
-    local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
+    local = _local(tensor)
     group = tensor.device_mesh.get_group()  # type: ignore[attr-defined]
     first, end = windows[rank]
     target = dtype if dtype is not None and local.is_floating_point() else local.dtype
@@ -1235,27 +1241,97 @@ def shard_samples(tensor: torch.Tensor, dtype: torch.dtype, *, rank: int) -> tor
     """The samples of ``asyncroll.fingerprints`` (element ``i * (n // 64)`` of the full tensor,
     or all of a tensor of 64 or fewer) that this rank holds, as ``dtype``, zeros elsewhere;
     None for a layout other than whole tensors and ``Shard(0)`` rows. A whole (not sharded)
-    tensor is sampled by rank 0 only, so that the ranks' samples add up to the fingerprint."""
+    tensor is sampled by rank 0 only, so that the ranks' samples add up to the fingerprint.
+    (One tensor's; an update's are taken together: ``held_samples``, ``_sample_blob``.)"""
+    held = held_samples(tensor, rank=rank)
+    if held is None:
+        return None
+    samples = torch.zeros(held.count, dtype=dtype, device=_local(tensor).device)
+    if held.view is not None:
+        samples[held.first : held.first + held.view.numel()] = held.view.to(dtype)
+    return samples
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _HeldSamples:
+    """Of a tensor's ``count`` fingerprint samples, those this rank holds: samples
+    ``first, first + 1, ...``, as ``view`` (a strided view of its rows: no copy; None: none)."""
+
+    count: int
+    first: int
+    view: torch.Tensor | None
+
+
+def held_samples(
+    tensor: torch.Tensor, *, rank: int, meshes: dict[Any, tuple[int, int]] | None = None
+) -> _HeldSamples | None:
+    """The fingerprint samples of ``tensor`` that this rank holds (``shard_samples``), as a
+    view: no device work, so an update's thousands of tensors cost one gather
+    (``_sample_blob``), not several launches and a host sync each. None for a layout other
+    than whole tensors and ``Shard(0)`` rows. ``meshes`` keeps each mesh's (size, this
+    rank's place) for the next call (a mesh answers in microseconds, thousands of times)."""
     n = tensor.numel()
     count = _sample_count(n)
+    step = n // SAMPLES if n > SAMPLES else 1
     if _is_dtensor(tensor):
         if not _gathers_in_one_call(tensor):
             return None
         if n == 0:
-            return torch.zeros(0, dtype=dtype)
-        local = tensor.to_local().reshape(-1)  # type: ignore[attr-defined]
+            return _HeldSamples(0, 0, None)
+        local = _local(tensor).reshape(-1)
         rows, mesh = tensor.shape[0], tensor.device_mesh  # type: ignore[attr-defined]
-        chunk = -(-rows // mesh.size())
-        start = min(rows, mesh.get_local_rank() * chunk) * (n // rows)
+        place = None if meshes is None else meshes.get(mesh)
+        if place is None:
+            place = (mesh.size(), mesh.get_local_rank())
+            if meshes is not None:
+                meshes[mesh] = place
+        chunk = -(-rows // place[0])
+        start = min(rows, place[1] * chunk) * (n // rows)
+    elif rank == 0:
+        local, start = tensor.detach().reshape(-1), 0
     else:
-        local = tensor.reshape(-1) if rank == 0 else tensor.new_empty(0)
-        start = 0
+        return _HeldSamples(count, 0, None)
+    first, end = held_window(n, start, local.numel())
+    if end <= first:
+        return _HeldSamples(count, 0, None)
+    at = first * step - start
+    return _HeldSamples(count, first, local[at : at + (end - first - 1) * step + 1 : step])
+
+
+def held_window(n: int, start: int, held: int) -> tuple[int, int]:
+    """Of the fingerprint samples of a tensor of ``n`` elements (sample ``i`` at position
+    ``i * step``), ``[first, end)``: those at positions ``start`` to ``start + held`` (one
+    rank's rows)."""
+    count = _sample_count(n)
     step = n // SAMPLES if n > SAMPLES else 1
-    positions = torch.arange(count, device=local.device) * step
-    held = (positions >= start) & (positions < start + local.numel())
-    samples = torch.zeros(count, dtype=dtype, device=local.device)
-    samples[held] = local[positions[held] - start].to(dtype)
-    return samples
+    return min(count, -(-start // step)), min(count, -(-(start + held) // step))
+
+
+def _sample_blob(held: Sequence[_HeldSamples], dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+    """The bytes of each tensor's ``count`` samples as ``dtypes[i]``, in order, this rank's
+    where it holds them and 0 elsewhere, widened to int32 (the ranks' blobs add up to the full
+    tensors' samples: one all-reduce). One gather, cast and copy to the host per (device,
+    dtype, dtype pushed); the rest on the host, vectorized."""
+    sizes = np.array([h.count * d.itemsize for h, d in zip(held, dtypes, strict=True)],
+                     dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1])) if len(sizes) else sizes
+    blob = np.zeros(int(sizes.sum()), dtype=np.uint8)
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype], list[int]] = {}
+    for i, (h, dtype) in enumerate(zip(held, dtypes, strict=True)):
+        if h.view is not None and h.view.numel():
+            groups.setdefault((h.view.device, h.view.dtype, dtype), []).append(i)
+    with torch.no_grad():
+        for (_, _, dtype), members in groups.items():
+            views = [v for v in (held[i].view for i in members) if v is not None]
+            joined = torch.cat(views) if len(views) > 1 else views[0]
+            data = joined.to(dtype).contiguous().cpu().view(torch.uint8).numpy()
+            width = dtype.itemsize
+            lengths = np.array([v.numel() * width for v in views], dtype=np.int64)
+            to = starts[members] + np.array([held[i].first for i in members]) * width
+            # data's bytes of member k go to blob[to[k] : to[k] + lengths[k]]
+            begun = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+            blob[np.repeat(to - begun, lengths) + np.arange(len(data))] = data
+    return torch.from_numpy(blob).to(torch.int32)
 
 
 def _sample_count(n: int) -> int:
@@ -1263,11 +1339,15 @@ def _sample_count(n: int) -> int:
 
 
 def _gathers_in_one_call(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import Shard
-
+    types = _dtensor_types()
+    assert types is not None  # (called with DTensors only)
     mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
     return bool(
-        mesh.ndim == 1 and len(placements) == 1 and placements[0] == Shard(0) and tensor.ndim
+        mesh.ndim == 1
+        and len(placements) == 1
+        and isinstance(placements[0], types[1])  # (not ``== Shard(0)``: a new Shard a call)
+        and placements[0].dim == 0
+        and tensor.ndim
     )
 
 
@@ -1292,7 +1372,7 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     mesh = tensor.device_mesh  # type: ignore[attr-defined]
     world, rows = mesh.size(), tensor.shape[0]
     chunk = -(-rows // world)  # torch.chunk's split: ceil, the last ranks may hold fewer rows
-    local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
+    local = _local(tensor)
     if local.shape[0] != chunk or not local.is_contiguous():
         padded = local.new_zeros((chunk, *local.shape[1:]))
         padded[: local.shape[0]].copy_(local)
@@ -1302,16 +1382,32 @@ def gather(tensor: torch.Tensor) -> torch.Tensor:
     return out[:rows]
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+@functools.cache
+def _dtensor_types() -> tuple[type, Any] | None:
+    """(``DTensor``, ``Shard``), imported once (an import statement in a function costs a
+    microsecond or more a call); None for a torch without them."""
     try:
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Shard
     except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return DTensor, Shard
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    types = _dtensor_types()
+    return types is not None and isinstance(tensor, types[0])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    """This rank's part of a ``DTensor`` (detached: reading it records no autograd graph), or
+    the tensor itself. Through ``_local_tensor``, as FSDP2 reads it: ``to_local()`` is an
+    autograd function, 5-10 us of host time a call, thousands of calls an update."""
+    if not _is_dtensor(tensor):
+        return tensor
+    local = getattr(tensor, "_local_tensor", None)
+    if not isinstance(local, torch.Tensor):  # pragma: no cover - another torch's DTensor
+        local = tensor.to_local()  # type: ignore[attr-defined]
+    return local.detach()
 
 
 def _layout(pushed: Mapping[str, torch.Tensor | LazyTensor]) -> str:

@@ -94,6 +94,10 @@ def gpus(world: int) -> str:
     return "two GPUs" if world == 2 else f"{world} GPUs"
 
 
+def section_name(size: str, world: int, expert_parallel: bool = False) -> str:
+    return f"{size} {gpus(world)}{' expert-parallel' if expert_parallel else ''}"
+
+
 def sharded(tensors: Iterator[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Each full tensor as it comes, kept as this rank's ``Shard(0)`` rows: every rank makes
     the same full tensor (the same seed) and keeps its own rows, with no communication."""
@@ -147,12 +151,14 @@ async def maybe_engine(folder: Path, **options: Any) -> Any:
 async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Iterator[int],
                        repeats: int = 5) -> dict[str, Any]:
     await pusher.update(tensors, global_steps=next(steps))  # warm-up: attach, buffers, plan
-    updates, extras, packs, waits, pieces, moved = [], [], [], [], [], []
+    updates, calls, extras, packs, waits, pieces, moved = [], [], [], [], [], [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
+        called = time.perf_counter()
         report = await pusher.update(tensors, global_steps=next(steps))
+        calls.append((time.perf_counter() - called) * 1e3)
         extras.append(torch.cuda.max_memory_allocated() - before)
         updates.append((report.push_seconds + report.finish_seconds) * 1e3)
         pieces.append(len(getattr(pusher, "pieces", ())))
@@ -160,7 +166,10 @@ async def timed_pushes(pusher: Any, tensors: dict[str, torch.Tensor], steps: Ite
         if report.push is not None:
             packs.append(report.push.pack_seconds * 1e3)
             waits.append(report.push.wait_seconds * 1e3)
+    # update_ms: the engines' stall (push and finish, the report's); call_ms: what the caller
+    # waits for (``await update()``: the checks, fingerprints and agreement before the pause too)
     return {"update_ms": statistics.median(updates), "updates_ms": [round(u, 2) for u in updates],
+            "call_ms": round(statistics.median(calls), 2),
             "extra_GiB": round(max(extras) / GiB, 3),
             "pack_ms (this rank)": round(statistics.median(packs), 2) if packs else None,
             "wait_ms (this rank)": round(statistics.median(waits), 2) if waits else None,
@@ -195,16 +204,21 @@ ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")  # a column block on each w
 
 
 def per_gpu_bytes(shapes: dict[str, tuple[int, ...]], world: int,
-                  itemsize: int = 2) -> tuple[int, int]:
+                  itemsize: int = 2, expert_parallel: bool = False) -> tuple[int, int]:
     """What the worker on GPU r of a TP=``world`` engine loads, and how much of that its trainer
     rank (``Shard(0)`` rows) does not hold: column-parallel tensors (q, k, v, gate, up, the
     embeddings and head) are rows the rank holds; row-parallel ones (o, down) a column block of
     all rows, 1/world of it held; replicated ones (norms, a router) whole, 1/world held. Assumes
-    the key-value heads divide over the workers (true of the 7B, 32B and 30B-A3B at TP=4)."""
+    the key-value heads divide over the workers (true of the 7B, 32B and 30B-A3B at TP=4).
+    ``expert_parallel``: each worker loads 1/world of the experts whole, 1/world of their rows
+    held by its rank."""
     loads = received = 0
     for name, shape in shapes.items():
         nbytes = math.prod(shape) * itemsize
-        if name.endswith(REPLICATED):
+        if expert_parallel and ".mlp.experts." in name:
+            loads += nbytes // world
+            received += nbytes * (world - 1) // world**2
+        elif name.endswith(REPLICATED):
             loads += nbytes
             received += nbytes * (world - 1) // world
         elif name.endswith(ROW_PARALLEL):
@@ -237,11 +251,12 @@ def exchange_rate(nbytes: int = GiB, repeats: int = 3) -> dict[str, float]:
             "GB/s received a GPU": round(received / seconds / 1e9, 1)}
 
 
-def per_gpu_limit(size: str) -> dict[str, Any]:
+def per_gpu_limit(size: str, expert_parallel: bool = False) -> dict[str, Any]:
     """The issue's per-GPU limit, measured in this run: the worker's bytes at the one-copy rate
     of its GPU, plus the bytes it must receive from the other ranks at the exchange rate."""
     world = dist.get_world_size()
-    loads, received = per_gpu_bytes(weight_shapes(shape_of(size)), world)
+    loads, received = per_gpu_bytes(weight_shapes(shape_of(size)), world,
+                                    expert_parallel=expert_parallel)
     rate = copy_rate_gbs()
     exchange = exchange_rate()
     copy_ms = loads / rate / 1e6
@@ -255,21 +270,24 @@ def per_gpu_limit(size: str) -> dict[str, Any]:
 
 async def multi(size: str, work: Path, out: dict[str, Any], steps: Iterator[int],
                 correctness: bool, chosen: tuple[str, ...] = DEFAULT_VARIANTS,
-                repeats: int = 5, rounds: int = 1, save: Any = lambda: None) -> None:
+                repeats: int = 5, rounds: int = 1, save: Any = lambda: None,
+                expert_parallel: bool = False) -> None:
     world = dist.get_world_size()
     began = time.perf_counter()
     folder, weights_a, weights_b, nbytes = sharded_pair(size, work, correctness)
     log(f"{size}: {nbytes / GiB:.1f} GiB, {len(weights_a)} tensors sharded over {world} ranks "
         f"in {time.perf_counter() - began:.0f} s")
-    section: dict[str, Any] = out.setdefault(f"{size} {gpus(world)}",
+    section: dict[str, Any] = out.setdefault(section_name(size, world, expert_parallel),
                                              {"GiB": round(nbytes / GiB, 3),
                                               "tensors": len(weights_a)})
     section["headline variant"] = chosen[0]
-    section["per-GPU limit"] = limit = per_gpu_limit(size)
+    section["per-GPU limit"] = limit = per_gpu_limit(size, expert_parallel)
     log(f"{size}: per-GPU limit {limit}")
     save()
     options = engine_args(gpu_memory_utilization=MEMORY.get(size, 0.3),
                           tensor_parallel_size=world, enable_sleep_mode=True)
+    if expert_parallel:
+        options["enable_expert_parallel"] = True
     if not correctness:
         options["load_format"] = "dummy"
     began = time.perf_counter()
@@ -627,6 +645,9 @@ async def main() -> None:
                         help="leave out the vLLM ipc backend baseline (TP=N)")
     parser.add_argument("--ipc-variants", default=",".join(v[0] for v in IPC_VARIANTS),
                         help="of the vLLM ipc baseline's variants")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="the TP engine with enable_expert_parallel (each worker holds"
+                        " 1/N of the experts, whole; with --skip-ipc)")
     parser.add_argument("--skip-single", action="store_true",
                         help="leave out the one-GPU update of the same shape")
     args = parser.parse_args()
@@ -634,6 +655,8 @@ async def main() -> None:
     unknown = [label for label in chosen if label not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}: choose among {list(VARIANTS)}")
+    if args.expert_parallel and not args.skip_ipc:
+        parser.error("--expert-parallel runs with --skip-ipc (the vLLM ipc baseline is TP only)")
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
@@ -651,16 +674,17 @@ async def main() -> None:
     label = gpus(dist.get_world_size())
     for size in args.sizes.split(","):
         await multi(size, work, out, steps, correctness=size == "1.5b", chosen=chosen,
-                    repeats=args.repeats, rounds=args.rounds, save=save)
+                    repeats=args.repeats, rounds=args.rounds, save=save,
+                    expert_parallel=args.expert_parallel)
         save()
         if not args.skip_single:
             await single(size, work, out, steps)
             if rank == 0:
-                many, one = out[f"{size} {label}"][chosen[0]], out[f"{size} one GPU"]["ours"]
-                out[f"{size} {label}"]["vs one GPU"] = round(
-                    many["update_ms"] / one["update_ms"], 3)
+                name = section_name(size, dist.get_world_size(), args.expert_parallel)
+                many, one = out[name][chosen[0]], out[f"{size} one GPU"]["ours"]
+                out[name]["vs one GPU"] = round(many["update_ms"] / one["update_ms"], 3)
                 log(f"{size}: {label} {many['update_ms']:.1f} ms, one GPU "
-                    f"{one['update_ms']:.1f} ms, ratio {out[f'{size} {label}']['vs one GPU']}")
+                    f"{one['update_ms']:.1f} ms, ratio {out[name]['vs one GPU']}")
             save()
         if not args.skip_ipc:
             await vllm_ipc_multi(size, work, out,

@@ -73,6 +73,9 @@
 #   bash bench/gpu_session.sh fiftieth    # 4 GPUs: expert parallelism; the 7B's auto mix (not run)
 #   bash bench/gpu_session.sh fiftyfirst  # 2 GPUs: the same, one after the other
 #   bash bench/gpu_session.sh fiftysecond # 2 GPUs: the one-GPU push and the broadcast, re-run
+#   bash bench/gpu_session.sh fiftythird  # 2 GPUs: EP test again; the 30B-A3B's prep before/after
+#   bash bench/gpu_session.sh fiftyfourth # 2 GPUs: the 30B-A3B into an EP engine; the broadcast;
+#                                         # the 7B before/after (.old: the tree before, see multi2)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -786,6 +789,38 @@ phase_fiftysecond() {  # 2 GPUs: what session 41's receiver change owes: the one
   mkdir -p "$W/results/broadcast"
   run broadcast-7b 0,1 python3 bench/gpu_broadcast.py --sections correctness,push --sizes 7b \
     --engine local --out "$W/results/broadcast"
+}
+
+multi2() {  # multi2 NAME TREE SIZE ARGS...: a 2-rank trainer into a TP=2 engine on GPUs 0-1, with
+  # asyncroll from TREE ("new": this checkout; "old": .old, the package as it was before a change,
+  # under this checkout's benches)
+  local name=$1 tree=$2 size=$3; shift 3
+  local path=$PYTHONPATH
+  [ "$tree" = old ] && path=$PWD/.old:$PYTHONPATH
+  mkdir -p "$W/results/multi2"
+  run multi2-$name 0,1 env PYTHONPATH="$path" python3 -m torch.distributed.run --nproc-per-node 2 \
+    --master-port 29534 bench/gpu_multi.py --out "$W/multi2-$name" --sizes $size "$@"
+  cp "$W/multi2-$name/gpu_multi.json" "$W/results/multi2/gpu_multi-$name.json" 2>/dev/null
+  rm -rf "$W/multi2-$name"
+  pack
+}
+
+phase_fiftythird() {  # 2 GPUs: the EP test, which now checks each worker holds half the experts;
+  # the 30B-A3B on two GPUs with the sharded update's preparation as it was (old) and now (new)
+  run pytest-moe-ep 0,1 env ASYNCROLL_TEST_ENGINE_ARGS='{"async_scheduling": false, "dtype": "bfloat16"}' \
+    python3 -m pytest -q -p no:cacheprovider --tb=long tests/test_moe.py -k expert_parallel
+  multi2 30b-a3b-old old qwen3-30b-a3b --variants ours --skip-ipc --skip-single
+  multi2 30b-a3b-new new qwen3-30b-a3b --variants ours --skip-ipc --skip-single
+}
+
+phase_fiftyfourth() {  # 2 GPUs: the 30B-A3B into an expert-parallel engine; the broadcast (its
+  # check after a failed push fixed); the 7B before and after the preparation change
+  multi2 30b-a3b-ep new qwen3-30b-a3b --variants ours --skip-ipc --skip-single --expert-parallel
+  mkdir -p "$W/results/broadcast"
+  run broadcast-7b 0,1 python3 bench/gpu_broadcast.py --sections correctness,push --sizes 7b \
+    --engine local --out "$W/results/broadcast"
+  multi2 7b-new new 7b --variants ours --skip-ipc --skip-single
+  multi2 7b-old old 7b --variants ours --skip-ipc --skip-single
 }
 
 phase_fortyeighth() {  # 4 GPUs: issue 44 after the fan_in routing fix: the split layout at 1.5B

@@ -162,6 +162,31 @@ def blocks_match(model: torch.nn.Module) -> list[str]:
     return wrong
 
 
+def other_layouts(model: torch.nn.Module, out: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``model``'s parameters with ``lm_head`` redistributed on a 2-D mesh (1 x world:
+    ``[Replicate(), Shard(0)]``) and the embedding as ``Shard(1)`` (columns); their layouts in
+    ``out["other_layouts"]``. Collective: every rank, in the same order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    mesh_1d = init_device_mesh("cpu", (world,))
+    changed = {
+        "lm_head.weight": (mesh_2d, [Replicate(), Shard(0)]),
+        "model.embed_tokens.weight": (mesh_1d, [Shard(1)]),
+    }
+    named = []
+    for name, parameter in model.named_parameters():
+        if name in changed:
+            mesh, placements = changed[name]
+            parameter = distribute_tensor(parameter.detach().full_tensor(), mesh, placements)
+            out.setdefault("other_layouts", {})[name] = [
+                tuple(parameter.device_mesh.shape), [str(p) for p in parameter.placements]]
+        named.append((name, parameter))
+    return named
+
+
 def shard_print(tensor: torch.Tensor, dtype: torch.dtype) -> bytes:
     """The fingerprint of a sharded tensor from every rank's samples of its own rows."""
     from asyncroll.distributed import shard_samples
@@ -359,7 +384,10 @@ async def run(
     out["gathers_match"] = gathers_match(model_a)
     out["blocks_differ"] = blocks_match(model_a)
     for steps, model, tag in ((1, model_a, "a"), (2, model_b, "b"), (3, model_a, "a_again")):
-        report = await pusher.update(model.named_parameters(), global_steps=steps)
+        # A again in layouts no piece maps (pushed whole: gathered by full_tensor()): the
+        # head on a 2-D mesh (HSDP's replicate x shard), the embedding sharded by columns.
+        named = other_layouts(model, out) if tag == "a_again" else model.named_parameters()
+        report = await pusher.update(named, global_steps=steps)
         if engine is not None:
             out[f"on_{tag}"] = await greedy(engine, f"on-{tag}")
             delivery = report.deliveries[engine.name]

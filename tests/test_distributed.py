@@ -184,6 +184,12 @@ def test_pushes_from_two_ranks_are_token_exact(outcome: dict[str, Any]) -> None:
     assert outcome["on_b"] == outcome["fresh_b"]
     assert outcome["on_a"] != outcome["fresh_b"]
     assert outcome["on_a_again"] == outcome["on_a"]
+    # The second A had two tensors in layouts no piece maps, pushed whole (gathered): the
+    # head on a 2-D mesh, the embedding sharded by columns (issue 44's bad input).
+    assert outcome["other_layouts"] == {
+        "lm_head.weight": [[1, 2], ["R", "S(0)"]],
+        "model.embed_tokens.weight": [[2], ["S(1)"]],
+    }
     for tag, steps in (("a", 1), ("b", 2), ("a_again", 3)):
         assert outcome[f"report_{tag}"] == [steps, 27, True]
         workers, tensors, verified = outcome[f"delivery_{tag}"]

@@ -480,20 +480,26 @@ class DistributedWeightPusher:
         """(``fan_in``.) This rank's push: its own rows of every sharded tensor, as a piece
         (cast to ``dtype`` as it is packed), and, on the coordinator, every other tensor."""
         out: dict[str, torch.Tensor | LazyTensor | Piece] = {}
+        places: dict[Any, int] = {}
         for name, given in pushed.items():
             tensor = named[name]
             if isinstance(tensor, ExpertPart) or not _is_dtensor(tensor):
                 if self.is_coordinator:
                     out[name] = given
                 continue
-            out[name] = self._own_piece(tensor)
+            out[name] = self._own_piece(tensor, places)
         return out
 
-    def _own_piece(self, tensor: torch.Tensor) -> Piece:
+    def _own_piece(self, tensor: torch.Tensor, places: dict[Any, int]) -> Piece:
         """This rank's rows of a ``Shard(0)`` tensor as a piece of it, cast to ``dtype`` as
-        it is packed where they differ."""
+        it is packed where they differ. ``places``: this rank's place in each mesh, kept
+        across calls (a mesh answers in microseconds, thousands of pieces an update)."""
         rows: torch.Tensor = _local(tensor).contiguous()
-        offset = tensor.device_mesh.get_local_rank() * rows.numel()  # type: ignore[attr-defined]
+        mesh = tensor.device_mesh  # type: ignore[attr-defined]
+        place = places.get(mesh)
+        if place is None:
+            place = places[mesh] = mesh.get_local_rank()
+        offset = place * rows.numel()
         target = self._dtype if self._dtype is not None and rows.is_floating_point() else None
         source: torch.Tensor | LazyTensor = rows
         if target is not None and target != rows.dtype:
@@ -513,6 +519,7 @@ class DistributedWeightPusher:
         if need be."""
         out: dict[str, torch.Tensor | LazyTensor | Piece] = dict(pushed)
         exchanges: dict[object, _Exchanges] = {}  # a group's, for this update
+        places: dict[Any, int] = {}
         for name, windows in pieces.items():
             tensor = named[name]
             assert not isinstance(tensor, ExpertPart)  # (never chosen: ``_piece_names``)
@@ -525,7 +532,7 @@ class DistributedWeightPusher:
                 out[name] = Piece(block, whole=tuple(tensor.shape), offset=0,
                                   columns=windows[self.rank])
                 continue
-            out[name] = self._own_piece(tensor)
+            out[name] = self._own_piece(tensor, places)
         return out
 
     async def _learn_reads(self) -> None:

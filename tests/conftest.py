@@ -59,6 +59,21 @@ _COLLECTED_WITH: list[frozenset[str]] = []
 """The modules loaded once the suite was collected (before any test ran)."""
 
 
+@pytest.fixture
+def world_of_one(tmp_path: Any) -> Iterator[None]:
+    """``torch.distributed`` as a world of one rank (gloo, a file store), for the pure tests
+    of the sharded pusher; torn down after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session", autouse=True)
 async def _session_loop() -> AsyncIterator[None]:
     _SESSION_LOOP.append(asyncio.get_running_loop())

@@ -4,8 +4,6 @@ world of one rank; the two-rank behaviour is in ``test_distributed.py``)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,17 +18,6 @@ def test_without_torch_distributed_it_says_so() -> None:
     assert not dist.is_initialized()
     with pytest.raises(InvalidRequestError, match="init_process_group"):
         DistributedWeightPusher([FakeEngine(name="e")])
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("world_of_one")

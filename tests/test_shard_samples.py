@@ -5,12 +5,9 @@ call per tensor. Pure: a world of one rank, and the rows' arithmetic for any ran
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncroll.distributed import (
     _HeldSamples,
@@ -47,17 +44,6 @@ def test_each_rank_holds_the_samples_of_its_rows(n: int) -> None:
             assert list(range(first, end)) == expected, (n, world, row, rank)
             covered += expected
         assert sorted(covered) == list(range(len(positions)))
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("world_of_one")

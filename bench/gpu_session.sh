@@ -75,7 +75,10 @@
 #   bash bench/gpu_session.sh fiftysecond # 2 GPUs: the one-GPU push and the broadcast, re-run
 #   bash bench/gpu_session.sh fiftythird  # 2 GPUs: EP test again; the 30B-A3B's prep before/after
 #   bash bench/gpu_session.sh fiftyfourth # 2 GPUs: the 30B-A3B into an EP engine; the broadcast;
-#                                         # the 7B before/after (.old: the tree before, see multi2)
+#                                         # the 7B before/after (.old: the tree before, see multi2;
+#                                         # session 44 ran the first two, the broadcast's push cut)
+#   bash bench/gpu_session.sh fiftyfifth  # 4 GPUs: the caller's wait (call_ms) at 30B-A3B and 32B
+#                                         # (not run); then the broadcast's 7B push (2 GPUs)
 #   bash bench/gpu_session.sh twentyfifth # 2 GPUs: LoRA rollout with the spread control; LoRA tests
 #   bash bench/gpu_session.sh twentythird # 2 GPUs: the adapter push's timeline and LoRA rollout in
 #                                         # windows (0); LoRA tests, then the loop's slow turns (1)
@@ -821,6 +824,16 @@ phase_fiftyfourth() {  # 2 GPUs: the 30B-A3B into an expert-parallel engine; the
     --engine local --out "$W/results/broadcast"
   multi2 7b-new new 7b --variants ours --skip-ipc --skip-single
   multi2 7b-old old 7b --variants ours --skip-ipc --skip-single
+}
+
+phase_fiftyfifth() {  # 4 GPUs: what the trainer waits for (call_ms) beside the stall at the
+  # 30B-A3B and the 32B, TP=4, after session 44's preparation change; then the broadcast's 7B
+  # push, which session 44's device time cut
+  multi4 qwen3-30b-a3b --variants ours --skip-ipc
+  multi4 32b --variants ours --skip-ipc
+  mkdir -p "$W/results/broadcast"
+  run broadcast-7b 0,1 python3 bench/gpu_broadcast.py --sections push --sizes 7b \
+    --engine local --out "$W/results/broadcast"
 }
 
 phase_fortyeighth() {  # 4 GPUs: issue 44 after the fan_in routing fix: the split layout at 1.5B

@@ -14,7 +14,6 @@ from asyncroll.distributed import (
     _sample_blob,
     held_samples,
     held_window,
-    shard_samples,
 )
 from asyncroll.fingerprints import SAMPLES, sampled
 
@@ -49,32 +48,34 @@ def test_each_rank_holds_the_samples_of_its_rows(n: int) -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_the_blob_holds_what_each_tensor_samples_alone() -> None:
     """Many tensors of mixed shapes and dtypes, ``DTensor`` rows and whole tensors, cast or
-    not, in one blob: each tensor's bytes equal its own ``shard_samples`` (the per-tensor
-    path), in order, the blob widened to int32 for the all-reduce."""
+    not, in one blob: each tensor's bytes equal what a fingerprint samples of the full tensor
+    (``asyncroll.fingerprints.sampled``; a world of one holds every sample), cast, in order,
+    the blob widened to int32 for the all-reduce. (Several ranks: ``tests/test_distributed.py``
+    adds the ranks' samples up against the full tensors' fingerprints.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (1,))
     generator = torch.Generator().manual_seed(0)
     tensors: list[torch.Tensor] = []
+    fulls: list[torch.Tensor] = []
     dtypes: list[torch.dtype] = []
     for i, shape in enumerate([(3,), (64,), (65, 3), (128, 40), (7, 11, 13), (0, 4), (1,)]):
         value = torch.randn(shape, generator=generator)
         sharded = distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)
         sharded.to_local().copy_(value)
         tensors += [torch.nn.Parameter(sharded), value.to(torch.bfloat16)]
+        fulls += [value, value.to(torch.bfloat16)]
         dtypes += [torch.bfloat16 if i % 2 else torch.float32, torch.float32]
     held = [held_samples(t, rank=0) for t in tensors]
     assert all(h is not None for h in held)
     blob = _sample_blob([h for h in held if h is not None], dtypes)
     assert blob.dtype == torch.int32
     at = 0
-    for tensor, dtype in zip(tensors, dtypes, strict=True):
-        alone = shard_samples(tensor, dtype, rank=0)
-        assert alone is not None
-        size = alone.numel() * dtype.itemsize
-        expected = alone.contiguous().view(torch.uint8)
-        assert torch.equal(blob[at : at + size].to(torch.uint8), expected), tensor.shape
+    for full, dtype in zip(fulls, dtypes, strict=True):
+        expected = sampled(full).to(dtype).contiguous().view(torch.uint8)
+        size = expected.numel()
+        assert torch.equal(blob[at : at + size].to(torch.uint8), expected), full.shape
         at += size
     assert at == blob.numel()
 
